@@ -1,0 +1,271 @@
+"""Public attention entry points: docstrings, namespace resolution, checks, dispatch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from ._lib import _validation as v
+from ._lib._compat import array_namespace, device
+from ._lib._dense import AttentionPlan, dense_attention, dense_weights
+
+__all__ = ["attention_weights", "scaled_dot_product_attention"]
+
+Array = Any
+
+
+def _plan(
+    xp: Any,
+    query: Array,
+    key: Array,
+    value: Array | None,
+    mask: Array | None,
+    bias: Array | None,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+) -> AttentionPlan:
+    """Validate every argument and decide the static facts of the call."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x is not None:
+            v.check_floating(xp, name, x)
+    q_shape, k_shape, v_shape = v.check_attention_arrays(query, key, value)
+    batch = v.broadcast_batch_shapes(
+        [("query", q_shape[:-3]), ("key", k_shape[:-3])]
+        + ([("value", v_shape[:-3])] if value is not None else [])
+    )
+    hq, lq, dk = q_shape[-3:]
+    hkv, lk = k_shape[-3], k_shape[-2]
+    logits_shape = (*v.broadcast_batch_shapes([("query", q_shape[:-3]), ("key", k_shape[:-3])]),
+                    hq, lq, lk)  # fmt: skip
+    if mask is not None:
+        v.check_mask_dtype(xp, "mask", mask)
+        v.check_broadcastable_to("mask", mask, logits_shape, "logits (..., Hq, Lq, Lk)")
+    if bias is not None:
+        v.check_floating(xp, "bias", bias)
+        v.check_broadcastable_to("bias", bias, logits_shape, "logits (..., Hq, Lq, Lk)")
+    if not isinstance(is_causal, bool):
+        msg = f"`is_causal` must be True or False, but got {is_causal!r}"
+        raise TypeError(msg)
+    scale = 1.0 / math.sqrt(dk) if scale is None else v.check_positive_scalar("scale", scale)
+    if softcap is not None:
+        softcap = v.check_positive_scalar("softcap", softcap)
+    if window is not None:
+        window = v.check_window(window)
+    dtypes = [query.dtype, key.dtype] + ([value.dtype] if value is not None else [])
+    result_dtype = xp.result_type(*dtypes)
+    # float16/bfloat16 accumulate in float32; float32 and float64 stay as they are.
+    compute_dtype = xp.result_type(result_dtype, xp.float32)
+    return AttentionPlan(
+        batch=batch,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        q_len=lq,
+        kv_len=lk,
+        value_dim=v_shape[-1],
+        scale=scale,
+        softcap=softcap,
+        is_causal=is_causal,
+        window=window,
+        compute_dtype=compute_dtype,
+        result_dtype=result_dtype,
+        device=device(query),
+    )
+
+
+def _prepare(xp: Any, x: Array | None, dtype: Any) -> Array | None:
+    """Give a 2-D input its head axis and cast it to the compute dtype (no copy if equal)."""
+    if x is None:
+        return None
+    if x.ndim == 2:
+        x = xp.expand_dims(x, axis=0)  # (1, L, D)
+    return xp.astype(x, dtype, copy=False)
+
+
+def _finish(xp: Any, out: Array, plan: AttentionPlan, *, drop_head: bool) -> Array:
+    out = xp.astype(out, plan.result_dtype, copy=False)
+    return out[0, ...] if drop_head else out
+
+
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    block_size: int | Literal["auto"] | None = None,
+) -> Array:
+    r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
+
+    Dimensions: ``B...`` batch (any number, broadcast), ``Hq`` query heads,
+    ``Hkv`` key/value heads, ``G = Hq // Hkv``, ``Lq`` queries, ``Lk`` keys,
+    ``Dk`` query/key features, ``Dv`` value features.
+
+    The computation, in this order:
+
+    1. ``logits = (query · scale) @ keyᵀ``, with ``scale = 1 / sqrt(Dk)`` by default;
+    2. ``logits = softcap · tanh(logits / softcap)`` if `softcap` is given;
+    3. ``logits = logits + bias`` if `bias` is given;
+    4. positions not allowed by ``mask AND causal AND window`` are removed;
+    5. softmax over keys in at least float32 (the row maximum is subtracted);
+    6. rows with no visible key become exactly zero (never NaN);
+    7. ``output = weights @ value``, cast to the result dtype.
+
+    Parameters
+    ----------
+    query : array, shape (B..., Hq, Lq, Dk) or (Lq, Dk)
+        Queries. A 2-D input is one head.
+    key : array, shape (B..., Hkv, Lk, Dk) or (Lk, Dk)
+        Keys. ``Hq`` must be a multiple of ``Hkv``: query head ``h`` uses key/value
+        head ``h // (Hq // Hkv)`` (grouped-query attention; K/V are not repeated).
+    value : array, shape (B..., Hkv, Lk, Dv) or (Lk, Dv)
+        Values.
+    mask : array of bool, broadcastable to (B..., Hq, Lq, Lk), optional
+        True where a query may attend to a key.
+    bias : floating array, broadcastable to (B..., Hq, Lq, Lk), optional
+        Added to the logits after `softcap`; ``-inf`` entries mask a position.
+        Computed in the compute dtype (see Notes).
+    is_causal : bool, default False
+        Bottom-right aligned causal mask: query ``i`` may see key ``j`` iff
+        ``j <= i + (Lk - Lq)``. (PyTorch's and JAX's ``is_causal`` are top-left
+        aligned; use :func:`causal_mask` with ``align="top-left"`` for that.)
+    scale : float, optional
+        Factor applied to the queries before the product; default ``1 / sqrt(Dk)``.
+    window : (int or None, int or None), optional
+        Sliding window ``(left, right)``: query ``i`` may see key ``j`` iff
+        ``i' - left <= j <= i' + right`` with ``i' = i + (Lk - Lq)``. None on a
+        side means unbounded. Combines with `is_causal` and `mask` by AND.
+    softcap : float, optional
+        Soft-capping of the logits, ``softcap · tanh(logits / softcap)``.
+    block_size : int or "auto", optional
+        Reserved for the tiled, memory-efficient path; only None is accepted now.
+
+    Returns
+    -------
+    array, shape (B..., Hq, Lq, Dv), or (Lq, Dv) when all inputs are 2-D
+        In the namespace, on the device and with the promoted floating dtype of
+        `query`, `key` and `value`.
+
+    Raises
+    ------
+    TypeError
+        Arrays from different libraries; non-floating `query`, `key`, `value`
+        or `bias`; non-boolean `mask`; arguments of the wrong type.
+    ValueError
+        Shapes that do not agree (each message names the argument, the axis and
+        both shapes), a non-positive or non-finite `scale` or `softcap`, a
+        negative `window` entry.
+    NotImplementedError
+        `block_size` other than None.
+
+    Notes
+    -----
+    float16 and bfloat16 inputs are computed in float32 (logits, softmax and the
+    weighted sum) and the result is cast back; float64 stays float64. A query
+    row with no visible key returns zeros and has zero gradients. NaN or inf in
+    the inputs propagate. Inputs are never modified, no value-dependent Python
+    branching is done, so the function works under ``jax.jit``, ``jax.vmap``,
+    ``jax.grad``, torch autograd and ``torch.compile``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attn import scaled_dot_product_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 8, 5, 16))     # (B, Hq, Lq, Dk)
+    >>> k = rng.standard_normal((2, 2, 7, 16))     # (B, Hkv, Lk, Dk): 4 query heads per group
+    >>> v = rng.standard_normal((2, 2, 7, 32))     # (B, Hkv, Lk, Dv)
+    >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
+    (2, 8, 5, 32)
+    """
+    xp = array_namespace(query=query, key=key, value=value, mask=mask, bias=bias)
+    plan = _plan(xp, query, key, value, mask, bias, is_causal=is_causal, scale=scale,
+                 window=window, softcap=softcap)  # fmt: skip
+    if block_size is not None:
+        msg = (
+            "`block_size` selects the tiled (memory-efficient, online-softmax) attention "
+            f"path, which is not implemented yet; got block_size={block_size!r}, use None"
+        )
+        raise NotImplementedError(msg)
+    drop_head = query.ndim == key.ndim == value.ndim == 2
+    dt = plan.compute_dtype
+    q, k, val = (_prepare(xp, x, dt) for x in (query, key, value))
+    b = None if bias is None else xp.astype(bias, dt, copy=False)
+    if plan.kv_len == 0:
+        out = xp.zeros((*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim), dtype=dt,
+                       device=plan.device)  # fmt: skip
+    else:
+        out = dense_attention(xp, q, k, val, mask, b, plan)
+    return _finish(xp, out, plan, drop_head=drop_head)
+
+
+def attention_weights(
+    query: Array,
+    key: Array,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> Array:
+    """Attention weights ``softmax(Q Kᵀ · scale)`` as :func:`scaled_dot_product_attention` uses them.
+
+    Same arguments, order of operations and conventions as
+    :func:`scaled_dot_product_attention`, without `value`.
+
+    Parameters
+    ----------
+    query : array, shape (B..., Hq, Lq, Dk) or (Lq, Dk)
+        Queries.
+    key : array, shape (B..., Hkv, Lk, Dk) or (Lk, Dk)
+        Keys; ``Hq`` must be a multiple of ``Hkv``.
+    mask : array of bool, broadcastable to (B..., Hq, Lq, Lk), optional
+        True where a query may attend to a key.
+    bias : floating array, broadcastable to (B..., Hq, Lq, Lk), optional
+        Additive bias after `softcap`; ``-inf`` masks.
+    is_causal : bool, default False
+        Bottom-right aligned causal mask (``j <= i + Lk - Lq``).
+    scale : float, optional
+        Default ``1 / sqrt(Dk)``.
+    window : (int or None, int or None), optional
+        Sliding window ``(left, right)`` around ``i' = i + Lk - Lq``.
+    softcap : float, optional
+        ``softcap · tanh(logits / softcap)``.
+
+    Returns
+    -------
+    array, shape (B..., Hq, Lq, Lk), or (Lq, Lk) when both inputs are 2-D
+        Each row sums to 1 over its visible keys, or is all zeros when no key
+        is visible. Dtype: the promoted dtype of `query` and `key`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attn import attention_weights
+    >>> q = k = np.eye(3)
+    >>> attention_weights(q, k, is_causal=True, scale=100.0).round(3)
+    array([[1., 0., 0.],
+           [0., 1., 0.],
+           [0., 0., 1.]])
+    """
+    xp = array_namespace(query=query, key=key, mask=mask, bias=bias)
+    plan = _plan(xp, query, key, None, mask, bias, is_causal=is_causal, scale=scale,
+                 window=window, softcap=softcap)  # fmt: skip
+    drop_head = query.ndim == key.ndim == 2
+    dt = plan.compute_dtype
+    q, k = _prepare(xp, query, dt), _prepare(xp, key, dt)
+    b = None if bias is None else xp.astype(bias, dt, copy=False)
+    if plan.kv_len == 0:
+        w = xp.zeros((*plan.batch, plan.num_q_heads, plan.q_len, 0), dtype=dt, device=plan.device)
+    else:
+        w = dense_weights(xp, q, k, mask, b, plan)
+    return _finish(xp, w, plan, drop_head=drop_head)

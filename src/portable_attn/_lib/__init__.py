@@ -1,0 +1,1 @@
+"""Private building blocks of portable_attn; nothing here is public API."""

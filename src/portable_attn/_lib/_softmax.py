@@ -1,0 +1,48 @@
+"""Softmax over the key axis that never produces NaN for a row with no visible key.
+
+The row maximum is subtracted before ``exp``. A row whose every entry is
+``-inf`` (all keys masked, or a bias of ``-inf`` everywhere) has maximum
+``-inf``; it is replaced by 0 so ``exp`` gives exact zeros and the row sum is
+0. Dividing by ``where(sum == 0, 1, sum)`` then leaves the row at exactly zero.
+The replaced branch is a finite constant, so gradients stay finite too. NaN or
+``+inf`` in the logits are not special-cased: they propagate as in plain math.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["masked_exp", "safe_denominator"]
+
+
+def masked_exp(xp: Any, logits: Any, allowed: Any | None) -> tuple[Any, Any]:
+    """Return the unnormalised weights ``exp(logits - rowmax)`` and their row sums.
+
+    Parameters
+    ----------
+    xp : namespace
+        Array namespace.
+    logits : array, shape (..., Lq, Lk)
+        Scores in the compute dtype (float32 or float64).
+    allowed : array of bool, broadcastable to `logits`, or None
+        Positions that may be attended to; the others contribute exactly 0.
+
+    Returns
+    -------
+    exp_logits : array, shape (..., Lq, Lk)
+        ``exp(logits - m)`` with masked entries 0, where ``m`` is the row max
+        over visible keys (0 for a row with no visible key).
+    row_sum : array, shape (..., Lq, 1)
+        Sum of `exp_logits` over keys; 0 exactly for a row with no visible key.
+    """
+    if allowed is not None:
+        logits = xp.where(allowed, logits, -xp.inf)  # (..., Lq, Lk)
+    row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
+    row_max = xp.where(row_max == -xp.inf, 0.0, row_max)  # empty rows: exp(-inf) = 0
+    exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)
+    return exp_logits, xp.sum(exp_logits, axis=-1, keepdims=True)
+
+
+def safe_denominator(xp: Any, row_sum: Any) -> Any:
+    """Return `row_sum` with zeros (rows with no visible key) replaced by one."""
+    return xp.where(row_sum == 0.0, 1.0, row_sum)

@@ -1,0 +1,198 @@
+"""Argument checks for the attention entry points, and their messages.
+
+Every message names the argument, the axis and both shapes or dtypes, so a bad
+call fails here with a readable error instead of deep inside a backend. The
+checks only read static metadata (shapes, dtypes, Python scalars): they never
+look at array values, so they are cheap and safe under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "broadcast_batch_shapes",
+    "check_attention_arrays",
+    "check_broadcastable_to",
+    "check_mask_dtype",
+    "check_positive_scalar",
+    "check_window",
+]
+
+Shape = tuple[int, ...]
+
+_AXIS_NAMES = {-1: "the feature axis", -2: "the sequence axis", -3: "the head axis"}
+
+
+def _shape(x: Any) -> Shape:
+    return tuple(x.shape)
+
+
+def check_floating(xp: Any, name: str, x: Any) -> None:
+    """Raise TypeError unless `x` has a real floating dtype."""
+    if not xp.isdtype(x.dtype, "real floating"):
+        msg = (
+            f"`{name}` must have a real floating dtype (float16, bfloat16, float32 or "
+            f"float64), but got dtype {x.dtype}"
+        )
+        raise TypeError(msg)
+
+
+def check_mask_dtype(xp: Any, name: str, x: Any) -> None:
+    """Raise TypeError unless `x` is a boolean array."""
+    if not xp.isdtype(x.dtype, "bool"):
+        msg = (
+            f"`{name}` must be a boolean array (True = may attend), but got dtype {x.dtype}; "
+            "pass an additive floating mask as `bias` instead"
+        )
+        raise TypeError(msg)
+
+
+def _check_rank(name: str, x: Any) -> None:
+    if x.ndim < 2:
+        msg = (
+            f"`{name}` must have at least 2 dimensions (..., L, D), "
+            f"but got shape {_shape(x)} with {x.ndim} dimension(s)"
+        )
+        raise ValueError(msg)
+
+
+def _check_same(axis: int, name_a: str, a: Shape, name_b: str, b: Shape, what: str) -> None:
+    if a[axis] != b[axis]:
+        msg = (
+            f"`{name_a}` and `{name_b}` must have the same size on axis {axis} "
+            f"({_AXIS_NAMES[axis]}, {what}), but got {name_a} shape {a} and {name_b} shape {b}"
+        )
+        raise ValueError(msg)
+
+
+def broadcast_batch_shapes(named: Sequence[tuple[str, Shape]]) -> Shape:
+    """Broadcast the leading batch shapes of several arguments, naming them on failure.
+
+    Parameters
+    ----------
+    named : sequence of (str, tuple of int)
+        Pairs of argument name and its batch shape (the axes before the head axis).
+
+    Returns
+    -------
+    tuple of int
+        The broadcast batch shape.
+    """
+    ndim = max(len(s) for _, s in named)
+    out: list[int] = [1] * ndim
+    owner: list[str | None] = [None] * ndim
+    for name, shape in named:
+        for i, n in enumerate(shape, start=ndim - len(shape)):
+            if n == 1 or n == out[i]:
+                continue
+            if out[i] == 1:
+                out[i], owner[i] = n, name
+                continue
+            other = owner[i]
+            other_shape = dict(named)[other] if other is not None else ()
+            msg = (
+                f"batch dimensions of `{other}` and `{name}` are not broadcastable: "
+                f"axis {i - ndim} of the batch shape is {out[i]} in {other} batch shape "
+                f"{other_shape} and {n} in {name} batch shape {shape}"
+            )
+            raise ValueError(msg)
+    return tuple(out)
+
+
+def check_broadcastable_to(name: str, x: Any, target: Shape, target_desc: str) -> None:
+    """Raise ValueError unless `x` broadcasts to `target` without changing its shape.
+
+    A mask or bias may only be *expanded* to the logits shape: extra leading axes
+    or sizes that would enlarge the result are rejected rather than silently
+    broadcast into a different batch shape.
+    """
+    shape = _shape(x)
+    ok = len(shape) <= len(target) and all(
+        n in (1, t) for n, t in zip(shape[::-1], target[::-1], strict=False)
+    )
+    if not ok:
+        bad = next(
+            (
+                -i
+                for i, (n, t) in enumerate(zip(shape[::-1], target[::-1], strict=False), start=1)
+                if n not in (1, t)
+            ),
+            -(len(target) + 1),
+        )
+        msg = (
+            f"`{name}` with shape {shape} is not broadcastable to the {target_desc} shape "
+            f"{target} (first mismatch on axis {bad})"
+        )
+        raise ValueError(msg)
+
+
+def check_positive_scalar(name: str, value: Any) -> float:
+    """Return `value` as a float, raising unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        msg = f"`{name}` must be a positive real number, but got {value!r} of type {type(value).__name__}"
+        raise TypeError(msg)
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        msg = f"`{name}` must be a finite number > 0, but got {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def check_window(window: Any) -> tuple[int | None, int | None]:
+    """Validate ``window=(left, right)`` and return it as a tuple."""
+    if not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2:
+        msg = (
+            "`window` must be a pair (left, right) of non-negative integers or None, "
+            f"but got {window!r}"
+        )
+        raise TypeError(msg)
+    out: list[int | None] = []
+    for side, w in zip(("left", "right"), window, strict=True):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            msg = f"`window` {side} entry must be an integer or None, but got {w!r}"
+            raise TypeError(msg)
+        if w < 0:
+            msg = f"`window` {side} entry must be >= 0, but got {w!r}"
+            raise ValueError(msg)
+        out.append(int(w))
+    return out[0], out[1]
+
+
+def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Shape, Shape, Shape]:
+    """Check ranks and the axes that must agree between query, key and value.
+
+    2-D inputs ``(L, D)`` are read as one head; the returned shapes have the head
+    axis made explicit (``(1, L, D)`` for a 2-D input).
+
+    Returns
+    -------
+    (q_shape, k_shape, v_shape) : tuple of tuple of int
+        The shapes with a head axis; ``v_shape`` is ``k_shape`` when `value` is None.
+    """
+    _check_rank("query", query)
+    _check_rank("key", key)
+    q = _shape(query) if query.ndim > 2 else (1, *_shape(query))
+    k = _shape(key) if key.ndim > 2 else (1, *_shape(key))
+    _check_same(-1, "query", _shape(query), "key", _shape(key), "Dk")
+    v = k
+    if value is not None:
+        _check_rank("value", value)
+        v = _shape(value) if value.ndim > 2 else (1, *_shape(value))
+        _check_same(-2, "key", _shape(key), "value", _shape(value), "Lk")
+        _check_same(-3, "key", k, "value", v, "Hkv")
+    hq, hkv = q[-3], k[-3]
+    if hkv == 0 or hq % hkv:
+        msg = (
+            f"the number of query heads must be a multiple of the number of key/value heads "
+            f"(axis -3): got Hq={hq} from query shape {_shape(query)} and Hkv={hkv} from "
+            f"key shape {_shape(key)}"
+        )
+        raise ValueError(msg)
+    return q, k, v
