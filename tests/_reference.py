@@ -1,0 +1,72 @@
+"""A plain float64 NumPy oracle for attention, written independently of the library.
+
+It loops over query rows and key columns for the structural masks and repeats
+K/V heads explicitly for grouped-query attention: slow and obvious on purpose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def structure(lq: int, lk: int, *, is_causal: bool = False, window=None) -> np.ndarray:
+    """(Lq, Lk) bool: causal/window allowed positions with bottom-right alignment."""
+    allowed = np.ones((lq, lk), dtype=bool)
+    for i in range(lq):
+        ii = i + lk - lq
+        for j in range(lk):
+            if is_causal and j > ii:
+                allowed[i, j] = False
+            if window is not None:
+                left, right = window
+                if left is not None and j < ii - left:
+                    allowed[i, j] = False
+                if right is not None and j > ii + right:
+                    allowed[i, j] = False
+    return allowed
+
+
+def reference_weights(q, k, *, mask=None, bias=None, is_causal=False, scale=None,
+                      window=None, softcap=None):  # fmt: skip
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    two_d = q.ndim == 2 and k.ndim == 2
+    if q.ndim == 2:
+        q = q[None]
+    if k.ndim == 2:
+        k = k[None]
+    groups = q.shape[-3] // k.shape[-3]
+    k = np.repeat(k, groups, axis=-3)  # (..., Hq, Lk, Dk): explicit repetition
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    logits = np.einsum("...qd,...kd->...qk", q, k) * scale
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
+    if bias is not None:
+        logits = logits + np.asarray(bias, dtype=np.float64)
+    lq, lk = logits.shape[-2:]
+    allowed = np.broadcast_to(structure(lq, lk, is_causal=is_causal, window=window), logits.shape)
+    if mask is not None:
+        allowed = allowed & np.asarray(mask, dtype=bool)
+    with np.errstate(invalid="ignore", over="ignore"):
+        masked = np.where(allowed, logits, -np.inf)
+        row_max = masked.max(axis=-1, keepdims=True)
+        empty = np.isneginf(row_max)
+        e = np.exp(masked - np.where(empty, 0.0, row_max))
+        total = e.sum(axis=-1, keepdims=True)
+        w = np.where(empty, 0.0, e / np.where(empty, 1.0, total))
+    return w[0] if two_d else w
+
+
+def reference_attention(q, k, v, **kwargs):
+    v = np.asarray(v, dtype=np.float64)
+    w = reference_weights(q, k, **kwargs)
+    two_d = np.ndim(q) == 2 and np.ndim(k) == 2 and v.ndim == 2
+    if w.ndim == 2:
+        w = w[None]
+    if v.ndim == 2:
+        v = v[None]
+    groups = w.shape[-3] // v.shape[-3]
+    v = np.repeat(v, groups, axis=-3)
+    out = w @ v
+    return out[0] if two_d else out
