@@ -180,7 +180,9 @@ class BackendCase:
             leaves = [a.detach().clone().requires_grad_(True) for a in args]
             out = fn(*leaves)
             grads = torch.autograd.grad(out, leaves, allow_unused=True)
-            return tuple(torch.zeros_like(a) if g is None else g for a, g in zip(args, grads))
+            return tuple(
+                torch.zeros_like(a) if g is None else g for a, g in zip(args, grads, strict=True)
+            )
         if self.family == "jax":
             import jax
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from _backends import BackendCase
 
+from _backends import BackendCase
 from portable_attn._lib._compat import array_namespace, device
 
 
@@ -22,8 +22,16 @@ def assert_backend_array(backend: BackendCase, actual: Any, *, shape=None, dtype
         assert actual.dtype == backend.dtype(dtype), (actual.dtype, dtype)
 
 
-def assert_close(backend: BackendCase, actual: Any, expected: np.ndarray, *, dtype: str = "float64",
-                 atol: float = 1e-12, rtol: float = 1e-10) -> None:  # fmt: skip
+def assert_close(
+    backend: BackendCase,
+    actual: Any,
+    expected: np.ndarray,
+    *,
+    dtype: str = "float64",
+    atol: float = 1e-12,
+    rtol: float = 1e-10,
+) -> None:
     assert_backend_array(backend, actual, shape=np.shape(expected), dtype=dtype)
-    np.testing.assert_allclose(backend.to_numpy(actual).astype(np.float64), expected,
-                               atol=atol, rtol=rtol)  # fmt: skip
+    np.testing.assert_allclose(
+        backend.to_numpy(actual).astype(np.float64), expected, atol=atol, rtol=rtol
+    )

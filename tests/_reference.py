@@ -26,8 +26,9 @@ def structure(lq: int, lk: int, *, is_causal: bool = False, window=None) -> np.n
     return allowed
 
 
-def reference_weights(q, k, *, mask=None, bias=None, is_causal=False, scale=None,
-                      window=None, softcap=None):  # fmt: skip
+def reference_weights(
+    q, k, *, mask=None, bias=None, is_causal=False, scale=None, window=None, softcap=None
+):
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     two_d = q.ndim == 2 and k.ndim == 2

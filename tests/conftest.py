@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
 from _backends import ALL_KINDS, FAMILIES, BackendCase, family_installed, family_of, make_case
 from _backends import unavailable_reason as _unavailable
-from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "default",

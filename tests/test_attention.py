@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from _helpers import assert_backend_array, assert_close
 from _reference import reference_attention, reference_weights
-
 from portable_attn import attention_weights, scaled_dot_product_attention
 
 
@@ -15,8 +15,11 @@ def randn(*shape: int, seed: int = 0) -> np.ndarray:
 
 
 def qkv(batch=(2,), hq=4, hkv=2, lq=5, lk=7, dk=8, dv=6, seed=0):
-    return (randn(*batch, hq, lq, dk, seed=seed), randn(*batch, hkv, lk, dk, seed=seed + 1),
-            randn(*batch, hkv, lk, dv, seed=seed + 2))  # fmt: skip
+    return (
+        randn(*batch, hq, lq, dk, seed=seed),
+        randn(*batch, hkv, lk, dk, seed=seed + 1),
+        randn(*batch, hkv, lk, dv, seed=seed + 2),
+    )
 
 
 def run(backend, q, k, v, dtype="float64", **kw):
@@ -77,7 +80,7 @@ class TestScaledDotProductAttention:
     def test_bias_with_neg_inf_masks(self, backend):
         q, k, v = qkv()
         bias = np.where(np.random.default_rng(6).random((5, 7)) < 0.5, -np.inf, 0.0)
-        out, w = check(backend, q, k, v, bias=bias)
+        out, _ = check(backend, q, k, v, bias=bias)
         assert not np.isnan(backend.to_numpy(out)).any()
 
     def test_mask_equals_bias_of_neg_inf(self, backend):
@@ -85,7 +88,9 @@ class TestScaledDotProductAttention:
         mask = np.random.default_rng(7).random((5, 7)) < 0.6
         by_mask, _ = run(backend, q, k, v, mask=mask)
         by_bias, _ = run(backend, q, k, v, bias=np.where(mask, 0.0, -np.inf))
-        np.testing.assert_allclose(backend.to_numpy(by_mask), backend.to_numpy(by_bias), atol=1e-14)
+        np.testing.assert_allclose(
+            backend.to_numpy(by_mask), backend.to_numpy(by_bias), atol=1e-14
+        )
 
     def test_zero_length_keys_give_zeros(self, backend):
         q, k, v = randn(2, 3, 4), randn(2, 0, 4), randn(2, 0, 5)
@@ -169,7 +174,7 @@ class TestFullyMaskedRows:
         q, k, v = qkv()
         bias = np.zeros((5, 7))
         bias[2] = -np.inf
-        out, w = check(backend, q, k, v, bias=bias)
+        out, _ = check(backend, q, k, v, bias=bias)
         assert np.all(backend.to_numpy(out)[..., 2, :] == 0)
 
     def test_window_excluding_everything_gives_zeros(self, backend):
@@ -199,8 +204,14 @@ class TestPrecision:
         q, k, v = qkv()
         out, w = run(backend, q, k, v, dtype=dtype, is_causal=True)
         tol = 1e-5 if dtype == "float32" else 1e-12
-        assert_close(backend, out, reference_attention(q, k, v, is_causal=True), dtype=dtype,
-                     atol=tol, rtol=tol)  # fmt: skip
+        assert_close(
+            backend,
+            out,
+            reference_attention(q, k, v, is_causal=True),
+            dtype=dtype,
+            atol=tol,
+            rtol=tol,
+        )
         assert_backend_array(backend, w, dtype=dtype)
 
     @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -209,8 +220,9 @@ class TestPrecision:
             pytest.skip(f"{backend.kind} has no {dtype}")
         q, k, v = qkv(lq=16, lk=64, dk=64, dv=64)
         # the oracle sees exactly the half-precision inputs
-        qh, kh, vh = (backend.to_numpy(backend.asarray(a, dtype)).astype(np.float64)
-                      for a in (q, k, v))  # fmt: skip
+        qh, kh, vh = (
+            backend.to_numpy(backend.asarray(a, dtype)).astype(np.float64) for a in (q, k, v)
+        )
         expected = reference_attention(qh, kh, vh, is_causal=True)
         out, _ = run(backend, qh, kh, vh, dtype=dtype, is_causal=True)
         assert_backend_array(backend, out, shape=expected.shape, dtype=dtype)
@@ -237,16 +249,19 @@ class TestPrecision:
     def test_huge_logits_do_not_overflow(self, backend, magnitude):
         q, k, v = qkv()
         bias = randn(5, 7, seed=4) * magnitude
-        out, w = check(backend, q, k, v, bias=bias)
+        out, _ = check(backend, q, k, v, bias=bias)
         assert np.isfinite(backend.to_numpy(out)).all()
 
     def test_mixed_dtypes_promote(self, backend):
         q, k, v = qkv()
-        out = scaled_dot_product_attention(backend.asarray(q, "float32"),
-                                           backend.asarray(k, "float64"),
-                                           backend.asarray(v, "float32"))  # fmt: skip
-        assert_close(backend, out, reference_attention(q, k, v), dtype="float64", atol=1e-6,
-                     rtol=1e-6)  # fmt: skip
+        out = scaled_dot_product_attention(
+            backend.asarray(q, "float32"),
+            backend.asarray(k, "float64"),
+            backend.asarray(v, "float32"),
+        )
+        assert_close(
+            backend, out, reference_attention(q, k, v), dtype="float64", atol=1e-6, rtol=1e-6
+        )
 
 
 class TestInputs:
@@ -255,8 +270,9 @@ class TestInputs:
         bias, mask = randn(5, 7, seed=8), np.random.default_rng(1).random((5, 7)) < 0.5
         args = [backend.asarray(a) for a in (q, k, v, bias, mask)]
         before = [backend.to_numpy(a).copy() for a in args]
-        scaled_dot_product_attention(*args[:3], bias=args[3], mask=args[4], is_causal=True,
-                                     softcap=3.0)  # fmt: skip
+        scaled_dot_product_attention(
+            *args[:3], bias=args[3], mask=args[4], is_causal=True, softcap=3.0
+        )
         for a, b in zip(args, before, strict=True):
             np.testing.assert_array_equal(backend.to_numpy(a), b)
 

@@ -84,7 +84,9 @@ class TestGradients:
             return scaled_dot_product_attention(q, k, v, mask=mask, is_causal=True, softcap=3.0)
 
         assert torch.autograd.gradcheck(f, (q, k, v))
-        assert torch.autograd.gradcheck(lambda q, k: attention_weights(q, k, window=(1, 0)), (q, k))
+        assert torch.autograd.gradcheck(
+            lambda q, k: attention_weights(q, k, window=(1, 0)), (q, k)
+        )
 
     def test_fully_masked_rows_have_zero_gradients(self, backend, xp):
         need_autodiff(backend)
@@ -113,8 +115,10 @@ class TestGradients:
 
     def test_fully_masked_causal_rows_have_zero_gradients(self, backend, xp):
         need_autodiff(backend)
-        q, k, v = (backend.asarray(np.random.default_rng(3).standard_normal(s))
-                   for s in [(2, 6, 4), (2, 3, 4), (2, 3, 4)])  # fmt: skip
+        q, k, v = (
+            backend.asarray(np.random.default_rng(3).standard_normal(s))
+            for s in [(2, 6, 4), (2, 3, 4), (2, 3, 4)]
+        )
 
         def loss(q, k, v):
             return xp.sum(attention_weights(q, k, is_causal=True) ** 2) + xp.sum(
@@ -135,8 +139,9 @@ class TestJax:
         mask = backend.asarray(np.random.default_rng(4).random((3, 6)) < 0.7)
 
         def f(q, k, v, mask):
-            return scaled_dot_product_attention(q, k, v, mask=mask, is_causal=True, softcap=4.0,
-                                                window=(2, None))  # fmt: skip
+            return scaled_dot_product_attention(
+                q, k, v, mask=mask, is_causal=True, softcap=4.0, window=(2, None)
+            )
 
         np.testing.assert_allclose(jax.jit(f)(q, k, v, mask), f(q, k, v, mask), atol=1e-13)
         w = jax.jit(lambda q, k: attention_weights(q, k, is_causal=True))(q, k)
@@ -148,9 +153,9 @@ class TestJax:
 
         q, k, v = inputs(backend)
         vmapped = jax.vmap(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True))
-        np.testing.assert_allclose(vmapped(q, k, v),
-                                   scaled_dot_product_attention(q, k, v, is_causal=True),
-                                   atol=1e-13)  # fmt: skip
+        np.testing.assert_allclose(
+            vmapped(q, k, v), scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-13
+        )
 
     def test_grad_under_jit(self, backend):
         need(backend, "jax")

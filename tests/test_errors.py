@@ -30,7 +30,9 @@ class TestShapes:
 
     def test_lk_mismatch(self, backend):
         q, k, v = (backend.asarray(np.ones(s)) for s in [(2, 5, 8), (2, 7, 8), (2, 6, 6)])
-        with pytest.raises(ValueError, match=r"`key` and `value`.*axis -2.*\(2, 7, 8\).*\(2, 6, 6\)"):
+        with pytest.raises(
+            ValueError, match=r"`key` and `value`.*axis -2.*\(2, 7, 8\).*\(2, 6, 6\)"
+        ):
             call(q, k, v)
 
     def test_kv_head_mismatch(self, backend):
@@ -40,12 +42,16 @@ class TestShapes:
 
     def test_heads_not_a_multiple(self, backend):
         q, k, v = (backend.asarray(np.ones(s)) for s in [(3, 5, 8), (2, 7, 8), (2, 7, 6)])
-        with pytest.raises(ValueError, match=r"multiple.*axis -3.*Hq=3.*\(3, 5, 8\).*Hkv=2.*\(2, 7, 8\)"):
+        with pytest.raises(
+            ValueError, match=r"multiple.*axis -3.*Hq=3.*\(3, 5, 8\).*Hkv=2.*\(2, 7, 8\)"
+        ):
             call(q, k, v)
 
     def test_batch_not_broadcastable(self, backend):
         q, k, v = (backend.asarray(np.ones(s)) for s in [(3, 1, 5, 8), (2, 1, 7, 8), (2, 1, 7, 6)])
-        with pytest.raises(ValueError, match=r"batch dimensions of `query` and `key`.*\(3,\).*\(2,\)"):
+        with pytest.raises(
+            ValueError, match=r"batch dimensions of `query` and `key`.*\(3,\).*\(2,\)"
+        ):
             call(q, k, v)
 
     @pytest.mark.parametrize("name", ["query", "key"])
@@ -58,7 +64,9 @@ class TestShapes:
 
     def test_mask_not_broadcastable(self, backend, arrays):
         mask = backend.asarray(np.ones((5, 6), dtype=bool))
-        with pytest.raises(ValueError, match=r"`mask` with shape \(5, 6\).*\(2, 4, 5, 7\).*axis -1"):
+        with pytest.raises(
+            ValueError, match=r"`mask` with shape \(5, 6\).*\(2, 4, 5, 7\).*axis -1"
+        ):
             call(*arrays, mask=mask)
 
     def test_mask_that_would_grow_the_batch_is_rejected(self, backend, arrays):
@@ -77,7 +85,7 @@ class TestDtypes:
     @pytest.mark.parametrize("dtype", ["int32", "bool"])
     def test_non_floating_inputs(self, backend, arrays, name, dtype):
         args = dict(zip(["query", "key", "value"], arrays, strict=True))
-        args[name] = backend.asarray(np.ones((2, 4, 5, 8)[: 4], dtype=dtype))
+        args[name] = backend.asarray(np.ones((2, 4, 5, 8)[:4], dtype=dtype))
         with pytest.raises(TypeError, match=rf"`{name}` must have a real floating dtype.*{dtype}"):
             call(args["query"], args["key"], args["value"])
 
@@ -97,7 +105,9 @@ class TestScalars:
             call(*arrays, scale=value)
 
     def test_scale_wrong_type(self, arrays):
-        with pytest.raises(TypeError, match=r"`scale` must be a positive real number.*of type str"):
+        with pytest.raises(
+            TypeError, match=r"`scale` must be a positive real number.*of type str"
+        ):
             call(*arrays, scale="0.1")
 
     @pytest.mark.parametrize("value", [0.0, -2.0])

@@ -35,8 +35,9 @@ def visible(mask, kw, lq, lk):
 @given(problems())
 def test_weight_rows_sum_to_one_or_are_zero(backend, problem):
     q, k, _, mask, kw = problem
-    w = backend.to_numpy(attention_weights(backend.asarray(q), backend.asarray(k),
-                                           mask=backend.asarray(mask), **kw))  # fmt: skip
+    w = backend.to_numpy(
+        attention_weights(backend.asarray(q), backend.asarray(k), mask=backend.asarray(mask), **kw)
+    )
     sums = w.sum(-1)
     vis = visible(mask, kw, q.shape[-2], k.shape[-2]).any(-1)
     np.testing.assert_allclose(sums[vis], 1.0, atol=1e-12)
@@ -51,8 +52,9 @@ def test_permuting_keys_and_values_together(backend, problem, rnd):
     rnd.shuffle(perm)
     b = backend.asarray
     out = scaled_dot_product_attention(b(q), b(k), b(v), mask=b(mask))
-    out_p = scaled_dot_product_attention(b(q), b(k[:, perm]), b(v[:, perm]),
-                                         mask=b(mask[..., perm]))  # fmt: skip
+    out_p = scaled_dot_product_attention(
+        b(q), b(k[:, perm]), b(v[:, perm]), mask=b(mask[..., perm])
+    )
     np.testing.assert_allclose(backend.to_numpy(out), backend.to_numpy(out_p), atol=1e-12)
 
 

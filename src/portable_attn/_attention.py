@@ -38,8 +38,12 @@ def _plan(
     )
     hq, lq, dk = q_shape[-3:]
     hkv, lk = k_shape[-3], k_shape[-2]
-    logits_shape = (*v.broadcast_batch_shapes([("query", q_shape[:-3]), ("key", k_shape[:-3])]),
-                    hq, lq, lk)  # fmt: skip
+    logits_shape = (
+        *v.broadcast_batch_shapes([("query", q_shape[:-3]), ("key", k_shape[:-3])]),
+        hq,
+        lq,
+        lk,
+    )
     if mask is not None:
         v.check_mask_dtype(xp, "mask", mask)
         v.check_broadcastable_to("mask", mask, logits_shape, "logits (..., Hq, Lq, Lk)")
@@ -186,8 +190,18 @@ def scaled_dot_product_attention(
     (2, 8, 5, 32)
     """
     xp = array_namespace(query=query, key=key, value=value, mask=mask, bias=bias)
-    plan = _plan(xp, query, key, value, mask, bias, is_causal=is_causal, scale=scale,
-                 window=window, softcap=softcap)  # fmt: skip
+    plan = _plan(
+        xp,
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
     if block_size is not None:
         msg = (
             "`block_size` selects the tiled (memory-efficient, online-softmax) attention "
@@ -199,8 +213,11 @@ def scaled_dot_product_attention(
     q, k, val = (_prepare(xp, x, dt) for x in (query, key, value))
     b = None if bias is None else xp.astype(bias, dt, copy=False)
     if plan.kv_len == 0:
-        out = xp.zeros((*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim), dtype=dt,
-                       device=plan.device)  # fmt: skip
+        out = xp.zeros(
+            (*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim),
+            dtype=dt,
+            device=plan.device,
+        )
     else:
         out = dense_attention(xp, q, k, val, mask, b, plan)
     return _finish(xp, out, plan, drop_head=drop_head)
@@ -217,7 +234,7 @@ def attention_weights(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
 ) -> Array:
-    """Attention weights ``softmax(Q Kᵀ · scale)`` as :func:`scaled_dot_product_attention` uses them.
+    """Attention weights ``softmax(Q Kᵀ · scale)`` of :func:`scaled_dot_product_attention`.
 
     Same arguments, order of operations and conventions as
     :func:`scaled_dot_product_attention`, without `value`.
@@ -258,8 +275,18 @@ def attention_weights(
            [0., 0., 1.]])
     """
     xp = array_namespace(query=query, key=key, mask=mask, bias=bias)
-    plan = _plan(xp, query, key, None, mask, bias, is_causal=is_causal, scale=scale,
-                 window=window, softcap=softcap)  # fmt: skip
+    plan = _plan(
+        xp,
+        query,
+        key,
+        None,
+        mask,
+        bias,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
     drop_head = query.ndim == key.ndim == 2
     dt = plan.compute_dtype
     q, k = _prepare(xp, query, dt), _prepare(xp, key, dt)

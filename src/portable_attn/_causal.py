@@ -63,6 +63,11 @@ def causal_mask(
         xp = numpy_namespace()
     offset = num_keys - num_queries if align == "bottom-right" else 0
     return structure_allowed(
-        xp, (0, num_queries), (0, num_keys), offset=offset, is_causal=True, window=None,
+        xp,
+        (0, num_queries),
+        (0, num_keys),
+        offset=offset,
+        is_causal=True,
+        window=None,
         device=device,
-    )  # fmt: skip
+    )

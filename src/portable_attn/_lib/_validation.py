@@ -133,7 +133,8 @@ def check_broadcastable_to(name: str, x: Any, target: Shape, target_desc: str) -
 def check_positive_scalar(name: str, value: Any) -> float:
     """Return `value` as a float, raising unless it is a finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        msg = f"`{name}` must be a positive real number, but got {value!r} of type {type(value).__name__}"
+        kind = type(value).__name__
+        msg = f"`{name}` must be a positive real number, but got {value!r} of type {kind}"
         raise TypeError(msg)
     value = float(value)
     if not math.isfinite(value) or value <= 0:
