@@ -1,0 +1,42 @@
+"""The `portable-attn` command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from portable_attn import __version__
+from portable_attn._cli import main
+
+
+def test_check_passes_on_the_backend(backend, capsys):
+    if backend.kind in ("numpy_readonly", "torch:cuda", "jax:gpu"):
+        pytest.skip("covered by the family's main kind")
+    assert main(["check", "--backend", backend.family, "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith(backend.family))
+    assert line.rstrip().endswith("ok")
+    if backend.has_autodiff:
+        assert " ok (" in line  # gradients checked against central differences
+
+
+def test_check_fails_when_a_backend_is_wrong(backend, capsys, monkeypatch):
+    if backend.kind != "numpy":
+        pytest.skip("one failing run is enough")
+    from portable_attn import _check
+
+    monkeypatch.setitem(_check.TOLERANCE, "float32", 0.0)
+    assert main(["check", "--backend", "numpy", "--repeats", "1"]) == 1
+    assert "FAIL numpy: float32" in capsys.readouterr().err
+
+
+def test_python_dash_m_prints_version():
+    proc = subprocess.run(
+        [sys.executable, "-m", "portable_attn", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert __version__ in proc.stdout
