@@ -280,3 +280,26 @@ class TestInputs:
         out, w = run(backend, *qkv(), is_causal=True)
         assert_backend_array(backend, out, shape=(2, 4, 5, 6), dtype="float64")
         assert_backend_array(backend, w, shape=(2, 4, 5, 7), dtype="float64")
+
+
+class TestLaziness:
+    def test_dask_result_is_lazy(self, backend):
+        if backend.family != "dask":
+            pytest.skip("Dask-only: nothing may be computed before the caller asks")
+        import dask
+
+        def refuse(*args, **kwargs):
+            msg = "attention computed a Dask graph eagerly"
+            raise AssertionError(msg)
+
+        q, k, v = qkv()
+        args = [backend.asarray(a) for a in (q, k, v)]
+        mask_np = np.random.default_rng(2).random((5, 7)) < 0.5
+        mask = backend.asarray(mask_np)
+        with dask.config.set(scheduler=refuse):
+            out = scaled_dot_product_attention(*args, mask=mask, is_causal=True, softcap=2.0)
+            w = attention_weights(*args[:2], mask=mask, window=(1, 1))
+        assert type(out).__module__.startswith("dask")
+        assert type(w).__module__.startswith("dask")
+        expected = reference_attention(q, k, v, mask=mask_np, is_causal=True, softcap=2.0)
+        np.testing.assert_allclose(backend.to_numpy(out), expected, atol=1e-12)
