@@ -5,13 +5,20 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+from ._autodiff import tiled_attention
 from ._lib import _validation as v
-from ._lib._compat import array_namespace, device
-from ._lib._dense import AttentionPlan, dense_attention, dense_weights
+from ._lib._compat import array_namespace, device, library_name
+from ._lib._dense import dense_attention, dense_weights
+from ._lib._scores import AttentionPlan
+from ._lib._tiled import default_block_size
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
 Array = Any
+
+#: ``block_size="auto"`` keeps the dense path while its logits would take at most
+#: this many bytes (batch x Hq x Lq x Lk x 4, or x 8 for float64), and tiles above.
+AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
 
 
 def _plan(
@@ -88,6 +95,29 @@ def _prepare(xp: Any, x: Array | None, dtype: Any) -> Array | None:
     return xp.astype(x, dtype, copy=False)
 
 
+def _at_least_2d(xp: Any, x: Array) -> Array:
+    """Give a mask or bias of shape (Lk,) a query axis, so blocks can slice it."""
+    return xp.expand_dims(x, axis=0) if x.ndim < 2 else x
+
+
+def _tiles(xp: Any, query: Array, plan: AttentionPlan, block_size: Any) -> tuple[int, int] | None:
+    """(block_q, block_k) of the tiled path, or None for the dense path."""
+    if block_size is None:
+        return None
+    if block_size == "auto":
+        itemsize = 8 if plan.compute_dtype == xp.float64 else 4
+        rows = math.prod(plan.batch) * plan.num_q_heads * plan.q_len
+        if rows * plan.kv_len * itemsize <= AUTO_DENSE_LIMIT_BYTES:
+            return None
+        kind = "traced" if library_name(query) == "jax" else "eager"
+        size = default_block_size(kind, plan.q_len, plan.kv_len)
+        return size, size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        msg = f"`block_size` must be None, a positive integer or 'auto', but got {block_size!r}"
+        raise ValueError(msg)
+    return block_size, block_size
+
+
 def _finish(xp: Any, out: Array, plan: AttentionPlan, *, drop_head: bool) -> Array:
     out = xp.astype(out, plan.result_dtype, copy=False)
     return out[0, ...] if drop_head else out
@@ -149,7 +179,16 @@ def scaled_dot_product_attention(
     softcap : float, optional
         Soft-capping of the logits, ``softcap · tanh(logits / softcap)``.
     block_size : int or "auto", optional
-        Reserved for the tiled, memory-efficient path; only None is accepted now.
+        None (default): the dense path, which builds the (Lq, Lk) scores once.
+        An int: the tiled path, exact online softmax over query and key blocks of
+        this size; memory O(Lq + Lk) per head instead of O(Lq · Lk), and
+        key blocks that causal/window structure hides entirely are not computed.
+        Its backward (torch autograd, ``jax.grad``) recomputes blocks instead of
+        storing them, so training memory stays O(L) as well.
+        ``"auto"``: dense while the dense logits would fit in
+        ``AUTO_DENSE_LIMIT_BYTES`` (64 MiB), tiled above, with blocks of 512 (for
+        JAX, at most 16 blocks per axis, since each block is a node of the traced
+        program).
 
     Returns
     -------
@@ -165,9 +204,8 @@ def scaled_dot_product_attention(
     ValueError
         Shapes that do not agree (each message names the argument, the axis and
         both shapes), a non-positive or non-finite `scale` or `softcap`, a
-        negative `window` entry.
-    NotImplementedError
-        `block_size` other than None.
+        negative `window` entry, a `block_size` that is not a positive integer
+        or "auto".
 
     Notes
     -----
@@ -202,24 +240,19 @@ def scaled_dot_product_attention(
         window=window,
         softcap=softcap,
     )
-    if block_size is not None:
-        msg = (
-            "`block_size` selects the tiled (memory-efficient, online-softmax) attention "
-            f"path, which is not implemented yet; got block_size={block_size!r}, use None"
-        )
-        raise NotImplementedError(msg)
+    tiles = _tiles(xp, query, plan, block_size)
     drop_head = query.ndim == key.ndim == value.ndim == 2
     dt = plan.compute_dtype
     q, k, val = (_prepare(xp, x, dt) for x in (query, key, value))
-    b = None if bias is None else xp.astype(bias, dt, copy=False)
-    if plan.kv_len == 0:
-        out = xp.zeros(
-            (*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim),
-            dtype=dt,
-            device=plan.device,
-        )
+    b = None if bias is None else _at_least_2d(xp, xp.astype(bias, dt, copy=False))
+    m = None if mask is None else _at_least_2d(xp, mask)
+    if plan.kv_len == 0 or plan.q_len == 0:
+        shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim)
+        out = xp.zeros(shape, dtype=dt, device=plan.device)
+    elif tiles is None:
+        out = dense_attention(xp, q, k, val, m, b, plan)
     else:
-        out = dense_attention(xp, q, k, val, mask, b, plan)
+        out = tiled_attention(xp, q, k, val, m, b, plan, *tiles)
     return _finish(xp, out, plan, drop_head=drop_head)
 
 

@@ -1,0 +1,260 @@
+"""Tiled attention with the online softmax: exact, O(L) memory, causal block skipping.
+
+Forward (FlashAttention-2 / Rabe-Staats): for each query block, walk the key
+blocks keeping a running row max ``m``, a running denominator ``l`` and a running
+weighted sum ``acc``; when the max grows, rescale ``l`` and ``acc`` by
+``exp(m_old - m_new)``; divide once at the end. No array larger than one
+``(..., Hq, bq, bk)`` block of scores is ever built.
+
+Backward (FlashAttention-2): recompute each block's probabilities from the saved
+log-sum-exp ``lse = m + log(l)`` and accumulate ``dQ``, ``dK``, ``dV`` (and the
+bias gradient) block by block, so training keeps O(L) memory too.
+
+Which (query block, key block) pairs are computed is decided from the static
+shapes only (causal / window structure), never from array values, so the loops
+trace under ``jax.jit``. Everything here is array-API standard; the adapters that
+register the backward with torch and JAX live in ``portable_attn._autodiff``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._scores import (
+    AttentionPlan,
+    allowed_block,
+    heads_to_rows,
+    logits_block,
+    rows_to_heads,
+    scaled_query_rows,
+    slice_block,
+)
+from ._softmax import safe_denominator
+
+__all__ = ["block_ranges", "block_visibility", "sum_to_shape", "tiled_backward", "tiled_forward"]
+
+Range = tuple[int, int]
+
+
+def block_ranges(length: int, size: int) -> list[Range]:
+    """Half-open ranges of `size` covering ``[0, length)``; the last one may be shorter."""
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str:
+    """``"skip"`` when causal/window hide the whole block, else ``"partial"`` or ``"full"``.
+
+    Query ``i`` sees key ``j`` iff ``i' - left <= j <= i' + right`` with
+    ``i' = i + Lk - Lq``; causal sets ``right = min(right, 0)``.
+    """
+    left, right = plan.window if plan.window is not None else (None, None)
+    if plan.is_causal:
+        right = 0 if right is None else min(right, 0)
+    first_q, last_q = q_range[0] + plan.offset, q_range[1] - 1 + plan.offset
+    first_k, last_k = k_range
+    last_k -= 1
+    if right is not None and first_k > last_q + right:
+        return "skip"  # every key is right of every query's band
+    if left is not None and last_k < first_q - left:
+        return "skip"  # every key is left of every query's band
+    full_right = right is None or last_k <= first_q + right
+    full_left = left is None or first_k >= last_q - left
+    return "full" if full_right and full_left else "partial"
+
+
+def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
+    """Sum `x` over the axes that broadcasting added to reach it from `shape`."""
+    lead = x.ndim - len(shape)
+    if lead > 0:
+        x = xp.sum(x, axis=tuple(range(lead)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    if axes:
+        x = xp.sum(x, axis=axes, keepdims=True)
+    return x
+
+
+def _block_scores(
+    xp: Any, q_rows: Any, k_blk: Any, mask: Any, bias: Any, plan: AttentionPlan,
+    q_range: Range, k_range: Range, visibility: str,
+) -> tuple[Any, Any, Any | None]:  # fmt: skip
+    """Return (capped logits, logits + bias with disallowed entries -inf, allowed)."""
+    capped = logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk)
+    bias_blk = slice_block(bias, q_range, k_range)
+    scores = capped if bias_blk is None else capped + bias_blk  # (..., Hq, bq, bk)
+    mask_blk = slice_block(mask, q_range, k_range)
+    if visibility == "full":  # no structural mask needed in this block
+        allowed = mask_blk
+    else:
+        allowed = allowed_block(xp, mask_blk, plan, q_range, k_range)
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
+    return capped, scores, allowed
+
+
+def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
+    if plan.device is None:
+        return xp.zeros(shape, dtype=plan.compute_dtype)
+    return xp.zeros(shape, dtype=plan.compute_dtype, device=plan.device)
+
+
+def tiled_forward(
+    xp: Any, q: Any, k: Any, v: Any, mask: Any | None, bias: Any | None, plan: AttentionPlan,
+    block_q: int, block_k: int,
+) -> tuple[Any, Any]:  # fmt: skip
+    """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
+
+    ``lse`` is ``+inf`` for rows with no visible key, so that recomputed
+    probabilities ``exp(s - lse)`` are 0 there.
+    """
+    hkv, hq = plan.num_kv_heads, plan.num_q_heads
+    k_blocks = block_ranges(plan.kv_len, block_k)
+    outs, lses = [], []
+    for q_range in block_ranges(plan.q_len, block_q):
+        q_rows = scaled_query_rows(xp, q[..., q_range[0] : q_range[1], :], plan)
+        m = l_sum = acc = None  # running max, denominator, weighted sum
+        for k_range in k_blocks:
+            vis = block_visibility(plan, q_range, k_range)
+            if vis == "skip":
+                continue
+            ks, ke = k_range
+            _, s, _ = _block_scores(xp, q_rows, k[..., ks:ke, :], mask, bias, plan, q_range,
+                                    k_range, vis)  # fmt: skip
+            m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
+            m_new = m_blk if m is None else xp.maximum(m, m_blk)
+            m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)  # a fully hidden block stays 0
+            p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
+            pv = xp.matmul(heads_to_rows(xp, p, hkv), v[..., ks:ke, :])  # (..., Hkv, G*bq, Dv)
+            pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv)
+            p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
+            if m is None:
+                l_sum, acc = p_sum, pv
+            else:
+                alpha = xp.exp(m - m_safe)  # rescale what was summed under the old max
+                l_sum, acc = alpha * l_sum + p_sum, alpha * acc + pv
+            m = m_new
+        bq = q_range[1] - q_range[0]
+        if m is None:  # every key block hidden for this query block: zero rows
+            shape = (*plan.batch, hq, bq, 1)
+            m, l_sum = _zeros(xp, shape, plan), _zeros(xp, shape, plan)
+            acc = _zeros(xp, (*plan.batch, hq, bq, plan.value_dim), plan)
+        outs.append(acc / safe_denominator(xp, l_sum))
+        m_safe = xp.where(m == -xp.inf, 0.0, m)
+        lse = xp.where(l_sum == 0.0, xp.inf, m_safe + xp.log(safe_denominator(xp, l_sum)))
+        lses.append(xp.broadcast_to(lse, (*plan.batch, hq, bq, 1)))
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
+    return out, lse
+
+
+def _combine(xp: Any, parts: list[Any], axis: int, concatenate: bool) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    if concatenate:
+        return xp.concat(parts, axis=axis)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def tiled_backward(
+    xp: Any, q: Any, k: Any, v: Any, mask: Any | None, bias: Any | None, out: Any, lse: Any,
+    dout: Any, plan: AttentionPlan, block_q: int, block_k: int, *, need_bias_grad: bool,
+) -> tuple[Any, Any, Any, Any | None]:  # fmt: skip
+    """Gradients (dq, dk, dv, dbias) of the tiled attention, shaped like the inputs.
+
+    Parameters are the forward's inputs (compute dtype, explicit head axis), its
+    output and ``lse``, and the output cotangent `dout` (..., Hq, Lq, Dv).
+    """
+    hkv, hq = plan.num_kv_heads, plan.num_q_heads
+    k_blocks = block_ranges(plan.kv_len, block_k)
+    # D_i = rowsum(dO * O): the softmax Jacobian's correction term, (..., Hq, Lq, 1)
+    delta = xp.sum(dout * out, axis=-1, keepdims=True)
+    dk_parts: list[list[Any]] = [[] for _ in k_blocks]
+    dv_parts: list[list[Any]] = [[] for _ in k_blocks]
+    dq_parts, dbias_rows = [], []
+    for q_range in block_ranges(plan.q_len, block_q):
+        qs, qe = q_range
+        q_blk = q[..., qs:qe, :]
+        q_rows = scaled_query_rows(xp, q_blk, plan)  # (..., Hkv, G*bq, Dk)
+        do_rows = heads_to_rows(xp, dout[..., qs:qe, :], hkv)  # (..., Hkv, G*bq, Dv)
+        lse_blk, delta_blk = lse[..., qs:qe, :], delta[..., qs:qe, :]
+        dq_rows = None
+        dbias_cols = []
+        for j, k_range in enumerate(k_blocks):
+            vis = block_visibility(plan, q_range, k_range)
+            ks, ke = k_range
+            if vis == "skip":
+                if need_bias_grad:
+                    dbias_cols.append(None)
+                continue
+            k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
+            capped, s, _ = _block_scores(xp, q_rows, k_blk, mask, bias, plan, q_range, k_range,
+                                         vis)  # fmt: skip
+            p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
+            p_rows = heads_to_rows(xp, p, hkv)  # (..., Hkv, G*bq, bk)
+            dv_parts[j].append(xp.matmul(xp.matrix_transpose(p_rows), do_rows))  # (.., bk, Dv)
+            dp = rows_to_heads(xp, xp.matmul(do_rows, xp.matrix_transpose(v_blk)), hq)
+            ds = p * (dp - delta_blk)  # d loss / d (logits + bias), (..., Hq, bq, bk)
+            if need_bias_grad:
+                dbias_cols.append(ds)
+            if plan.softcap is not None:
+                ds = ds * (1.0 - (capped / plan.softcap) ** 2)  # through softcap·tanh(x/softcap)
+            ds_rows = heads_to_rows(xp, ds, hkv)  # (..., Hkv, G*bq, bk)
+            dq_blk = xp.matmul(ds_rows, k_blk)  # (..., Hkv, G*bq, Dk)
+            dq_rows = dq_blk if dq_rows is None else dq_rows + dq_blk
+            dk_parts[j].append(xp.matmul(xp.matrix_transpose(ds_rows), q_rows))  # (.., bk, Dk)
+        if dq_rows is None:  # no key visible from this query block
+            dq_parts.append(_zeros(xp, (*plan.batch, hq, qe - qs, q.shape[-1]), plan))
+        else:
+            dq_parts.append(rows_to_heads(xp, dq_rows, hq) * plan.scale)
+        if need_bias_grad:
+            dbias_rows.append(_bias_row(xp, dbias_cols, bias, q_range, k_blocks, plan))
+    dq = sum_to_shape(xp, _combine(xp, dq_parts, -2, True), tuple(q.shape))
+    dk = _kv_grad(xp, dk_parts, k, k_blocks, plan)
+    dv = _kv_grad(xp, dv_parts, v, k_blocks, plan)
+    dbias = None
+    if need_bias_grad:
+        dbias = _combine(xp, dbias_rows, -2, bias.shape[-2] != 1)
+        dbias = sum_to_shape(xp, dbias, tuple(bias.shape))
+    return dq, dk, dv, dbias
+
+
+def _kv_grad(
+    xp: Any, parts: list[list[Any]], x: Any, k_blocks: list[Range], plan: AttentionPlan
+) -> Any:
+    blocks = []
+    for (ks, ke), grads in zip(k_blocks, parts, strict=True):
+        if not grads:  # no query block sees these keys
+            blocks.append(_zeros(xp, (*x.shape[:-2], ke - ks, x.shape[-1]), plan))
+            continue
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        blocks.append(sum_to_shape(xp, total, (*x.shape[:-2], ke - ks, x.shape[-1])))
+    return _combine(xp, blocks, -2, True)
+
+
+def _bias_row(
+    xp: Any, cols: list[Any | None], bias: Any, q_range: Range, k_blocks: list[Range],
+    plan: AttentionPlan,
+) -> Any:  # fmt: skip
+    """Assemble the bias gradient of one query block, reduced to the bias's block shape."""
+    bq = q_range[1] - q_range[0]
+    parts = []
+    for ds, k_range in zip(cols, k_blocks, strict=True):
+        blk_shape = tuple(slice_block(bias, q_range, k_range).shape)
+        if ds is None:
+            bk = k_range[1] - k_range[0]
+            full = (*plan.batch, plan.num_q_heads, bq, bk)
+            ds = _zeros(xp, full, plan)
+        parts.append(sum_to_shape(xp, ds, blk_shape))
+    return _combine(xp, parts, -1, bias.shape[-1] != 1)
+
+
+def default_block_size(kind: str, q_len: int, kv_len: int) -> int:
+    """Block size for ``block_size="auto"``; see the docstring of the public function."""
+    if kind == "traced":  # JAX: every block is a node of the traced program
+        return max(512, 128 * math.ceil(max(q_len, kv_len) / (16 * 128)))
+    return 512
