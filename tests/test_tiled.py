@@ -7,11 +7,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from _helpers import assert_backend_array, assert_close
-from _reference import reference_attention, structure
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _helpers import assert_backend_array, assert_close
+from _reference import reference_attention, structure
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._scores import AttentionPlan
 from portable_attn._lib._tiled import block_ranges, block_visibility
@@ -102,7 +102,7 @@ class TestMaskedBlocks:
         mask = np.ones((12, 12), dtype=bool)
         mask[:, :8] = False  # the first key blocks are entirely masked
         mask[[2, 9]] = False  # and two rows see nothing at all
-        dense, tiled = both_paths(backend, q, k, v, 4, mask=mask)
+        _, tiled = both_paths(backend, q, k, v, 4, mask=mask)
         out = backend.to_numpy(tiled)
         assert np.all(np.isfinite(out))
         assert np.all(out[..., [2, 9], :] == 0)
