@@ -130,6 +130,6 @@ def tests_cupy(session: nox.Session) -> None:
 @nox.session(python=ML_PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
-    session.install("ruff")
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

@@ -47,7 +47,7 @@ FEATURES = {
 
 class TestExactness:
     @pytest.mark.parametrize("name", list(FEATURES))
-    @pytest.mark.parametrize("block_size", [1, 4, 5, 64])
+    @pytest.mark.parametrize("block_size", [1, 4, 5, 64, (3, 7)])
     def test_matches_oracle(self, backend, name, block_size):
         q, k, v = problem()
         kw = FEATURES[name]
@@ -171,7 +171,7 @@ class TestMemory:
 
 
 class TestErrors:
-    @pytest.mark.parametrize("block_size", [0, -4, 2.5, "big", True])
+    @pytest.mark.parametrize("block_size", [0, -4, 2.5, "big", True, (4, 0), (4,), (2, 3, 4)])
     def test_bad_block_size(self, backend, block_size):
         q, k, v = (backend.asarray(a) for a in problem())
         with pytest.raises(ValueError, match=r"`block_size` must be None, a positive integer"):

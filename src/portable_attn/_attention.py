@@ -10,7 +10,7 @@ from ._lib import _validation as v
 from ._lib._compat import array_namespace, device, library_name
 from ._lib._dense import dense_attention, dense_weights
 from ._lib._scores import AttentionPlan
-from ._lib._tiled import default_block_size
+from ._lib._tiled import default_tiles
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
@@ -109,13 +109,16 @@ def _tiles(xp: Any, query: Array, plan: AttentionPlan, block_size: Any) -> tuple
         rows = math.prod(plan.batch) * plan.num_q_heads * plan.q_len
         if rows * plan.kv_len * itemsize <= AUTO_DENSE_LIMIT_BYTES:
             return None
-        kind = "traced" if library_name(query) == "jax" else "eager"
-        size = default_block_size(kind, plan.q_len, plan.kv_len)
-        return size, size
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        msg = f"`block_size` must be None, a positive integer or 'auto', but got {block_size!r}"
+        return default_tiles(library_name(query) == "jax", plan.q_len, plan.kv_len)
+    sizes = block_size if isinstance(block_size, tuple) and len(block_size) == 2 else None
+    sizes = sizes or (block_size, block_size)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        msg = (
+            "`block_size` must be None, a positive integer, a pair (block_q, block_k) of "
+            f"positive integers or 'auto', but got {block_size!r}"
+        )
         raise ValueError(msg)
-    return block_size, block_size
+    return sizes[0], sizes[1]
 
 
 def _finish(xp: Any, out: Array, plan: AttentionPlan, *, drop_head: bool) -> Array:
@@ -134,7 +137,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
-    block_size: int | Literal["auto"] | None = None,
+    block_size: int | tuple[int, int] | Literal["auto"] | None = None,
 ) -> Array:
     r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
 
@@ -178,17 +181,18 @@ def scaled_dot_product_attention(
         side means unbounded. Combines with `is_causal` and `mask` by AND.
     softcap : float, optional
         Soft-capping of the logits, ``softcap · tanh(logits / softcap)``.
-    block_size : int or "auto", optional
+    block_size : int, (int, int) or "auto", optional
         None (default): the dense path, which builds the (Lq, Lk) scores once.
-        An int: the tiled path, exact online softmax over query and key blocks of
-        this size; memory O(Lq + Lk) per head instead of O(Lq · Lk), and
-        key blocks that causal/window structure hides entirely are not computed.
+        An int (or a pair ``(block_q, block_k)``): the tiled path, exact online
+        softmax over query and key blocks of this size; memory O(Lq + Lk) per
+        head instead of O(Lq · Lk), and key blocks that causal/window structure
+        hides entirely are not computed.
         Its backward (torch autograd, ``jax.grad``) recomputes blocks instead of
         storing them, so training memory stays O(L) as well.
         ``"auto"``: dense while the dense logits would fit in
-        ``AUTO_DENSE_LIMIT_BYTES`` (64 MiB), tiled above, with blocks of 512 (for
-        JAX, at most 16 blocks per axis, since each block is a node of the traced
-        program).
+        ``AUTO_DENSE_LIMIT_BYTES`` (64 MiB), tiled above with 128 queries x 256
+        keys per block (for JAX, blocks of at least 256 and at most 16 per axis,
+        since each block is a node of the traced program).
 
     Returns
     -------

@@ -124,6 +124,7 @@ def tiled_forward(
             m_new = m_blk if m is None else xp.maximum(m, m_blk)
             m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)  # a fully hidden block stays 0
             p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
+            del s  # keep at most two (bq, bk) blocks alive
             pv = xp.matmul(heads_to_rows(xp, p, hkv), v[..., ks:ke, :])  # (..., Hkv, G*bq, Dv)
             pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv)
             p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
@@ -171,8 +172,9 @@ def tiled_backward(
     k_blocks = block_ranges(plan.kv_len, block_k)
     # D_i = rowsum(dO * O): the softmax Jacobian's correction term, (..., Hq, Lq, 1)
     delta = xp.sum(dout * out, axis=-1, keepdims=True)
-    dk_parts: list[list[Any]] = [[] for _ in k_blocks]
-    dv_parts: list[list[Any]] = [[] for _ in k_blocks]
+    # running sums per key block: memory O(Lk), however many query blocks there are
+    dk_sums: list[Any] = [None] * len(k_blocks)
+    dv_sums: list[Any] = [None] * len(k_blocks)
     dq_parts, dbias_rows = [], []
     for q_range in block_ranges(plan.q_len, block_q):
         qs, qe = q_range
@@ -194,7 +196,8 @@ def tiled_backward(
                                          vis)  # fmt: skip
             p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
             p_rows = heads_to_rows(xp, p, hkv)  # (..., Hkv, G*bq, bk)
-            dv_parts[j].append(xp.matmul(xp.matrix_transpose(p_rows), do_rows))  # (.., bk, Dv)
+            dv_blk = xp.matmul(xp.matrix_transpose(p_rows), do_rows)  # (..., Hkv, bk, Dv)
+            dv_sums[j] = dv_blk if dv_sums[j] is None else dv_sums[j] + dv_blk
             dp = rows_to_heads(xp, xp.matmul(do_rows, xp.matrix_transpose(v_blk)), hq)
             ds = p * (dp - delta_blk)  # d loss / d (logits + bias), (..., Hq, bq, bk)
             if need_bias_grad:
@@ -204,7 +207,8 @@ def tiled_backward(
             ds_rows = heads_to_rows(xp, ds, hkv)  # (..., Hkv, G*bq, bk)
             dq_blk = xp.matmul(ds_rows, k_blk)  # (..., Hkv, G*bq, Dk)
             dq_rows = dq_blk if dq_rows is None else dq_rows + dq_blk
-            dk_parts[j].append(xp.matmul(xp.matrix_transpose(ds_rows), q_rows))  # (.., bk, Dk)
+            dk_blk = xp.matmul(xp.matrix_transpose(ds_rows), q_rows)  # (..., Hkv, bk, Dk)
+            dk_sums[j] = dk_blk if dk_sums[j] is None else dk_sums[j] + dk_blk
         if dq_rows is None:  # no key visible from this query block
             dq_parts.append(_zeros(xp, (*plan.batch, hq, qe - qs, q.shape[-1]), plan))
         else:
@@ -212,8 +216,8 @@ def tiled_backward(
         if need_bias_grad:
             dbias_rows.append(_bias_row(xp, dbias_cols, bias, q_range, k_blocks, plan))
     dq = sum_to_shape(xp, _combine(xp, dq_parts, -2, True), tuple(q.shape))
-    dk = _kv_grad(xp, dk_parts, k, k_blocks, plan)
-    dv = _kv_grad(xp, dv_parts, v, k_blocks, plan)
+    dk = _kv_grad(xp, dk_sums, k, k_blocks, plan)
+    dv = _kv_grad(xp, dv_sums, v, k_blocks, plan)
     dbias = None
     if need_bias_grad:
         dbias = _combine(xp, dbias_rows, -2, bias.shape[-2] != 1)
@@ -221,18 +225,15 @@ def tiled_backward(
     return dq, dk, dv, dbias
 
 
-def _kv_grad(
-    xp: Any, parts: list[list[Any]], x: Any, k_blocks: list[Range], plan: AttentionPlan
-) -> Any:
+def _kv_grad(xp: Any, sums: list[Any], x: Any, k_blocks: list[Range], plan: AttentionPlan) -> Any:
+    """Concatenate the per-key-block gradient sums into the gradient of `x`."""
     blocks = []
-    for (ks, ke), grads in zip(k_blocks, parts, strict=True):
-        if not grads:  # no query block sees these keys
-            blocks.append(_zeros(xp, (*x.shape[:-2], ke - ks, x.shape[-1]), plan))
-            continue
-        total = grads[0]
-        for g in grads[1:]:
-            total = total + g
-        blocks.append(sum_to_shape(xp, total, (*x.shape[:-2], ke - ks, x.shape[-1])))
+    for (ks, ke), total in zip(k_blocks, sums, strict=True):
+        shape = (*x.shape[:-2], ke - ks, x.shape[-1])
+        if total is None:  # no query block sees these keys
+            blocks.append(_zeros(xp, shape, plan))
+        else:
+            blocks.append(sum_to_shape(xp, total, shape))
     return _combine(xp, blocks, -2, True)
 
 
@@ -253,8 +254,18 @@ def _bias_row(
     return _combine(xp, parts, -1, bias.shape[-1] != 1)
 
 
-def default_block_size(kind: str, q_len: int, kv_len: int) -> int:
-    """Block size for ``block_size="auto"``; see the docstring of the public function."""
-    if kind == "traced":  # JAX: every block is a node of the traced program
-        return max(512, 128 * math.ceil(max(q_len, kv_len) / (16 * 128)))
-    return 512
+#: ``(block_q, block_k)`` of ``block_size="auto"`` for eagerly executed libraries:
+#: two (H, 128, 256) float32 score blocks (1 MiB each for H = 8) stay cache-friendly.
+EAGER_TILES = (128, 256)
+
+
+def default_tiles(traced: bool, q_len: int, kv_len: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` for ``block_size="auto"``.
+
+    A traced program (JAX) unrolls the block loops into its graph, so it gets
+    blocks of at least 256 and at most 16 per axis, keeping compile time bounded.
+    """
+    if traced:
+        return (max(256, 128 * math.ceil(q_len / (16 * 128))),
+                max(256, 128 * math.ceil(kv_len / (16 * 128))))  # fmt: skip
+    return EAGER_TILES
