@@ -129,11 +129,6 @@ class TestScalars:
         with pytest.raises(TypeError, match=r"`is_causal` must be True or False"):
             call(*arrays, is_causal="yes")
 
-    @pytest.mark.parametrize("block_size", [64, "auto"])
-    def test_block_size_is_reserved(self, arrays, block_size):
-        with pytest.raises(NotImplementedError, match=r"`block_size`.*tiled"):
-            call(*arrays, block_size=block_size)
-
 
 class TestLibraries:
     def test_arrays_from_two_libraries(self, backend, arrays):

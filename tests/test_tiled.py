@@ -127,6 +127,20 @@ class TestMaskedBlocks:
         dense, auto = both_paths(backend, q, k, v, "auto", is_causal=True)
         np.testing.assert_array_equal(backend.to_numpy(auto), backend.to_numpy(dense))
 
+    def test_auto_tiles_above_the_threshold(self, backend, monkeypatch):
+        import portable_attn._attention as attention
+
+        monkeypatch.setattr(attention, "AUTO_DENSE_LIMIT_BYTES", 0)
+        seen = []
+        real = attention.tiled_attention
+        monkeypatch.setattr(
+            attention, "tiled_attention", lambda *a: seen.append(a[-2:]) or real(*a)
+        )
+        q, k, v = problem()
+        _, auto = both_paths(backend, q, k, v, "auto", is_causal=True)
+        assert seen, "block_size='auto' above the threshold must take the tiled path"
+        assert_close(backend, auto, reference_attention(q, k, v, is_causal=True))
+
 
 class TestBlockSkipping:
     @given(
