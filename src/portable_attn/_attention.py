@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 from ._autodiff import tiled_attention
 from ._lib import _validation as v
 from ._lib._compat import array_namespace, device, library_name
 from ._lib._dense import dense_attention, dense_weights
-from ._lib._scores import AttentionPlan
+from ._lib._masks import arange
+from ._lib._scores import AttentionPlan, ScoreTerms
 from ._lib._tiled import default_tiles
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
@@ -86,6 +89,79 @@ def _plan(
     )
 
 
+def _terms(
+    xp: Any,
+    plan: AttentionPlan,
+    mask: Array | None,
+    extras: dict[str, Any],
+) -> tuple[AttentionPlan, ScoreTerms]:
+    """Validate the model-building arguments and gather them as score terms."""
+    q_lengths, kv_lengths = extras["q_lengths"], extras["kv_lengths"]
+    slopes, score_mod = extras["alibi_slopes"], extras["score_mod"]
+    dropout_p, keep = extras["dropout_p"], extras["dropout_mask"]
+    logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
+    lengths = {}
+    for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
+        if x is None:
+            continue
+        if not xp.isdtype(x.dtype, "integral"):
+            msg = f"`{name}` must be an integer array of valid lengths, but got dtype {x.dtype}"
+            raise TypeError(msg)
+        v.check_broadcastable_to(name, x, plan.batch, "batch")
+        lengths[name] = xp.reshape(x, (*x.shape, 1, 1, 1))  # (*batch, 1, 1, 1)
+    offset: Any = plan.offset
+    if lengths:
+        q_len = lengths.get("q_lengths", plan.q_len)
+        kv_len = lengths.get("kv_lengths", plan.kv_len)
+        offset = kv_len - q_len  # i' = i + kv_len[b] - q_len[b]
+        plan = dataclasses.replace(plan, has_lengths=True)
+    if slopes is not None:
+        v.check_floating(xp, "alibi_slopes", slopes)
+        v.check_broadcastable_to(
+            "alibi_slopes", slopes, (*plan.batch, plan.num_q_heads), "(..., Hq) heads"
+        )
+        if slopes.ndim == 0 or slopes.shape[-1] not in (1, plan.num_q_heads):
+            msg = f"`alibi_slopes` must end with the head axis Hq={plan.num_q_heads}"
+            raise ValueError(msg)
+        slopes = xp.reshape(xp.astype(slopes, plan.compute_dtype), (*slopes.shape, 1, 1))
+    if score_mod is not None and not callable(score_mod):
+        msg = f"`score_mod` must be callable, but got {type(score_mod).__name__}"
+        raise TypeError(msg)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        msg = f"`dropout_p` must be a float in [0, 1), but got {dropout_p!r}"
+        raise TypeError(msg)
+    if not 0.0 <= dropout_p < 1.0:
+        msg = f"`dropout_p` must be in [0, 1), but got {dropout_p!r}"
+        raise ValueError(msg)
+    if (dropout_p > 0) != (keep is not None):
+        msg = (
+            "`dropout_p` > 0 needs a `dropout_mask` (a boolean keep-mask from your own "
+            "random generator) and a `dropout_mask` needs `dropout_p` > 0; got "
+            f"dropout_p={dropout_p!r} and dropout_mask={'None' if keep is None else 'an array'}"
+        )
+        raise ValueError(msg)
+    if keep is not None:
+        v.check_mask_dtype(xp, "dropout_mask", keep)
+        v.check_broadcastable_to("dropout_mask", keep, logits_shape, "weights (..., Hq, Lq, Lk)")
+        keep = _at_least_2d(xp, keep)
+    batch_index = None
+    if score_mod is not None:
+        n = math.prod(plan.batch)
+        batch_index = xp.reshape(arange(xp, 0, n, plan.device), (*plan.batch, 1, 1, 1))
+    terms = ScoreTerms(
+        mask=None if mask is None else _at_least_2d(xp, mask),
+        q_lengths=lengths.get("q_lengths"),
+        kv_lengths=lengths.get("kv_lengths"),
+        offset=offset,
+        alibi_slopes=slopes,
+        score_mod=score_mod,
+        batch_index=batch_index,
+        dropout_keep=keep,
+        dropout_scale=1.0 / (1.0 - dropout_p),
+    )
+    return plan, terms
+
+
 def _prepare(xp: Any, x: Array | None, dtype: Any) -> Array | None:
     """Give a 2-D input its head axis and cast it to the compute dtype (no copy if equal)."""
     if x is None:
@@ -138,6 +214,12 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     block_size: int | tuple[int, int] | Literal["auto"] | None = None,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None,
+    score_mod: Callable[..., Array] | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Array | None = None,
 ) -> Array:
     r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
 
@@ -149,7 +231,7 @@ def scaled_dot_product_attention(
 
     1. ``logits = (query · scale) @ keyᵀ``, with ``scale = 1 / sqrt(Dk)`` by default;
     2. ``logits = softcap · tanh(logits / softcap)`` if `softcap` is given;
-    3. ``logits = logits + bias`` if `bias` is given;
+    3. ``logits = score_mod(logits, ...)``, then ``+ bias`` and the ALiBi term;
     4. positions not allowed by ``mask AND causal AND window`` are removed;
     5. softmax over keys in at least float32 (the row maximum is subtracted);
     6. rows with no visible key become exactly zero (never NaN);
@@ -193,6 +275,27 @@ def scaled_dot_product_attention(
         ``AUTO_DENSE_LIMIT_BYTES`` (64 MiB), tiled above with 128 queries x 256
         keys per block (for JAX, blocks of at least 256 and at most 16 per axis,
         since each block is a node of the traced program).
+    q_lengths, kv_lengths : integer array, broadcastable to the batch dims, optional
+        Valid prefix length of each sequence, e.g. shape (B,). Keys at or past
+        ``kv_lengths`` are masked, query rows at or past ``q_lengths`` are zero.
+        Causal, window and ALiBi alignment then use the valid lengths:
+        ``i' = i + kv_len[b] - q_len[b]`` (a fixed-capacity KV cache needs this).
+        Either may be given alone. Built by index arithmetic, never a host sync.
+    alibi_slopes : floating array, shape (Hq,) or (B, Hq), optional
+        ALiBi: adds ``-slope · |i' - j|`` to the logits, with the causal alignment
+        ``i'``. :func:`get_alibi_slopes` gives the standard slopes.
+    score_mod : callable, optional
+        ``score_mod(scores, batch, head, q_idx, kv_idx) -> scores``, applied after
+        `scale` and `softcap`, before `bias`/ALiBi and the masks, on each block of
+        scores (..., Hq, bq, bk). The index arrays broadcast against it: `batch`
+        (B..., 1, 1, 1) flat batch index, `head` (Hq, 1, 1), `q_idx` (bq, 1) and
+        `kv_idx` (1, bk) absolute positions. Write it with array-API operations.
+    dropout_p : float, default 0.0
+        Dropout probability on the attention weights; needs `dropout_mask`.
+    dropout_mask : array of bool, broadcastable to (B..., Hq, Lq, Lk), optional
+        Keep-mask drawn by the caller's own random generator (True = keep); kept
+        weights are scaled by ``1 / (1 - dropout_p)``. The array API has no random
+        generator, so the library never draws one itself.
 
     Returns
     -------
@@ -231,7 +334,17 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 8, 5, 32)
     """
-    xp = array_namespace(query=query, key=key, value=value, mask=mask, bias=bias)
+    xp = array_namespace(
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        bias=bias,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        alibi_slopes=alibi_slopes,
+        dropout_mask=dropout_mask,
+    )
     plan = _plan(
         xp,
         query,
@@ -244,19 +357,27 @@ def scaled_dot_product_attention(
         window=window,
         softcap=softcap,
     )
+    extras = {
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+        "alibi_slopes": alibi_slopes,
+        "score_mod": score_mod,
+        "dropout_p": dropout_p,
+        "dropout_mask": dropout_mask,
+    }
+    plan, terms = _terms(xp, plan, mask, extras)
     tiles = _tiles(xp, query, plan, block_size)
     drop_head = query.ndim == key.ndim == value.ndim == 2
     dt = plan.compute_dtype
     q, k, val = (_prepare(xp, x, dt) for x in (query, key, value))
     b = None if bias is None else _at_least_2d(xp, xp.astype(bias, dt, copy=False))
-    m = None if mask is None else _at_least_2d(xp, mask)
     if plan.kv_len == 0 or plan.q_len == 0:
         shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim)
         out = xp.zeros(shape, dtype=dt, device=plan.device)
     elif tiles is None:
-        out = dense_attention(xp, q, k, val, m, b, plan)
+        out = dense_attention(xp, q, k, val, b, terms, plan)
     else:
-        out = tiled_attention(xp, q, k, val, m, b, plan, *tiles)
+        out = tiled_attention(xp, q, k, val, b, terms, plan, *tiles)
     return _finish(xp, out, plan, drop_head=drop_head)
 
 
@@ -270,6 +391,12 @@ def attention_weights(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None,
+    score_mod: Callable[..., Array] | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Array | None = None,
 ) -> Array:
     """Attention weights ``softmax(Q Kᵀ · scale)`` of :func:`scaled_dot_product_attention`.
 
@@ -294,6 +421,9 @@ def attention_weights(
         Sliding window ``(left, right)`` around ``i' = i + Lk - Lq``.
     softcap : float, optional
         ``softcap · tanh(logits / softcap)``.
+    q_lengths, kv_lengths, alibi_slopes, score_mod, dropout_p, dropout_mask
+        As in :func:`scaled_dot_product_attention`; the dropout mask is applied
+        to the returned weights.
 
     Returns
     -------
@@ -311,7 +441,16 @@ def attention_weights(
            [0., 1., 0.],
            [0., 0., 1.]])
     """
-    xp = array_namespace(query=query, key=key, mask=mask, bias=bias)
+    xp = array_namespace(
+        query=query,
+        key=key,
+        mask=mask,
+        bias=bias,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        alibi_slopes=alibi_slopes,
+        dropout_mask=dropout_mask,
+    )
     plan = _plan(
         xp,
         query,
@@ -324,12 +463,21 @@ def attention_weights(
         window=window,
         softcap=softcap,
     )
+    extras = {
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+        "alibi_slopes": alibi_slopes,
+        "score_mod": score_mod,
+        "dropout_p": dropout_p,
+        "dropout_mask": dropout_mask,
+    }
+    plan, terms = _terms(xp, plan, mask, extras)
     drop_head = query.ndim == key.ndim == 2
     dt = plan.compute_dtype
     q, k = _prepare(xp, query, dt), _prepare(xp, key, dt)
-    b = None if bias is None else xp.astype(bias, dt, copy=False)
+    b = None if bias is None else _at_least_2d(xp, xp.astype(bias, dt, copy=False))
     if plan.kv_len == 0:
         w = xp.zeros((*plan.batch, plan.num_q_heads, plan.q_len, 0), dtype=dt, device=plan.device)
     else:
-        w = dense_weights(xp, q, k, mask, b, plan)
+        w = dense_weights(xp, q, k, b, terms, plan)
     return _finish(xp, w, plan, drop_head=drop_head)

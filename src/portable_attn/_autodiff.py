@@ -6,35 +6,86 @@ only its inputs, the output and the row log-sum-exp; the backward
 (:func:`portable_attn._lib._tiled.tiled_backward`, written once in the array
 API) recomputes each block. This is the only module that names torch and JAX
 autodiff machinery; both are imported lazily, only for their own arrays.
+
+A ``score_mod`` callable cannot be differentiated by the portable backward, so
+calls with one are differentiated by plain autograd through the tiled loop
+(exact, but the backward then stores the blocks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 from ._lib._compat import library_name
-from ._lib._scores import AttentionPlan
+from ._lib._scores import AttentionPlan, ScoreTerms
 from ._lib._tiled import tiled_backward, tiled_forward
 
 __all__ = ["tiled_attention"]
 
+# ScoreTerms fields that hold arrays and travel as (non-differentiated) inputs
+_ARRAY_FIELDS = ("mask", "q_lengths", "kv_lengths", "offset", "batch_index", "dropout_keep")
+
 
 def tiled_attention(
-    xp: Any, q: Any, k: Any, v: Any, mask: Any | None, bias: Any | None, plan: AttentionPlan,
-    block_q: int, block_k: int,
-) -> Any:  # fmt: skip
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    block_q: int,
+    block_k: int,
+) -> Any:
     """Tiled attention output (..., Hq, Lq, Dv) with an O(L)-memory backward where one exists."""
     lib = library_name(q)
-    if lib == "torch":
+    static = (xp, plan, block_q, block_k)
+    if terms.score_mod is None and lib == "torch":
         import torch
 
-        inputs = (q, k, v) if bias is None else (q, k, v, bias)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-            return _torch_function().apply(q, k, v, mask, bias, (xp, plan, block_q, block_k))
-    elif lib == "jax":
-        return _jax_function(xp, plan, block_q, block_k, bias is not None)(q, k, v, mask, bias)
-    return tiled_forward(xp, q, k, v, mask, bias, plan, block_q, block_k)[0]
+        inputs = [q, k, v, bias, terms.alibi_slopes]
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+            arrays = {f: getattr(terms, f) for f in _ARRAY_FIELDS}
+            return _torch_function().apply(
+                q, k, v, bias, terms.alibi_slopes, arrays, terms, static
+            )
+    elif terms.score_mod is None and lib == "jax":
+        arrays = {
+            f: getattr(terms, f) for f in _ARRAY_FIELDS if not isinstance(getattr(terms, f), int)
+        }
+        attend = _jax_function(static, terms)
+        return attend(q, k, v, bias, terms.alibi_slopes, arrays)
+    return tiled_forward(xp, q, k, v, bias, terms, plan, block_q, block_k)[0]
+
+
+def _backward(
+    static: Any,
+    terms: ScoreTerms,
+    saved: tuple[Any, ...],
+    dout: Any,
+    need_bias: bool,
+    need_slopes: bool,
+) -> tuple[Any, ...]:
+    xp, plan, block_q, block_k = static
+    q, k, v, bias, out, lse = saved
+    return tiled_backward(
+        xp,
+        q,
+        k,
+        v,
+        bias,
+        terms,
+        out,
+        lse,
+        dout,
+        plan,
+        block_q,
+        block_k,
+        need_bias_grad=need_bias,
+        need_slope_grad=need_slopes,
+    )
 
 
 @functools.cache
@@ -43,45 +94,59 @@ def _torch_function() -> Any:
 
     class TiledAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any, static: Any) -> Any:
+        def forward(
+            ctx: Any,
+            q: Any,
+            k: Any,
+            v: Any,
+            bias: Any,
+            slopes: Any,
+            arrays: Any,
+            terms: Any,
+            static: Any,
+        ) -> Any:
             xp, plan, block_q, block_k = static
-            out, lse = tiled_forward(xp, q, k, v, mask, bias, plan, block_q, block_k)
-            ctx.save_for_backward(q, k, v, mask, bias, out, lse)
-            ctx.static = static
+            out, lse = tiled_forward(xp, q, k, v, bias, terms, plan, block_q, block_k)
+            ctx.save_for_backward(q, k, v, bias, out, lse)
+            ctx.terms, ctx.static = terms, static
             return out
 
         @staticmethod
         def backward(ctx: Any, dout: Any) -> Any:
-            q, k, v, mask, bias, out, lse = ctx.saved_tensors
-            xp, plan, block_q, block_k = ctx.static
-            need_bias = bias is not None and ctx.needs_input_grad[4]
-            dq, dk, dv, dbias = tiled_backward(
-                xp, q, k, v, mask, bias, out, lse, dout, plan, block_q, block_k,
-                need_bias_grad=need_bias,
-            )  # fmt: skip
-            return dq, dk, dv, None, dbias, None
+            need_bias, need_slopes = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+            dq, dk, dv, dbias, dslopes = _backward(
+                ctx.static, ctx.terms, ctx.saved_tensors, dout, need_bias, need_slopes
+            )
+            return dq, dk, dv, dbias, dslopes, None, None, None
 
     return TiledAttention
 
 
-def _jax_function(xp: Any, plan: AttentionPlan, block_q: int, block_k: int, has_bias: bool) -> Any:
+def _jax_function(static: Any, terms: ScoreTerms) -> Any:
     import jax
 
-    @jax.custom_vjp
-    def attend(q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
-        return tiled_forward(xp, q, k, v, mask, bias, plan, block_q, block_k)[0]
+    xp, plan, block_q, block_k = static
 
-    def forward(q: Any, k: Any, v: Any, mask: Any, bias: Any) -> tuple[Any, Any]:
-        out, lse = tiled_forward(xp, q, k, v, mask, bias, plan, block_q, block_k)
-        return out, (q, k, v, mask, bias, out, lse)
+    def rebuild(slopes: Any, arrays: dict[str, Any]) -> ScoreTerms:
+        return dataclasses.replace(terms, alibi_slopes=slopes, **arrays)
+
+    @jax.custom_vjp
+    def attend(q: Any, k: Any, v: Any, bias: Any, slopes: Any, arrays: Any) -> Any:
+        t = rebuild(slopes, arrays)
+        return tiled_forward(xp, q, k, v, bias, t, plan, block_q, block_k)[0]
+
+    def forward(q: Any, k: Any, v: Any, bias: Any, slopes: Any, arrays: Any) -> Any:
+        t = rebuild(slopes, arrays)
+        out, lse = tiled_forward(xp, q, k, v, bias, t, plan, block_q, block_k)
+        return out, (q, k, v, bias, out, lse, slopes, arrays)
 
     def backward(residuals: Any, dout: Any) -> tuple[Any, ...]:
-        q, k, v, mask, bias, out, lse = residuals
-        dq, dk, dv, dbias = tiled_backward(
-            xp, q, k, v, mask, bias, out, lse, dout, plan, block_q, block_k,
-            need_bias_grad=has_bias,
-        )  # fmt: skip
-        return dq, dk, dv, None, dbias
+        q, k, v, bias, out, lse, slopes, arrays = residuals
+        t = rebuild(slopes, arrays)
+        dq, dk, dv, dbias, dslopes = _backward(
+            static, t, (q, k, v, bias, out, lse), dout, bias is not None, slopes is not None
+        )
+        return dq, dk, dv, dbias, dslopes, jax.tree_util.tree_map(lambda _: None, arrays)
 
     attend.defvjp(forward, backward)
     return attend

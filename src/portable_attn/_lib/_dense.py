@@ -6,11 +6,13 @@ from typing import Any
 
 from ._scores import (
     AttentionPlan,
+    ScoreTerms,
     allowed_block,
     heads_to_rows,
     logits_block,
     rows_to_heads,
     scaled_query_rows,
+    scores_block,
 )
 from ._softmax import masked_exp, safe_denominator
 
@@ -18,17 +20,23 @@ __all__ = ["dense_attention", "dense_weights"]
 
 
 def _exp_logits(
-    xp: Any, q: Any, k: Any, mask: Any | None, bias: Any | None, plan: AttentionPlan
+    xp: Any, q: Any, k: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
 ) -> tuple[Any, Any]:
-    logits = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
-    if bias is not None:
-        logits = logits + bias  # (..., Hq, Lq, Lk)
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
-    return masked_exp(xp, logits, allowed_block(xp, mask, plan, whole_q, whole_k))
+    capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
+    scores = scores_block(xp, capped, bias, terms, plan, whole_q, whole_k)
+    return masked_exp(xp, scores, allowed_block(xp, terms, plan, whole_q, whole_k))
+
+
+def _dropout(xp: Any, weights: Any, terms: ScoreTerms) -> Any:
+    """Zero the dropped weights; the caller applies ``1 / (1 - p)``."""
+    if terms.dropout_keep is None:
+        return weights
+    return xp.where(terms.dropout_keep, weights, 0.0)
 
 
 def dense_attention(
-    xp: Any, q: Any, k: Any, v: Any, mask: Any | None, bias: Any | None, plan: AttentionPlan
+    xp: Any, q: Any, k: Any, v: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
 ) -> Any:
     """Attention output, shape (*batch, Hq, Lq, Dv), in the compute dtype.
 
@@ -36,16 +44,21 @@ def dense_attention(
     ``(Lq, Dv)`` output is cheaper than dividing the ``(Lq, Lk)`` weights.
     """
     # exp_logits (..., Hq, Lq, Lk), row_sum (..., Hq, Lq, 1)
-    exp_logits, row_sum = _exp_logits(xp, q, k, mask, bias, plan)
-    exp_logits = heads_to_rows(xp, exp_logits, plan.num_kv_heads)  # (..., Hkv, G*Lq, Lk)
+    exp_logits, row_sum = _exp_logits(xp, q, k, bias, terms, plan)
+    exp_logits = heads_to_rows(xp, _dropout(xp, exp_logits, terms), plan.num_kv_heads)
     out = xp.matmul(exp_logits, v)  # (..., Hkv, G*Lq, Dv)
     out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
+    if terms.dropout_keep is not None:
+        out = out * terms.dropout_scale
     return out / safe_denominator(xp, row_sum)
 
 
 def dense_weights(
-    xp: Any, q: Any, k: Any, mask: Any | None, bias: Any | None, plan: AttentionPlan
+    xp: Any, q: Any, k: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
 ) -> Any:
     """Attention weights, shape (*batch, Hq, Lq, Lk), in the compute dtype."""
-    exp_logits, row_sum = _exp_logits(xp, q, k, mask, bias, plan)
-    return exp_logits / safe_denominator(xp, row_sum)
+    exp_logits, row_sum = _exp_logits(xp, q, k, bias, terms, plan)
+    weights = exp_logits / safe_denominator(xp, row_sum)
+    if terms.dropout_keep is not None:
+        weights = _dropout(xp, weights, terms) * terms.dropout_scale
+    return weights

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["structure_allowed"]
+__all__ = ["arange", "padding_allowed", "structure_allowed"]
 
 
-def _arange(xp: Any, start: int, stop: int, device: Any) -> Any:
+def arange(xp: Any, start: int, stop: int, device: Any) -> Any:
     # Inside jax.jit the device of a tracer can be None: then let the library choose.
     if device is None:
         return xp.arange(start, stop)
@@ -29,7 +29,7 @@ def structure_allowed(
     q_range: tuple[int, int],
     k_range: tuple[int, int],
     *,
-    offset: int,
+    offset: Any,
     is_causal: bool,
     window: tuple[int | None, int | None] | None,
     device: Any = None,
@@ -42,8 +42,9 @@ def structure_allowed(
         Array namespace to build the array in.
     q_range, k_range : (int, int)
         Half-open ranges ``[start, stop)`` of query and key positions.
-    offset : int
-        ``Lk - Lq``: added to query positions to align them on the key axis.
+    offset : int or integer array of shape (*batch, 1, 1, 1)
+        ``Lk - Lq`` (or ``kv_len - q_len`` per sequence when lengths are given):
+        added to query positions to align them on the key axis.
     is_causal : bool
         Apply ``j <= i'``.
     window : (int or None, int or None) or None
@@ -54,19 +55,45 @@ def structure_allowed(
     Returns
     -------
     array of bool, shape (q_stop - q_start, k_stop - k_start), or None
-        None when neither causal nor any window side restricts anything.
+        (with an array offset: shape (*batch, 1, bq, bk)). None when neither
+        causal nor any window side restricts anything.
     """
     left, right = window if window is not None else (None, None)
     if is_causal:
         right = 0 if right is None else min(right, 0)
     if left is None and right is None:
         return None
-    q_pos = _arange(xp, q_range[0] + offset, q_range[1] + offset, device)[:, None]  # (Lq, 1)
-    k_pos = _arange(xp, k_range[0], k_range[1], device)[None, :]  # (1, Lk)
+    if isinstance(offset, int):
+        q_pos = arange(xp, q_range[0] + offset, q_range[1] + offset, device)[:, None]  # (Lq, 1)
+    else:
+        q_pos = arange(xp, q_range[0], q_range[1], device)[:, None] + offset  # (..., 1, Lq, 1)
+    k_pos = arange(xp, k_range[0], k_range[1], device)[None, :]  # (1, Lk)
     allowed = None
     if right is not None:
         allowed = k_pos <= q_pos + right  # (Lq, Lk)
     if left is not None:
         lower = k_pos >= q_pos - left  # (Lq, Lk)
         allowed = lower if allowed is None else xp.logical_and(allowed, lower)
+    return allowed
+
+
+def padding_allowed(
+    xp: Any,
+    q_range: tuple[int, int],
+    k_range: tuple[int, int],
+    q_lengths: Any | None,
+    kv_lengths: Any | None,
+    device: Any = None,
+) -> Any | None:
+    """Valid-prefix mask from per-sequence lengths of shape (*batch, 1, 1, 1).
+
+    Query ``i`` is valid iff ``i < q_len``, key ``j`` iff ``j < kv_len``; the
+    result broadcasts to (*batch, 1, bq, bk). None when no lengths are given.
+    """
+    allowed = None
+    if kv_lengths is not None:
+        allowed = arange(xp, k_range[0], k_range[1], device)[None, :] < kv_lengths  # (.., 1, bk)
+    if q_lengths is not None:
+        rows = arange(xp, q_range[0], q_range[1], device)[:, None] < q_lengths  # (.., bq, 1)
+        allowed = rows if allowed is None else xp.logical_and(allowed, rows)
     return allowed

@@ -11,18 +11,22 @@ heads, ``G = Hq // Hkv``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._masks import structure_allowed
+from ._masks import arange, padding_allowed, structure_allowed
 
 __all__ = [
     "AttentionPlan",
+    "ScoreTerms",
+    "alibi_distance",
     "allowed_block",
     "heads_to_rows",
     "logits_block",
     "rows_to_heads",
     "scaled_query_rows",
+    "scores_block",
     "slice_block",
 ]
 
@@ -46,6 +50,7 @@ class AttentionPlan:
     compute_dtype: Any
     result_dtype: Any
     device: Any
+    has_lengths: bool = False
 
     @property
     def groups(self) -> int:
@@ -56,6 +61,27 @@ class AttentionPlan:
     def offset(self) -> int:
         """``Lk - Lq``: the bottom-right alignment of queries on the key axis."""
         return self.kv_len - self.q_len
+
+
+@dataclass(frozen=True)
+class ScoreTerms:
+    """The per-call arrays of the score pipeline other than Q, K, V and the bias.
+
+    Every array already has the shape it broadcasts with: masks have at least two
+    dims (..., Lq|1, Lk|1); lengths, offsets and the batch index are
+    (*batch, 1, 1, 1); ALiBi slopes are (..., Hq, 1, 1). None of them is
+    differentiated.
+    """
+
+    mask: Any | None = None
+    q_lengths: Any | None = None
+    kv_lengths: Any | None = None
+    offset: Any = 0
+    alibi_slopes: Any | None = None
+    score_mod: Callable[..., Any] | None = None
+    batch_index: Any | None = None
+    dropout_keep: Any | None = None
+    dropout_scale: float = 1.0
 
 
 def heads_to_rows(xp: Any, x: Any, num_kv_heads: int) -> Any:
@@ -110,20 +136,78 @@ def slice_block(x: Any | None, q_range: Range, k_range: Range) -> Any | None:
 
 
 def allowed_block(
-    xp: Any, mask_block: Any | None, plan: AttentionPlan, q_range: Range, k_range: Range
+    xp: Any,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    q_range: Range,
+    k_range: Range,
+    *,
+    structural: bool = True,
 ) -> Any | None:
-    """Combine the user mask, causal and window for one block; None when all is allowed."""
-    structure = structure_allowed(
-        xp,
-        q_range,
-        k_range,
-        offset=plan.offset,
-        is_causal=plan.is_causal,
-        window=plan.window,
-        device=plan.device,
-    )  # (bq, bk) or None
-    if mask_block is None:
-        return structure
-    if structure is None:
-        return mask_block
-    return xp.logical_and(mask_block, structure)  # broadcast to (..., Hq, bq, bk)
+    """Combine the user mask, causal, window and padding for one block.
+
+    Returns None when everything is allowed. ``structural=False`` leaves out the
+    causal/window part (for blocks known to be fully inside the band).
+    """
+    parts = [slice_block(terms.mask, q_range, k_range)]  # (..., Hq|1, bq|1, bk|1)
+    if structural:
+        parts.append(
+            structure_allowed(
+                xp,
+                q_range,
+                k_range,
+                offset=terms.offset,
+                is_causal=plan.is_causal,
+                window=plan.window,
+                device=plan.device,
+            )
+        )  # (bq, bk) or (*batch, 1, bq, bk)
+    parts.append(
+        padding_allowed(xp, q_range, k_range, terms.q_lengths, terms.kv_lengths, plan.device)
+    )
+    allowed = None
+    for part in parts:
+        if part is not None:
+            allowed = part if allowed is None else xp.logical_and(allowed, part)
+    return allowed
+
+
+def scores_block(
+    xp: Any,
+    capped: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    q_range: Range,
+    k_range: Range,
+) -> Any:
+    """``score_mod(capped) + bias + ALiBi`` for one block, before masking.
+
+    Parameters
+    ----------
+    capped : array, shape (..., Hq, bq, bk)
+        Soft-capped logits from :func:`logits_block`.
+    bias : array broadcastable to (..., Hq, Lq, Lk), or None
+        The full bias; sliced to the block here.
+    """
+    scores = capped
+    if terms.score_mod is not None:
+        head = arange(xp, 0, plan.num_q_heads, plan.device)[:, None, None]  # (Hq, 1, 1)
+        q_idx = arange(xp, q_range[0], q_range[1], plan.device)[:, None]  # (bq, 1)
+        kv_idx = arange(xp, k_range[0], k_range[1], plan.device)[None, :]  # (1, bk)
+        scores = terms.score_mod(scores, terms.batch_index, head, q_idx, kv_idx)
+    bias_blk = slice_block(bias, q_range, k_range)
+    if bias_blk is not None:
+        scores = scores + bias_blk  # (..., Hq, bq, bk)
+    if terms.alibi_slopes is not None:
+        scores = scores - terms.alibi_slopes * alibi_distance(xp, terms, plan, q_range, k_range)
+    return scores
+
+
+def alibi_distance(
+    xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range
+) -> Any:
+    """``|i' - j|`` with ``i' = i + offset``, as floats: (bq, bk) or (*batch, 1, bq, bk)."""
+    q_pos = arange(xp, q_range[0], q_range[1], plan.device)[:, None] + terms.offset
+    k_pos = arange(xp, k_range[0], k_range[1], plan.device)[None, :]
+    return xp.astype(xp.abs(q_pos - k_pos), plan.compute_dtype)

@@ -23,11 +23,14 @@ from typing import Any
 
 from ._scores import (
     AttentionPlan,
+    ScoreTerms,
+    alibi_distance,
     allowed_block,
     heads_to_rows,
     logits_block,
     rows_to_heads,
     scaled_query_rows,
+    scores_block,
     slice_block,
 )
 from ._softmax import safe_denominator
@@ -46,8 +49,11 @@ def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str
     """``"skip"`` when causal/window hide the whole block, else ``"partial"`` or ``"full"``.
 
     Query ``i`` sees key ``j`` iff ``i' - left <= j <= i' + right`` with
-    ``i' = i + Lk - Lq``; causal sets ``right = min(right, 0)``.
+    ``i' = i + Lk - Lq``; causal sets ``right = min(right, 0)``. With sequence
+    lengths the alignment depends on array values, so every block is "partial".
     """
+    if plan.has_lengths:
+        return "partial"
     left, right = plan.window if plan.window is not None else (None, None)
     if plan.is_causal:
         right = 0 if right is None else min(right, 0)
@@ -75,21 +81,29 @@ def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _block_scores(
-    xp: Any, q_rows: Any, k_blk: Any, mask: Any, bias: Any, plan: AttentionPlan,
-    q_range: Range, k_range: Range, visibility: str,
-) -> tuple[Any, Any, Any | None]:  # fmt: skip
-    """Return (capped logits, logits + bias with disallowed entries -inf, allowed)."""
+    xp: Any,
+    q_rows: Any,
+    k_blk: Any,
+    bias: Any,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    q_range: Range,
+    k_range: Range,
+    visibility: str,
+) -> tuple[Any, Any]:
+    """Return (capped logits, scores with disallowed entries -inf) for one block."""
     capped = logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk)
-    bias_blk = slice_block(bias, q_range, k_range)
-    scores = capped if bias_blk is None else capped + bias_blk  # (..., Hq, bq, bk)
-    mask_blk = slice_block(mask, q_range, k_range)
-    if visibility == "full":  # no structural mask needed in this block
-        allowed = mask_blk
-    else:
-        allowed = allowed_block(xp, mask_blk, plan, q_range, k_range)
+    scores = scores_block(xp, capped, bias, terms, plan, q_range, k_range)
+    allowed = allowed_block(xp, terms, plan, q_range, k_range, structural=visibility != "full")
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
-    return capped, scores, allowed
+    return capped, scores
+
+
+def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) -> Any:
+    """Dropout on a block of (unnormalised) weights; the 1/(1-p) factor comes later."""
+    keep = slice_block(terms.dropout_keep, q_range, k_range)
+    return p if keep is None else xp.where(keep, p, 0.0)
 
 
 def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
@@ -99,9 +113,16 @@ def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
 
 
 def tiled_forward(
-    xp: Any, q: Any, k: Any, v: Any, mask: Any | None, bias: Any | None, plan: AttentionPlan,
-    block_q: int, block_k: int,
-) -> tuple[Any, Any]:  # fmt: skip
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    block_q: int,
+    block_k: int,
+) -> tuple[Any, Any]:
     """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
 
     ``lse`` is ``+inf`` for rows with no visible key, so that recomputed
@@ -118,14 +139,16 @@ def tiled_forward(
             if vis == "skip":
                 continue
             ks, ke = k_range
-            _, s, _ = _block_scores(xp, q_rows, k[..., ks:ke, :], mask, bias, plan, q_range,
-                                    k_range, vis)  # fmt: skip
+            _, s = _block_scores(
+                xp, q_rows, k[..., ks:ke, :], bias, terms, plan, q_range, k_range, vis
+            )
             m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
             m_new = m_blk if m is None else xp.maximum(m, m_blk)
             m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)  # a fully hidden block stays 0
             p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
             del s  # keep at most two (bq, bk) blocks alive
-            pv = xp.matmul(heads_to_rows(xp, p, hkv), v[..., ks:ke, :])  # (..., Hkv, G*bq, Dv)
+            kept = heads_to_rows(xp, _keep(xp, p, terms, q_range, k_range), hkv)
+            pv = xp.matmul(kept, v[..., ks:ke, :])  # (..., Hkv, G*bq, Dv)
             pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv)
             p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
             if m is None:
@@ -139,6 +162,8 @@ def tiled_forward(
             shape = (*plan.batch, hq, bq, 1)
             m, l_sum = _zeros(xp, shape, plan), _zeros(xp, shape, plan)
             acc = _zeros(xp, (*plan.batch, hq, bq, plan.value_dim), plan)
+        if terms.dropout_keep is not None:
+            acc = acc * terms.dropout_scale
         outs.append(acc / safe_denominator(xp, l_sum))
         m_safe = xp.where(m == -xp.inf, 0.0, m)
         lse = xp.where(l_sum == 0.0, xp.inf, m_safe + xp.log(safe_denominator(xp, l_sum)))
@@ -160,10 +185,23 @@ def _combine(xp: Any, parts: list[Any], axis: int, concatenate: bool) -> Any:
 
 
 def tiled_backward(
-    xp: Any, q: Any, k: Any, v: Any, mask: Any | None, bias: Any | None, out: Any, lse: Any,
-    dout: Any, plan: AttentionPlan, block_q: int, block_k: int, *, need_bias_grad: bool,
-) -> tuple[Any, Any, Any, Any | None]:  # fmt: skip
-    """Gradients (dq, dk, dv, dbias) of the tiled attention, shaped like the inputs.
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    plan: AttentionPlan,
+    block_q: int,
+    block_k: int,
+    *,
+    need_bias_grad: bool,
+    need_slope_grad: bool = False,
+) -> tuple[Any, Any, Any, Any | None, Any | None]:
+    """Gradients (dq, dk, dv, dbias, dslopes) of the tiled attention, shaped like the inputs.
 
     Parameters are the forward's inputs (compute dtype, explicit head axis), its
     output and ``lse``, and the output cotangent `dout` (..., Hq, Lq, Dv).
@@ -176,6 +214,7 @@ def tiled_backward(
     dk_sums: list[Any] = [None] * len(k_blocks)
     dv_sums: list[Any] = [None] * len(k_blocks)
     dq_parts, dbias_rows = [], []
+    dslopes = None
     for q_range in block_ranges(plan.q_len, block_q):
         qs, qe = q_range
         q_blk = q[..., qs:qe, :]
@@ -192,16 +231,28 @@ def tiled_backward(
                     dbias_cols.append(None)
                 continue
             k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
-            capped, s, _ = _block_scores(xp, q_rows, k_blk, mask, bias, plan, q_range, k_range,
-                                         vis)  # fmt: skip
+            capped, s = _block_scores(xp, q_rows, k_blk, bias, terms, plan, q_range, k_range, vis)
             p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
-            p_rows = heads_to_rows(xp, p, hkv)  # (..., Hkv, G*bq, bk)
+            p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)
+            p_rows = heads_to_rows(xp, p_kept, hkv)  # (..., Hkv, G*bq, bk)
             dv_blk = xp.matmul(xp.matrix_transpose(p_rows), do_rows)  # (..., Hkv, bk, Dv)
+            if terms.dropout_keep is not None:
+                dv_blk = dv_blk * terms.dropout_scale
             dv_sums[j] = dv_blk if dv_sums[j] is None else dv_sums[j] + dv_blk
             dp = rows_to_heads(xp, xp.matmul(do_rows, xp.matrix_transpose(v_blk)), hq)
+            if terms.dropout_keep is not None:
+                dp = _keep(xp, dp, terms, q_range, k_range) * terms.dropout_scale
             ds = p * (dp - delta_blk)  # d loss / d (logits + bias), (..., Hq, bq, bk)
             if need_bias_grad:
                 dbias_cols.append(ds)
+            if need_slope_grad:  # scores -= slope * |i' - j|
+                slopes = terms.alibi_slopes
+                d = sum_to_shape(
+                    xp,
+                    -ds * alibi_distance(xp, terms, plan, q_range, k_range),
+                    tuple(slopes.shape),
+                )
+                dslopes = d if dslopes is None else dslopes + d
             if plan.softcap is not None:
                 ds = ds * (1.0 - (capped / plan.softcap) ** 2)  # through softcap·tanh(x/softcap)
             ds_rows = heads_to_rows(xp, ds, hkv)  # (..., Hkv, G*bq, bk)
@@ -222,7 +273,9 @@ def tiled_backward(
     if need_bias_grad:
         dbias = _combine(xp, dbias_rows, -2, bias.shape[-2] != 1)
         dbias = sum_to_shape(xp, dbias, tuple(bias.shape))
-    return dq, dk, dv, dbias
+    if need_slope_grad and dslopes is None:
+        dslopes = xp.zeros_like(terms.alibi_slopes)
+    return dq, dk, dv, dbias, dslopes
 
 
 def _kv_grad(xp: Any, sums: list[Any], x: Any, k_blocks: list[Range], plan: AttentionPlan) -> Any:
@@ -238,9 +291,13 @@ def _kv_grad(xp: Any, sums: list[Any], x: Any, k_blocks: list[Range], plan: Atte
 
 
 def _bias_row(
-    xp: Any, cols: list[Any | None], bias: Any, q_range: Range, k_blocks: list[Range],
+    xp: Any,
+    cols: list[Any | None],
+    bias: Any,
+    q_range: Range,
+    k_blocks: list[Range],
     plan: AttentionPlan,
-) -> Any:  # fmt: skip
+) -> Any:
     """Assemble the bias gradient of one query block, reduced to the bias's block shape."""
     bq = q_range[1] - q_range[0]
     parts = []
@@ -266,6 +323,8 @@ def default_tiles(traced: bool, q_len: int, kv_len: int) -> tuple[int, int]:
     blocks of at least 256 and at most 16 per axis, keeping compile time bounded.
     """
     if traced:
-        return (max(256, 128 * math.ceil(q_len / (16 * 128))),
-                max(256, 128 * math.ceil(kv_len / (16 * 128))))  # fmt: skip
+        return (
+            max(256, 128 * math.ceil(q_len / (16 * 128))),
+            max(256, 128 * math.ceil(kv_len / (16 * 128))),
+        )
     return EAGER_TILES
