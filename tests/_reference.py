@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def structure(lq: int, lk: int, *, is_causal: bool = False, window=None) -> np.ndarray:
+def structure(lq: int, lk: int, *, is_causal: bool = False, window=None, offset=None):
     """(Lq, Lk) bool: causal/window allowed positions with bottom-right alignment."""
     allowed = np.ones((lq, lk), dtype=bool)
+    offset = lk - lq if offset is None else offset
     for i in range(lq):
-        ii = i + lk - lq
+        ii = i + offset
         for j in range(lk):
             if is_causal and j > ii:
                 allowed[i, j] = False
@@ -27,8 +28,23 @@ def structure(lq: int, lk: int, *, is_causal: bool = False, window=None) -> np.n
 
 
 def reference_weights(
-    q, k, *, mask=None, bias=None, is_causal=False, scale=None, window=None, softcap=None
+    q,
+    k,
+    *,
+    mask=None,
+    bias=None,
+    is_causal=False,
+    scale=None,
+    window=None,
+    softcap=None,
+    q_lengths=None,
+    kv_lengths=None,
+    alibi_slopes=None,
+    score_mod=None,
+    dropout_p=0.0,
+    dropout_mask=None,
 ):
+    """Float64 weights. With lengths or ALiBi, the batch is one leading axis B."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     two_d = q.ndim == 2 and k.ndim == 2
@@ -43,10 +59,40 @@ def reference_weights(
     logits = np.einsum("...qd,...kd->...qk", q, k) * scale
     if softcap is not None:
         logits = softcap * np.tanh(logits / softcap)
+    lq, lk = logits.shape[-2:]
+    hq = logits.shape[-3]
+    if score_mod is not None:
+        nb = int(np.prod(logits.shape[:-3]))
+        b_idx = np.arange(nb).reshape((*logits.shape[:-3], 1, 1, 1))
+        logits = score_mod(
+            logits,
+            b_idx,
+            np.arange(hq)[:, None, None],
+            np.arange(lq)[:, None],
+            np.arange(lk)[None, :],
+        )
     if bias is not None:
         logits = logits + np.asarray(bias, dtype=np.float64)
-    lq, lk = logits.shape[-2:]
-    allowed = np.broadcast_to(structure(lq, lk, is_causal=is_causal, window=window), logits.shape)
+    per_batch = q_lengths is not None or kv_lengths is not None or alibi_slopes is not None
+    if not per_batch:
+        allowed = np.broadcast_to(
+            structure(lq, lk, is_causal=is_causal, window=window), logits.shape
+        )
+    else:
+        nb = logits.shape[0]
+        allowed = np.ones(logits.shape, dtype=bool)
+        logits = logits.copy()
+        for b in range(nb):
+            ql = lq if q_lengths is None else int(np.broadcast_to(q_lengths, (nb,))[b])
+            kl = lk if kv_lengths is None else int(np.broadcast_to(kv_lengths, (nb,))[b])
+            allowed[b] &= structure(lq, lk, is_causal=is_causal, window=window, offset=kl - ql)
+            allowed[b, ..., ql:, :] = False
+            allowed[b, ..., :, kl:] = False
+            if alibi_slopes is not None:
+                slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64), (nb, hq))[b]
+                i_pos = np.arange(lq)[:, None] + kl - ql
+                dist = np.abs(i_pos - np.arange(lk)[None, :])
+                logits[b] = logits[b] - slopes[:, None, None] * dist
     if mask is not None:
         allowed = allowed & np.asarray(mask, dtype=bool)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -56,6 +102,8 @@ def reference_weights(
         e = np.exp(masked - np.where(empty, 0.0, row_max))
         total = e.sum(axis=-1, keepdims=True)
         w = np.where(empty, 0.0, e / np.where(empty, 1.0, total))
+    if dropout_mask is not None:
+        w = np.where(dropout_mask, w / (1.0 - dropout_p), 0.0)
     return w[0] if two_d else w
 
 

@@ -1,0 +1,58 @@
+"""ALiBi: attention with linear biases (Press et al., 2022)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["get_alibi_slopes"]
+
+
+def _power_of_two_slopes(n: int) -> list[float]:
+    start = 2.0 ** (-8.0 / n)  # 2^(-8/n), then its powers
+    return [start ** (i + 1) for i in range(n)]
+
+
+def get_alibi_slopes(num_heads: int, *, xp: Any = None, device: Any = None) -> Any:
+    """Return the standard per-head ALiBi slopes, as in the ALiBi paper and BLOOM/MPT.
+
+    For ``n`` heads, a power of two, the slopes are the geometric sequence
+    ``2^(-8/n), 2^(-16/n), ..., 2^(-8)``. Otherwise, with ``m`` the largest power
+    of two below ``n``, they are the ``m`` slopes of ``m`` heads followed by
+    every other slope of ``2m`` heads, ``n - m`` of them.
+
+    Parameters
+    ----------
+    num_heads : int
+        Number of query heads, ``Hq``.
+    xp : namespace, optional
+        Array namespace of the result; NumPy (float64) when omitted.
+    device : device, optional
+        Device of the result.
+
+    Returns
+    -------
+    array, shape (num_heads,)
+        Pass it as ``alibi_slopes=`` to :func:`scaled_dot_product_attention`.
+
+    Examples
+    --------
+    >>> from portable_attn import get_alibi_slopes
+    >>> get_alibi_slopes(4)
+    array([0.25    , 0.0625  , 0.015625, 0.00390625])
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        msg = f"`num_heads` must be a positive integer, but got {num_heads!r}"
+        raise ValueError(msg)
+    m = 2 ** math.floor(math.log2(num_heads))
+    slopes = _power_of_two_slopes(m)
+    if m < num_heads:
+        slopes += _power_of_two_slopes(2 * m)[0::2][: num_heads - m]
+    result = np.asarray(slopes, dtype=np.float64)
+    if xp is None:
+        return result
+    if device is None:
+        return xp.asarray(result)
+    return xp.asarray(result, device=device)
