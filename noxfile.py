@@ -73,9 +73,10 @@ def _pytest(session: nox.Session, backend: str) -> None:
 
 @nox.session(name="tests-numpy", python=PYTHONS)
 def tests_numpy(session: nox.Session) -> None:
-    """NumPy (writable and read-only inputs) on every Python 3.10-3.13 found."""
+    """NumPy (writable and read-only inputs) on every Python 3.10-3.13 found, and doctests."""
     session.install(".[test]")
     _pytest(session, "numpy")
+    session.run("python", "-m", "pytest", "--doctest-modules", "src/portable_attn")
 
 
 @nox.session(name="tests-array_api_strict", python=PYTHONS)

@@ -9,13 +9,26 @@ from __future__ import annotations
 from ._attention import attention_weights, scaled_dot_product_attention
 from ._causal import causal_mask
 from .alibi import get_alibi_slopes
+from .kv_cache import KVCache, kv_cache_append, kv_cache_attention, kv_cache_init
+from .mha import init_mha_params, multi_head_attention
+from .norms import l2_normalize, rms_norm
+from .rope import apply_rope
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
     "__version__",
+    "apply_rope",
     "attention_weights",
     "causal_mask",
     "get_alibi_slopes",
+    "init_mha_params",
+    "kv_cache_append",
+    "kv_cache_attention",
+    "kv_cache_init",
+    "l2_normalize",
+    "multi_head_attention",
+    "rms_norm",
     "scaled_dot_product_attention",
 ]

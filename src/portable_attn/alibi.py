@@ -41,7 +41,7 @@ def get_alibi_slopes(num_heads: int, *, xp: Any = None, device: Any = None) -> A
     --------
     >>> from portable_attn import get_alibi_slopes
     >>> get_alibi_slopes(4)
-    array([0.25    , 0.0625  , 0.015625, 0.00390625])
+    array([0.25      , 0.0625    , 0.015625  , 0.00390625])
     """
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         msg = f"`num_heads` must be a positive integer, but got {num_heads!r}"

@@ -1,0 +1,244 @@
+"""An immutable, fixed-capacity key/value cache for autoregressive decoding.
+
+The cache never changes shape: appending writes the new tokens into slots
+``[length, length + T)`` by index arithmetic (no in-place writes), so one
+``jax.jit`` compilation serves every decoding step. Attention over the cache
+masks the slots past each sequence's length and aligns causality on the valid
+lengths.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ._attention import scaled_dot_product_attention
+from ._lib._compat import array_namespace, device, library_name
+from ._lib._masks import arange
+
+__all__ = ["KVCache", "kv_cache_append", "kv_cache_attention", "kv_cache_init"]
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys and values of a fixed capacity and the valid length of each sequence.
+
+    Attributes
+    ----------
+    keys : array, shape (B..., Hkv, capacity, Dk)
+        Cached keys; slots at or past `lengths` are unused.
+    values : array, shape (B..., Hkv, capacity, Dv)
+        Cached values.
+    lengths : integer array, shape (B...)
+        Number of valid tokens of each sequence.
+    """
+
+    keys: Any
+    values: Any
+    lengths: Any
+
+    def __post_init__(self) -> None:
+        if library_name(self.keys) == "jax" or "jax" in sys.modules:
+            _register_with_jax()
+
+    @property
+    def capacity(self) -> int:
+        """The number of token slots, ``keys.shape[-2]``."""
+        return int(self.keys.shape[-2])
+
+
+_REGISTERED = False
+
+
+def _register_with_jax() -> None:
+    """Make KVCache a JAX pytree, so it passes through jax.jit, vmap and grad."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    import jax
+
+    jax.tree_util.register_pytree_node(
+        KVCache,
+        lambda c: ((c.keys, c.values, c.lengths), None),
+        lambda _, children: KVCache(*children),
+    )
+    _REGISTERED = True
+
+
+def kv_cache_init(
+    xp: Any,
+    *,
+    batch_shape: tuple[int, ...],
+    num_kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    value_dim: int | None = None,
+    dtype: Any = None,
+    device: Any = None,
+) -> KVCache:
+    """Create an empty cache of zeros with all lengths 0.
+
+    Parameters
+    ----------
+    xp : namespace
+        Array namespace (e.g. ``array_api_compat.array_namespace(q)``, ``jax.numpy``).
+    batch_shape : tuple of int
+        Leading batch dims ``B...``.
+    num_kv_heads, capacity, head_dim : int
+        ``Hkv``, the number of token slots, ``Dk``.
+    value_dim : int, optional
+        ``Dv``; defaults to `head_dim`.
+    dtype : dtype, optional
+        Dtype of keys and values; float32 by default.
+    device : device, optional
+        Device of the arrays.
+
+    Returns
+    -------
+    KVCache
+    """
+    for name, n in (
+        ("num_kv_heads", num_kv_heads),
+        ("capacity", capacity),
+        ("head_dim", head_dim),
+    ):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            msg = f"`{name}` must be a positive integer, but got {n!r}"
+            raise ValueError(msg)
+    dtype = xp.float32 if dtype is None else dtype
+    value_dim = head_dim if value_dim is None else value_dim
+    kw = {} if device is None else {"device": device}
+    shape = (*batch_shape, num_kv_heads, capacity)
+    return KVCache(
+        keys=xp.zeros((*shape, head_dim), dtype=dtype, **kw),
+        values=xp.zeros((*shape, value_dim), dtype=dtype, **kw),
+        lengths=xp.zeros(tuple(batch_shape), dtype=xp.int32, **kw),
+    )
+
+
+def _write(xp: Any, slots: Any, new: Any, lengths: Any, t: int) -> Any:
+    """Write `new` (..., Hkv, T, D) at slots [length, length + T) of `slots` (..., Hkv, C, D)."""
+    cap = slots.shape[-2]
+    pos = arange(xp, 0, cap, device(slots))[:, None] - xp.reshape(
+        lengths, (*lengths.shape, 1, 1, 1)
+    )
+    inside = xp.logical_and(pos >= 0, pos < t)  # (..., 1, C, 1)
+    if hasattr(xp, "take_along_axis"):
+        index = xp.clip(pos, 0, t - 1)  # (..., 1, C, 1)
+        gathered = xp.take_along_axis(new, index, axis=-2)  # (..., Hkv, C, D)
+        return xp.where(inside, gathered, slots)
+    out = slots  # libraries without take_along_axis (Dask): one select per new token
+    for i in range(t):
+        out = xp.where(pos == i, new[..., i : i + 1, :], out)
+    return out
+
+
+def kv_cache_append(cache: KVCache, key: Any, value: Any) -> KVCache:
+    """Return a new cache with `key`/`value` appended after each sequence's valid tokens.
+
+    Parameters
+    ----------
+    cache : KVCache
+        The current cache (not modified).
+    key : array, shape (B..., Hkv, T, Dk)
+        New keys (already position-encoded, e.g. by :func:`apply_rope`).
+    value : array, shape (B..., Hkv, T, Dv)
+        New values.
+
+    Returns
+    -------
+    KVCache
+        Same shapes; ``lengths`` increased by ``T``.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the cache, or (where lengths are concrete, i.e.
+        not traced under ``jax.jit``) an append past the capacity.
+    """
+    xp = array_namespace(key=key, value=value, keys=cache.keys)
+    for name, x, ref in (("key", key, cache.keys), ("value", value, cache.values)):
+        exp = (*ref.shape[:-2], ref.shape[-1])
+        got = (*x.shape[:-2], x.shape[-1])
+        if x.ndim != ref.ndim or got != exp:
+            msg = (
+                f"`{name}` shape {tuple(x.shape)} does not match the cache: expected "
+                f"(..., Hkv, T, D) with (..., Hkv) and D of cache shape {tuple(ref.shape)}"
+            )
+            raise ValueError(msg)
+    if key.shape[-2] != value.shape[-2]:
+        msg = (
+            "`key` and `value` must add the same number of tokens (axis -2), but got "
+            f"key shape {tuple(key.shape)} and value shape {tuple(value.shape)}"
+        )
+        raise ValueError(msg)
+    t = int(key.shape[-2])
+    _check_capacity(xp, cache, t)
+    keys = _write(xp, cache.keys, xp.astype(key, cache.keys.dtype), cache.lengths, t)
+    values = _write(xp, cache.values, xp.astype(value, cache.values.dtype), cache.lengths, t)
+    return KVCache(keys, values, cache.lengths + t)
+
+
+def _check_capacity(xp: Any, cache: KVCache, t: int) -> None:
+    lengths = cache.lengths
+    lib = library_name(lengths)
+    if lib == "dask":
+        return  # checking would compute the graph
+    if lib == "jax":
+        import jax
+
+        if isinstance(lengths, jax.core.Tracer):
+            return  # traced: static shapes, nothing to check without a host sync
+    longest = int(xp.max(lengths)) if lengths.ndim else int(lengths)
+    if longest + t > cache.capacity:
+        msg = (
+            f"appending {t} token(s) to a KV cache of capacity {cache.capacity} whose longest "
+            f"sequence already holds {longest} would overflow it"
+        )
+        raise ValueError(msg)
+
+
+def kv_cache_attention(
+    query: Any,
+    cache: KVCache,
+    *,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    is_causal: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Attention of the newest queries over the valid part of a cache.
+
+    ``query`` holds the last ``T`` tokens of each sequence (those just appended
+    with :func:`kv_cache_append`); causal alignment uses the valid lengths,
+    ``i' = i + length - T``, so query ``i`` sees the cache up to its own token.
+
+    Parameters
+    ----------
+    query : array, shape (B..., Hq, T, Dk)
+        Queries of the newest tokens.
+    cache : KVCache
+        The cache, including these tokens.
+    scale, window, softcap, is_causal
+        As in :func:`scaled_dot_product_attention`.
+    **kwargs
+        Other arguments of :func:`scaled_dot_product_attention` (``alibi_slopes``,
+        ``block_size``, ...).
+
+    Returns
+    -------
+    array, shape (B..., Hq, T, Dv)
+    """
+    return scaled_dot_product_attention(
+        query,
+        cache.keys,
+        cache.values,
+        kv_lengths=cache.lengths,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        **kwargs,
+    )

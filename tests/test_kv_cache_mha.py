@@ -1,0 +1,264 @@
+"""KV cache decoding, multi-head attention layers and a whole decoder block."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import assert_backend_array, assert_close
+from _reference import reference_attention
+from portable_attn import (
+    KVCache,
+    apply_rope,
+    init_mha_params,
+    kv_cache_append,
+    kv_cache_attention,
+    kv_cache_init,
+    multi_head_attention,
+    scaled_dot_product_attention,
+)
+
+
+def randn(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def empty_cache(backend, xp, capacity=12, batch=(2,), hkv=2, d=4, dv=3):
+    return kv_cache_init(
+        xp,
+        batch_shape=batch,
+        num_kv_heads=hkv,
+        capacity=capacity,
+        head_dim=d,
+        value_dim=dv,
+        dtype=backend.dtype("float64"),
+        device=backend.device,
+    )
+
+
+class TestKVCache:
+    @pytest.mark.parametrize(
+        "chunks", [[1] * 9, [4, 1, 3, 1], [9]], ids=["tokens", "mixed", "prefill"]
+    )
+    def test_decoding_equals_full_causal_attention(self, backend, xp, chunks):
+        q, k, v = randn(2, 4, 9, 4), randn(2, 2, 9, 4, seed=1), randn(2, 2, 9, 3, seed=2)
+        cache = empty_cache(backend, xp)
+        outs, start = [], 0
+        for n in chunks:
+            sl = slice(start, start + n)
+            cache = kv_cache_append(
+                cache, backend.asarray(k[:, :, sl]), backend.asarray(v[:, :, sl])
+            )
+            outs.append(backend.to_numpy(kv_cache_attention(backend.asarray(q[:, :, sl]), cache)))
+            start += n
+        np.testing.assert_allclose(
+            np.concatenate(outs, axis=2), reference_attention(q, k, v, is_causal=True), atol=1e-12
+        )
+        np.testing.assert_array_equal(backend.to_numpy(cache.lengths), [9, 9])
+
+    def test_ragged_batch(self, backend, xp):
+        # sequence 0 has a 3-token prompt, sequence 1 a 1-token prompt (lengths differ)
+        cache = empty_cache(backend, xp)
+        k0, v0 = randn(2, 2, 3, 4, seed=3), randn(2, 2, 3, 3, seed=4)
+        cache = kv_cache_append(cache, backend.asarray(k0), backend.asarray(v0))
+        lengths = KVCache(
+            cache.keys, cache.values, backend.asarray(np.array([3, 1], dtype=np.int32))
+        )
+        q1, k1, v1 = (
+            randn(2, 4, 1, 4, seed=5),
+            randn(2, 2, 1, 4, seed=6),
+            randn(2, 2, 1, 3, seed=7),
+        )
+        cache = kv_cache_append(lengths, backend.asarray(k1), backend.asarray(v1))
+        out = backend.to_numpy(kv_cache_attention(backend.asarray(q1), cache))
+        for b, n in enumerate([3, 1]):
+            keys = np.concatenate([k0[b, :, :n], k1[b]], axis=1)
+            vals = np.concatenate([v0[b, :, :n], v1[b]], axis=1)
+            np.testing.assert_allclose(out[b], reference_attention(q1[b], keys, vals), atol=1e-12)
+
+    def test_append_does_not_modify_the_cache(self, backend, xp):
+        cache = empty_cache(backend, xp)
+        before = backend.to_numpy(cache.keys).copy()
+        new = kv_cache_append(
+            cache, backend.asarray(randn(2, 2, 2, 4)), backend.asarray(randn(2, 2, 2, 3))
+        )
+        np.testing.assert_array_equal(backend.to_numpy(cache.keys), before)
+        assert_backend_array(backend, new.keys, shape=(2, 2, 12, 4), dtype="float64")
+
+    def test_overflow_is_an_error(self, backend, xp):
+        if backend.family == "dask":
+            pytest.skip("a lazy Dask cache cannot check its lengths without computing")
+        cache = empty_cache(backend, xp, capacity=4)
+        cache = kv_cache_append(
+            cache, backend.asarray(randn(2, 2, 3, 4)), backend.asarray(randn(2, 2, 3, 3))
+        )
+        with pytest.raises(ValueError, match=r"capacity 4 .* already holds 3"):
+            kv_cache_append(
+                cache, backend.asarray(randn(2, 2, 2, 4)), backend.asarray(randn(2, 2, 2, 3))
+            )
+
+    def test_shape_mismatch(self, backend, xp):
+        cache = empty_cache(backend, xp)
+        with pytest.raises(
+            ValueError, match=r"`key` shape \(2, 3, 1, 4\) does not match the cache"
+        ):
+            kv_cache_append(
+                cache, backend.asarray(randn(2, 3, 1, 4)), backend.asarray(randn(2, 3, 1, 3))
+            )
+
+    def test_one_jit_compilation_serves_every_step(self, backend, xp):
+        if backend.family != "jax":
+            pytest.skip("jax.jit only")
+        import jax
+
+        traces = []
+
+        @jax.jit
+        def step(cache, q, k, v):
+            traces.append(1)
+            cache = kv_cache_append(cache, k, v)
+            return cache, kv_cache_attention(q, cache)
+
+        q, k, v = randn(2, 4, 5, 4), randn(2, 2, 5, 4, seed=1), randn(2, 2, 5, 3, seed=2)
+        cache = empty_cache(backend, xp)
+        outs = []
+        for t in range(5):
+            cache, out = step(cache, *(backend.asarray(a[:, :, t : t + 1]) for a in (q, k, v)))
+            outs.append(np.asarray(out))
+        assert len(traces) == 1
+        np.testing.assert_allclose(
+            np.concatenate(outs, 2), reference_attention(q, k, v, is_causal=True), atol=1e-12
+        )
+
+
+class TestMultiHeadAttention:
+    @pytest.mark.parametrize("hkv", [4, 2, 1])
+    def test_self_attention_matches_oracle(self, backend, xp, hkv):
+        x = randn(2, 5, 16)
+        params = init_mha_params(
+            xp, 16, 4, num_kv_heads=hkv, dtype=backend.dtype("float64"), device=backend.device
+        )
+        out = multi_head_attention(
+            backend.asarray(x), params=params, num_heads=4, num_kv_heads=hkv, is_causal=True
+        )
+        p = {n: backend.to_numpy(a) for n, a in params.items()}
+        split = lambda y, h: y.reshape(2, 5, h, -1).transpose(0, 2, 1, 3)  # noqa: E731
+        q, k, v = (
+            split(x @ p["wq"] + p["bq"], 4),
+            split(x @ p["wk"] + p["bk"], hkv),
+            split(x @ p["wv"] + p["bv"], hkv),
+        )
+        att = reference_attention(q, k, v, is_causal=True).transpose(0, 2, 1, 3).reshape(2, 5, -1)
+        assert_close(backend, out, att @ p["wo"] + p["bo"])
+
+    @pytest.mark.parametrize("cross", [False, True])
+    def test_against_torch_multihead_attention(self, backend, cross):
+        if backend.family != "torch":
+            pytest.skip("peer comparison with torch.nn.MultiheadAttention")
+        import torch
+
+        torch.manual_seed(0)
+        mha = torch.nn.MultiheadAttention(
+            12, 3, batch_first=True, kdim=8 if cross else None, vdim=8 if cross else None
+        )
+        x = torch.randn(2, 5, 12)
+        kv = torch.randn(2, 7, 8) if cross else x
+        padding = torch.zeros(2, kv.shape[1], dtype=torch.bool)
+        padding[1, -2:] = True  # PyTorch: True = ignore this key
+        with torch.no_grad():
+            expected, _ = mha(x, kv, kv, key_padding_mask=padding)
+            if cross:
+                wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+            else:
+                wq, wk, wv = mha.in_proj_weight.chunk(3)
+            bq, bk, bv = mha.in_proj_bias.chunk(3)
+            params = {
+                "wq": wq.T,
+                "wk": wk.T,
+                "wv": wv.T,
+                "wo": mha.out_proj.weight.T,
+                "bq": bq,
+                "bk": bk,
+                "bv": bv,
+                "bo": mha.out_proj.bias,
+            }
+            ours = multi_head_attention(
+                x, kv, params=params, num_heads=3, mask=~padding[:, None, None, :]
+            )
+        torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
+
+    def test_gradients_flow_to_parameters(self, backend, xp):
+        if not backend.has_autodiff:
+            pytest.skip(f"{backend.kind} has no automatic differentiation")
+        params = init_mha_params(xp, 8, 2, dtype=backend.dtype("float64"), device=backend.device)
+        x = backend.asarray(randn(1, 4, 8))
+
+        def loss(wq, wo):
+            p = dict(params, wq=wq, wo=wo)
+            return xp.sum(multi_head_attention(x, params=p, num_heads=2, is_causal=True) ** 2)
+
+        gq, go = backend.grad(loss, params["wq"], params["wo"])
+        assert np.any(backend.to_numpy(gq) != 0)
+        assert np.any(backend.to_numpy(go) != 0)
+
+    def test_init_is_seeded_and_fan_in_scaled(self, backend, xp):
+        a = init_mha_params(xp, 64, 4, seed=3, device=backend.device)
+        b = init_mha_params(xp, 64, 4, seed=3, device=backend.device)
+        wq = backend.to_numpy(a["wq"])
+        np.testing.assert_array_equal(wq, backend.to_numpy(b["wq"]))
+        assert np.abs(wq).max() <= 1 / 8
+        assert np.abs(wq).max() > 0.1
+        assert a["wq"].dtype == xp.float32
+
+    def test_missing_weight(self, backend, xp):
+        with pytest.raises(KeyError, match="wo"):
+            multi_head_attention(
+                backend.asarray(randn(1, 3, 4)), params={"wq": 0, "wk": 0, "wv": 0}, num_heads=1
+            )
+
+
+class TestDecoderBlock:
+    """RoPE + GQA + causal attention through a KV cache, token by token."""
+
+    def test_token_by_token_equals_full_sequence(self, backend, xp):
+        if backend.family not in ("numpy", "torch", "jax"):
+            pytest.skip("the decoder-block walkthrough runs on NumPy, torch and JAX")
+        d_model, h, hkv, dh, length = 16, 4, 2, 4, 7
+        params = init_mha_params(
+            xp, d_model, h, num_kv_heads=hkv, dtype=backend.dtype("float64"), device=backend.device
+        )
+        x = backend.asarray(randn(2, length, d_model))
+
+        def project(x, w, b, heads):
+            y = xp.reshape(x @ params[w] + params[b], (2, x.shape[1], heads, dh))
+            return xp.permute_dims(y, (0, 2, 1, 3))
+
+        def attend(x, positions, cache=None):
+            q = apply_rope(project(x, "wq", "bq", h), positions)
+            k = apply_rope(project(x, "wk", "bk", hkv), positions)
+            v = project(x, "wv", "bv", hkv)
+            if cache is None:
+                out = scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                cache = kv_cache_append(cache, k, v)
+                out = kv_cache_attention(q, cache)
+            out = xp.reshape(xp.permute_dims(out, (0, 2, 1, 3)), (2, x.shape[1], h * dh))
+            return out @ params["wo"] + params["bo"], cache
+
+        full, _ = attend(x, backend.asarray(np.arange(length)))
+        cache = kv_cache_init(
+            xp,
+            batch_shape=(2,),
+            num_kv_heads=hkv,
+            capacity=16,
+            head_dim=dh,
+            dtype=backend.dtype("float64"),
+            device=backend.device,
+        )
+        steps = []
+        for t in range(length):
+            out, cache = attend(x[:, t : t + 1], backend.asarray(np.array([t])), cache)
+            steps.append(backend.to_numpy(out))
+        np.testing.assert_allclose(
+            np.concatenate(steps, axis=1), backend.to_numpy(full), atol=1e-12
+        )
