@@ -20,6 +20,7 @@ __all__ = [
     "library_name",
     "numpy_namespace",
     "size",
+    "to_numpy",
 ]
 
 _NAMESPACE_BY_TYPE: dict[type, Any] = {}
@@ -86,3 +87,25 @@ def numpy_namespace() -> Any:
     import array_api_compat.numpy as np_xp
 
     return np_xp
+
+
+def to_numpy(x: Any) -> Any:
+    """Copy an array of any supported library to a float64 NumPy array on the host.
+
+    A host transfer (and, for Dask, a computation): only for reports, never in
+    the attention computation itself.
+    """
+    import numpy as np
+
+    lib = library_name(x)
+    if lib == "dask":
+        x = x.compute()
+    elif lib == "torch":
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+    elif lib == "cupy":
+        x = x.get()
+    elif lib == "array_api_strict":
+        return np.from_dlpack(x).astype(np.float64)
+    return np.asarray(x, dtype=np.float64)
