@@ -40,3 +40,30 @@ def test_python_dash_m_prints_version():
         check=True,
     )
     assert __version__ in proc.stdout
+
+
+def test_explain_prints_the_numbers_of_the_notes(backend, capsys):
+    if backend.kind in ("numpy_readonly", "torch:cuda", "jax:gpu"):
+        pytest.skip("covered by the family's main kind")
+    assert main(["explain", "--d-k", "64", "--backend", backend.family]) == 0
+    out = capsys.readouterr().out
+    assert "q.k unscaled" in out
+    assert "[0.9996645, 0.0003354, 0.0000001]" in out
+    assert "[0.6652410, 0.2447285, 0.0900306]" in out
+    assert "p(1-p) at p = 0.9997: 0.000300" in out
+    raw = float(next(ln for ln in out.splitlines() if "q.k unscaled" in ln).split()[2])
+    assert 7.5 < raw < 8.5
+
+
+def test_explain_plot_needs_matplotlib_or_writes_png(backend, tmp_path, capsys):
+    if backend.kind != "numpy":
+        pytest.skip("one plot is enough")
+    target = tmp_path / "entropy.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="needs matplotlib"):
+            main(["explain", "--plot", str(target)])
+        return
+    assert main(["explain", "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -63,6 +63,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from ._explain import explain_table, plot_entropy
+
+    print(explain_table(args.d_k, args.backend))
+    if args.plot:
+        plot_entropy(args.plot, args.backend)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``portable-attn``."""
     parser = argparse.ArgumentParser(
@@ -81,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--backend", default="", help="comma-separated backends (default: all)")
     check.add_argument("--repeats", type=int, default=10, help="timed calls per backend")
     check.set_defaults(func=_cmd_check)
+    explain = sub.add_parser(
+        "explain",
+        help="show, with the library's own functions, why scores are divided by sqrt(d_k)",
+        description="Logit spread before and after scaling, the softmax of [8, 0, -8] vs "
+        "[1, 0, -1], p(1-p), and attention entropy under no scaling, 1/sqrt(d_k) and 1/d_k.",
+    )
+    explain.add_argument("--d-k", type=int, default=64, help="key dimension (default 64)")
+    explain.add_argument("--backend", default="numpy", help="array library to compute with")
+    explain.add_argument("--plot", metavar="PNG", help="also write the entropy-vs-d_k plot")
+    explain.set_defaults(func=_cmd_explain)
     return parser
 
 
