@@ -129,6 +129,26 @@ def tests_cupy(session: nox.Session) -> None:
 
 
 @nox.session(python=ML_PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the documentation; every example is executed, warnings are errors."""
+    session.install(TORCH_SPEC)
+    session.install(JAX_SPEC, DASK_SPEC)
+    session.install(".[docs]")
+    session.run(
+        "python",
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-b",
+        "html",
+        "docs",
+        "docs/_build/html",
+        *session.posargs,
+    )
+
+
+@nox.session(python=ML_PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
     session.install("ruff==0.17.6")
