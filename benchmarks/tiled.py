@@ -47,7 +47,7 @@ if backend == "torch":
     if backward:
         args = [a.requires_grad_(True) for a in args]
     def call():
-        out = sdpa(*args, is_causal=causal, block_size=block)
+        out = sdpa(*args, is_causal=causal, block_size=block, implementation="portable")
         if backward:
             out.sum().backward()
             for a in args:
@@ -56,7 +56,7 @@ if backend == "torch":
 else:
     args = data
     def call():
-        sdpa(*args, is_causal=causal, block_size=block)
+        sdpa(*args, is_causal=causal, block_size=block, implementation="portable")
 # warm up the libraries (lazy imports, thread pools) on a small problem, then measure
 # memory on the first full-size call, before freed-and-reused pages could hide growth
 warm = sdpa(*[a[..., :128, :] for a in args], is_causal=causal, block_size=64)

@@ -14,6 +14,7 @@ from ._lib._dense import dense_attention, dense_weights
 from ._lib._masks import arange
 from ._lib._scores import AttentionPlan, ScoreTerms
 from ._lib._tiled import default_tiles
+from ._native import native_attention, native_unsupported_reason, prefer_native
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
@@ -86,6 +87,7 @@ def _plan(
         compute_dtype=compute_dtype,
         result_dtype=result_dtype,
         device=device(query),
+        key_dim=dk,
     )
 
 
@@ -197,6 +199,34 @@ def _tiles(xp: Any, query: Array, plan: AttentionPlan, block_size: Any) -> tuple
     return sizes[0], sizes[1]
 
 
+def _route(
+    implementation: Any,
+    lib: str,
+    plan: AttentionPlan,
+    terms: ScoreTerms,
+    bias: Array | None,
+    tiles: Any,
+    block_size: Any,
+) -> bool:
+    """Whether this call goes to the framework's native kernel (see ``_native``)."""
+    if implementation == "portable":
+        return False
+    if implementation == "native":
+        reason = native_unsupported_reason(lib, plan, terms, tiles)
+        if reason is not None:
+            msg = f"implementation='native': {reason}; use implementation=None or 'portable'"
+            raise ValueError(msg)
+        return True
+    if implementation is not None:
+        msg = f"`implementation` must be None, 'portable' or 'native', but got {implementation!r}"
+        raise ValueError(msg)
+    if block_size not in (None, "auto") or plan.kv_len == 0 or plan.q_len == 0:
+        return False
+    return native_unsupported_reason(lib, plan, terms, None) is None and prefer_native(
+        lib, plan, terms, bias
+    )
+
+
 def _finish(xp: Any, out: Array, plan: AttentionPlan, *, drop_head: bool) -> Array:
     out = xp.astype(out, plan.result_dtype, copy=False)
     return out[0, ...] if drop_head else out
@@ -220,6 +250,7 @@ def scaled_dot_product_attention(
     score_mod: Callable[..., Array] | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Array | None = None,
+    implementation: Literal["portable", "native"] | None = None,
 ) -> Array:
     r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
 
@@ -296,6 +327,14 @@ def scaled_dot_product_attention(
         Keep-mask drawn by the caller's own random generator (True = keep); kept
         weights are scaled by ``1 / (1 - dropout_p)``. The array API has no random
         generator, so the library never draws one itself.
+    implementation : {None, "portable", "native"}, default None
+        ``"portable"``: always the array-API implementation. ``"native"``: the
+        framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
+        with our masks, alignment and empty-row handling; a call it cannot
+        express (softcap, score_mod, ALiBi, dropout, block_size, other libraries)
+        raises ValueError. None: the native kernel only where it is expressible,
+        honours the contract and is measured faster (torch without masks or bias,
+        causal only with Lq == Lk); the portable path otherwise.
 
     Returns
     -------
@@ -367,6 +406,9 @@ def scaled_dot_product_attention(
     }
     plan, terms = _terms(xp, plan, mask, extras)
     tiles = _tiles(xp, query, plan, block_size)
+    route = _route(implementation, library_name(query), plan, terms, bias, tiles, block_size)
+    if route:
+        tiles = None
     drop_head = query.ndim == key.ndim == value.ndim == 2
     dt = plan.compute_dtype
     q, k, val = (_prepare(xp, x, dt) for x in (query, key, value))
@@ -374,6 +416,8 @@ def scaled_dot_product_attention(
     if plan.kv_len == 0 or plan.q_len == 0:
         shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim)
         out = xp.zeros(shape, dtype=dt, device=plan.device)
+    elif route:
+        out = native_attention(xp, q, k, val, b, terms, plan)
     elif tiles is None:
         out = dense_attention(xp, q, k, val, b, terms, plan)
     else:

@@ -28,7 +28,8 @@ _NAMESPACE_BY_TYPE: dict[type, Any] = {}
 
 def library_name(x: Any) -> str:
     """Return the name of the library that owns array `x` (``"numpy"``, ``"torch"``, ...)."""
-    return type(x).__module__.split(".", 1)[0]
+    name = type(x).__module__.split(".", 1)[0]
+    return "jax" if name == "jaxlib" else name  # concrete JAX arrays live in jaxlib
 
 
 def _namespace_of(name: str, x: Any) -> Any:

@@ -51,6 +51,7 @@ class AttentionPlan:
     result_dtype: Any
     device: Any
     has_lengths: bool = False
+    key_dim: int = 0
 
     @property
     def groups(self) -> int:
