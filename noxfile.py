@@ -148,6 +148,19 @@ def docs(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=ML_PYTHON, default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not part of plain nox): side-by-side tables and JSON in benchmarks/results."""
+    session.install(TORCH_SPEC)
+    session.install(JAX_SPEC, "threadpoolctl", "matplotlib")
+    session.install(".")
+    for backend in ("numpy", "torch", "jax"):
+        session.run(
+            "python", "benchmarks/bench.py", "--backend", backend, "--plot", *session.posargs
+        )
+    session.run("python", "benchmarks/tiled.py", *session.posargs)
+
+
 @nox.session(python=ML_PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""

@@ -6,7 +6,8 @@
 Each measurement runs in a fresh subprocess so that peak memory is its own:
 NumPy's peak extra memory comes from tracemalloc, torch's from the growth of the
 process RSS (sampled every millisecond) over its value before the first full-size
-call (after a small warm-up call that loads the libraries).
+call (after a small warm-up call that loads the libraries), with glibc's mmap
+threshold fixed so that freed blocks leave the RSS.
 Times are medians of repeated runs after that call (a single run at L >= 8192).
 Run it on a quiet machine: anything else on the cores shows in the times.
 float32, B=1, H=8, D=64. Results go to benchmarks/results/tiled.json.
@@ -32,6 +33,7 @@ import numpy as np
 backend, path = sys.argv[1], sys.argv[2]
 L, reps, H, D, BQ, BK = (int(a) for a in sys.argv[3:9])
 causal, backward = sys.argv[9] == "1", sys.argv[10] == "1"
+mode = sys.argv[11]  # "memory" or "time": separate processes, separate allocator settings
 from portable_attn import scaled_dot_product_attention as sdpa
 rng = np.random.default_rng(0)
 data = [rng.standard_normal((1, H, L, D)).astype(np.float32) for _ in range(3)]
@@ -64,7 +66,10 @@ if backward:
     warm.sum().backward()
     for a in args:
         a.grad = None
-if backend == "numpy":
+peak = None
+if mode == "time":
+    pass
+elif backend == "numpy":
     tracemalloc.start(); call(); peak = tracemalloc.get_traced_memory()[1]; tracemalloc.stop()
 else:
     base = rss(); top = [base]; done = threading.Event()
@@ -74,21 +79,41 @@ else:
     th = threading.Thread(target=sample); th.start(); call(); done.set(); th.join()
     peak = top[0] - base
 times = []
-for i in range(reps):
+for i in range(reps if mode == "time" else 0):
     start = time.perf_counter(); call(); times.append(time.perf_counter() - start)
-print(json.dumps({"time_s": statistics.median(times), "peak_bytes": peak}))
+print(json.dumps({"time_s": statistics.median(times) if times else None, "peak_bytes": peak}))
 """
 
 
 def measure(backend, path, L, causal, backward=False):
     reps = 5 if L <= 4096 else 1
     flags = ["1" if causal else "0", "1" if backward else "0"]
-    cmd = [sys.executable, "-c", WORKER, backend, path, *map(str, (L, reps, H, D, *BLOCK)), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = {}
+    for mode in ("memory", "time"):
+        cmd = [
+            sys.executable,
+            "-c",
+            WORKER,
+            backend,
+            path,
+            *map(str, (L, reps, H, D, *BLOCK)),
+            *flags,
+            mode,
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+        if mode == "memory":
+            # a fixed mmap threshold makes glibc return large freed blocks to the OS at once,
+            # so RSS growth measures live memory rather than what the allocator keeps cached
+            # (it slows allocation down, hence timing runs in another process without it)
+            env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["peak_bytes" if mode == "memory" else "time_s"] = got[
+            "peak_bytes" if mode == "memory" else "time_s"
+        ]
+    return result
 
 
 def main():
@@ -137,6 +162,9 @@ def main():
                     }
                 )
                 print_row(rows[-1])
+    if RESULTS.exists():  # keep the rows of backends not measured in this run
+        old = json.loads(RESULTS.read_text()).get("rows", [])
+        rows = [r for r in old if r["backend"] not in backends] + rows
     summary = targets(rows)
     for line in summary:
         print(line)

@@ -97,8 +97,11 @@ def test_native_gradients_match_and_stay_finite(backend, xp):
 
 @pytest.mark.parametrize(
     ("kw", "match"),
-    [({"softcap": 2.0}, "softcap"), ({"block_size": 4}, "block_size"),
-     ({"score_mod": lambda s, *_: s}, "score_mod")],
+    [
+        ({"softcap": 2.0}, "softcap"),
+        ({"block_size": 4}, "block_size"),
+        ({"score_mod": lambda s, *_: s}, "score_mod"),
+    ],
     ids=["softcap", "block_size", "score_mod"],
 )
 def test_native_refuses_what_it_cannot_express(backend, kw, match):
