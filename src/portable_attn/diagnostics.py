@@ -75,7 +75,7 @@ def attention_entropy(weights: Any, *, normalized: bool = False) -> Any:
     w = xp.astype(weights, xp.result_type(weights.dtype, xp.float32), copy=False)
     positive = w > 0
     safe = xp.where(positive, w, 1.0)
-    entropy = -xp.sum(xp.where(positive, w * xp.log(safe), 0.0), axis=-1)
+    entropy = 0.0 - xp.sum(xp.where(positive, w * xp.log(safe), 0.0), axis=-1)  # no -0.0
     if not normalized:
         return entropy
     visible = xp.sum(xp.astype(positive, w.dtype), axis=-1)
