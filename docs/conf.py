@@ -17,7 +17,6 @@ extensions = [
 exclude_patterns = ["_build", "jupyter_execute", ".jupyter_cache"]
 html_theme = "pydata_sphinx_theme"
 html_title = "portable_attn"
-html_static_path = ["_static"]
 html_theme_options = {"show_toc_level": 2}
 
 # every example runs at build time; an error in one fails the build
