@@ -25,7 +25,53 @@ Array = Any
 AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
 
 
+_PLAN_CACHE: dict[Any, AttentionPlan] = {}
+_PLAN_CACHE_SIZE = 256
+
+
+def _meta(x: Array | None) -> Any:
+    return None if x is None else (tuple(x.shape), x.dtype)
+
+
 def _plan(
+    xp: Any,
+    query: Array,
+    key: Array,
+    value: Array | None,
+    mask: Array | None,
+    bias: Array | None,
+    **options: Any,
+) -> AttentionPlan:
+    """Validate and plan a call; calls with the same static facts reuse the plan.
+
+    Everything a plan depends on (shapes, dtypes, device and the scalar options)
+    is in the cache key, so a hit returns exactly what validation would build;
+    a call that fails validation is never cached.
+    """
+    try:
+        cache_key = (
+            id(xp),
+            _meta(query),
+            _meta(key),
+            _meta(value),
+            _meta(mask),
+            _meta(bias),
+            device(query),
+            tuple(sorted((n, repr(o)) for n, o in options.items())),
+        )
+        hash(cache_key)
+    except TypeError:  # an unhashable device (CuPy) or option: plan without the cache
+        return _build_plan(xp, query, key, value, mask, bias, **options)
+    plan = _PLAN_CACHE.get(cache_key)
+    if plan is None:
+        plan = _build_plan(xp, query, key, value, mask, bias, **options)
+        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.clear()
+        _PLAN_CACHE[cache_key] = plan
+    return plan
+
+
+def _build_plan(
     xp: Any,
     query: Array,
     key: Array,

@@ -92,6 +92,8 @@ def heads_to_rows(xp: Any, x: Any, num_kv_heads: int) -> Any:
     """
     *batch, hq, rows, cols = x.shape
     g = hq // num_kv_heads
+    if g == 1:  # plain multi-head attention: nothing to stack
+        return x
     x = xp.reshape(x, (*batch, num_kv_heads, g, rows, cols))  # (..., Hkv, G, L, D)
     return xp.reshape(x, (*batch, num_kv_heads, g * rows, cols))  # (..., Hkv, G*L, D)
 
@@ -100,6 +102,8 @@ def rows_to_heads(xp: Any, x: Any, num_q_heads: int) -> Any:
     """Inverse of :func:`heads_to_rows`: (..., Hkv, G*L, D) to (..., Hq, L, D)."""
     *batch, hkv, rows, cols = x.shape
     g = num_q_heads // hkv
+    if g == 1:
+        return x
     x = xp.reshape(x, (*batch, hkv, g, rows // g, cols))  # (..., Hkv, G, L, D)
     return xp.reshape(x, (*batch, num_q_heads, rows // g, cols))  # (..., Hq, L, D)
 
