@@ -210,6 +210,32 @@ def _terms(
     return plan, terms
 
 
+def _setup(
+    query: Array,
+    key: Array,
+    value: Array | None,
+    mask: Array | None,
+    bias: Array | None,
+    options: dict[str, Any],
+    extras: dict[str, Any],
+) -> tuple[Any, AttentionPlan, ScoreTerms]:
+    """Resolve the namespace, validate everything and gather the score terms of a call."""
+    xp = array_namespace(
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        bias=bias,
+        q_lengths=extras["q_lengths"],
+        kv_lengths=extras["kv_lengths"],
+        alibi_slopes=extras["alibi_slopes"],
+        dropout_mask=extras["dropout_mask"],
+    )
+    plan = _plan(xp, query, key, value, mask, bias, **options)
+    plan, terms = _terms(xp, plan, mask, extras)
+    return xp, plan, terms
+
+
 def _prepare(xp: Any, x: Array | None, dtype: Any) -> Array | None:
     """Give a 2-D input its head axis and cast it to the compute dtype (no copy if equal)."""
     if x is None:
@@ -419,38 +445,22 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 8, 5, 32)
     """
-    xp = array_namespace(
-        query=query,
-        key=key,
-        value=value,
-        mask=mask,
-        bias=bias,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        alibi_slopes=alibi_slopes,
-        dropout_mask=dropout_mask,
-    )
-    plan = _plan(
-        xp,
+    xp, plan, terms = _setup(
         query,
         key,
         value,
         mask,
         bias,
-        is_causal=is_causal,
-        scale=scale,
-        window=window,
-        softcap=softcap,
+        {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap},
+        {
+            "q_lengths": q_lengths,
+            "kv_lengths": kv_lengths,
+            "alibi_slopes": alibi_slopes,
+            "score_mod": score_mod,
+            "dropout_p": dropout_p,
+            "dropout_mask": dropout_mask,
+        },
     )
-    extras = {
-        "q_lengths": q_lengths,
-        "kv_lengths": kv_lengths,
-        "alibi_slopes": alibi_slopes,
-        "score_mod": score_mod,
-        "dropout_p": dropout_p,
-        "dropout_mask": dropout_mask,
-    }
-    plan, terms = _terms(xp, plan, mask, extras)
     tiles = _tiles(xp, query, plan, block_size)
     route = _route(implementation, library_name(query), plan, terms, bias, tiles, block_size)
     if route:
@@ -531,37 +541,22 @@ def attention_weights(
            [0., 1., 0.],
            [0., 0., 1.]])
     """
-    xp = array_namespace(
-        query=query,
-        key=key,
-        mask=mask,
-        bias=bias,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        alibi_slopes=alibi_slopes,
-        dropout_mask=dropout_mask,
-    )
-    plan = _plan(
-        xp,
+    xp, plan, terms = _setup(
         query,
         key,
         None,
         mask,
         bias,
-        is_causal=is_causal,
-        scale=scale,
-        window=window,
-        softcap=softcap,
+        {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap},
+        {
+            "q_lengths": q_lengths,
+            "kv_lengths": kv_lengths,
+            "alibi_slopes": alibi_slopes,
+            "score_mod": score_mod,
+            "dropout_p": dropout_p,
+            "dropout_mask": dropout_mask,
+        },
     )
-    extras = {
-        "q_lengths": q_lengths,
-        "kv_lengths": kv_lengths,
-        "alibi_slopes": alibi_slopes,
-        "score_mod": score_mod,
-        "dropout_p": dropout_p,
-        "dropout_mask": dropout_mask,
-    }
-    plan, terms = _terms(xp, plan, mask, extras)
     drop_head = query.ndim == key.ndim == 2
     dt = plan.compute_dtype
     q, k = _prepare(xp, query, dt), _prepare(xp, key, dt)
