@@ -131,6 +131,7 @@ class TestMaskedBlocks:
         import portable_attn._attention as attention
 
         monkeypatch.setattr(attention, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(attention, "AUTO_DENSE_LIMIT_BYTES_TORCH", 0)
         seen = []
         real = attention.tiled_attention
         monkeypatch.setattr(

@@ -9,11 +9,11 @@ from typing import Any, Literal
 
 from ._autodiff import tiled_attention
 from ._lib import _validation as v
-from ._lib._compat import array_namespace, device, library_name
+from ._lib._compat import array_namespace, chunk_sizes, device, library_name
 from ._lib._dense import dense_attention, dense_weights
 from ._lib._masks import arange
 from ._lib._scores import AttentionPlan, ScoreTerms
-from ._lib._tiled import default_tiles
+from ._lib._tiled import Blocks, default_tiles
 from ._native import native_attention, native_unsupported_reason, prefer_native
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
@@ -23,6 +23,10 @@ Array = Any
 #: ``block_size="auto"`` keeps the dense path while its logits would take at most
 #: this many bytes (batch x Hq x Lq x Lk x 4, or x 8 for float64), and tiles above.
 AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
+#: The same limit for torch, whose eager dense path measured 3.4-4.9x slower than
+#: its tiled path at L = 512-8192 (B=1, H=8, D=64: benchmarks/results/bench-torch.json),
+#: while at L = 128 (0.5 MiB of logits) dense is the faster of the two.
+AUTO_DENSE_LIMIT_BYTES_TORCH = 4 * 2**20
 
 
 _PLAN_CACHE: dict[Any, AttentionPlan] = {}
@@ -250,16 +254,26 @@ def _at_least_2d(xp: Any, x: Array) -> Array:
     return xp.expand_dims(x, axis=0) if x.ndim < 2 else x
 
 
-def _tiles(xp: Any, query: Array, plan: AttentionPlan, block_size: Any) -> tuple[int, int] | None:
+def _tiles(
+    xp: Any, query: Array, key: Array, plan: AttentionPlan, block_size: Any
+) -> tuple[Blocks, Blocks] | None:
     """(block_q, block_k) of the tiled path, or None for the dense path."""
+    if block_size is None or block_size == "auto":
+        # Dask split along Lq or Lk: one block per chunk pair, merged by the online
+        # softmax, so no task holds more than one (q chunk, k chunk) block of scores.
+        q_chunks, k_chunks = chunk_sizes(query, -2), chunk_sizes(key, -2)
+        if q_chunks is not None or k_chunks is not None:
+            return q_chunks or plan.q_len, k_chunks or plan.kv_len
     if block_size is None:
         return None
     if block_size == "auto":
         itemsize = 8 if plan.compute_dtype == xp.float64 else 4
         rows = math.prod(plan.batch) * plan.num_q_heads * plan.q_len
-        if rows * plan.kv_len * itemsize <= AUTO_DENSE_LIMIT_BYTES:
+        lib = library_name(query)
+        limit = AUTO_DENSE_LIMIT_BYTES_TORCH if lib == "torch" else AUTO_DENSE_LIMIT_BYTES
+        if rows * plan.kv_len * itemsize <= limit:
             return None
-        return default_tiles(library_name(query) == "jax", plan.q_len, plan.kv_len)
+        return default_tiles(lib == "jax", plan.q_len, plan.kv_len)
     sizes = block_size if isinstance(block_size, tuple) and len(block_size) == 2 else None
     sizes = sizes or (block_size, block_size)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
@@ -375,9 +389,14 @@ def scaled_dot_product_attention(
         Its backward (torch autograd, ``jax.grad``) recomputes blocks instead of
         storing them, so training memory stays O(L) as well.
         ``"auto"``: dense while the dense logits would fit in
-        ``AUTO_DENSE_LIMIT_BYTES`` (64 MiB), tiled above with 128 queries x 256
+        ``AUTO_DENSE_LIMIT_BYTES`` (64 MiB; 4 MiB for torch, whose eager dense
+        path is the slower one above that), tiled above with 128 queries x 256
         keys per block (for JAX, blocks of at least 256 and at most 16 per axis,
         since each block is a node of the traced program).
+        Dask arrays chunked along ``Lq`` or ``Lk`` take the tiled path with
+        None or "auto" too, one block per (query chunk, key chunk) pair: key
+        chunks are merged by the online softmax and no task holds more than one
+        chunk pair of scores.
     q_lengths, kv_lengths : integer array, broadcastable to the batch dims, optional
         Valid prefix length of each sequence, e.g. shape (B,). Keys at or past
         ``kv_lengths`` are masked, query rows at or past ``q_lengths`` are zero.
@@ -461,7 +480,7 @@ def scaled_dot_product_attention(
             "dropout_mask": dropout_mask,
         },
     )
-    tiles = _tiles(xp, query, plan, block_size)
+    tiles = _tiles(xp, query, key, plan, block_size)
     route = _route(implementation, library_name(query), plan, terms, bias, tiles, block_size)
     if route:
         tiles = None

@@ -20,7 +20,7 @@ from typing import Any
 
 from ._lib._compat import library_name
 from ._lib._scores import AttentionPlan, ScoreTerms
-from ._lib._tiled import tiled_backward, tiled_forward
+from ._lib._tiled import Blocks, tiled_backward, tiled_forward
 
 __all__ = ["tiled_attention"]
 
@@ -36,8 +36,8 @@ def tiled_attention(
     bias: Any | None,
     terms: ScoreTerms,
     plan: AttentionPlan,
-    block_q: int,
-    block_k: int,
+    block_q: Blocks,
+    block_k: Blocks,
 ) -> Any:
     """Tiled attention output (..., Hq, Lq, Dv) with an O(L)-memory backward where one exists."""
     lib = library_name(q)

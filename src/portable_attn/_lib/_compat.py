@@ -17,6 +17,7 @@ __all__ = [
     "array_namespace",
     "device",
     "is_array_api_obj",
+    "chunk_sizes",
     "library_name",
     "numpy_namespace",
     "size",
@@ -30,6 +31,20 @@ def library_name(x: Any) -> str:
     """Return the name of the library that owns array `x` (``"numpy"``, ``"torch"``, ...)."""
     name = type(x).__module__.split(".", 1)[0]
     return "jax" if name == "jaxlib" else name  # concrete JAX arrays live in jaxlib
+
+
+def chunk_sizes(x: Any, axis: int) -> tuple[int, ...] | None:
+    """Return the chunk sizes along `axis` of a Dask array split there, else None.
+
+    Only for arrays split into several chunks along `axis` (with known sizes);
+    NumPy, torch, JAX, CuPy and single-chunk axes give None.
+    """
+    if library_name(x) != "dask":
+        return None
+    sizes = x.chunks[axis]
+    if len(sizes) < 2 or any(n != n for n in sizes):  # one chunk, or unknown (NaN) sizes
+        return None
+    return tuple(int(n) for n in sizes)
 
 
 def _namespace_of(name: str, x: Any) -> Any:

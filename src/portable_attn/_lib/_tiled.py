@@ -35,14 +35,32 @@ from ._scores import (
 )
 from ._softmax import safe_denominator
 
-__all__ = ["block_ranges", "block_visibility", "sum_to_shape", "tiled_backward", "tiled_forward"]
+__all__ = [
+    "Blocks",
+    "block_ranges",
+    "block_visibility",
+    "sum_to_shape",
+    "tiled_backward",
+    "tiled_forward",
+]
 
 Range = tuple[int, int]
 
 
-def block_ranges(length: int, size: int) -> list[Range]:
-    """Half-open ranges of `size` covering ``[0, length)``; the last one may be shorter."""
-    return [(start, min(start + size, length)) for start in range(0, length, size)]
+#: A block size, or the sizes of consecutive blocks (a Dask array's chunks).
+Blocks = int | tuple[int, ...]
+
+
+def block_ranges(length: int, size: Blocks) -> list[Range]:
+    """Half-open ranges covering ``[0, length)``.
+
+    An int gives blocks of `size` (the last one may be shorter); a tuple gives
+    consecutive blocks of those sizes, which must add up to `length`.
+    """
+    if isinstance(size, int):
+        return [(start, min(start + size, length)) for start in range(0, length, size)]
+    ends = [sum(size[: i + 1]) for i in range(len(size))]
+    return [(end - n, end) for n, end in zip(size, ends, strict=True) if n > 0]
 
 
 def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str:
@@ -120,8 +138,8 @@ def tiled_forward(
     bias: Any | None,
     terms: ScoreTerms,
     plan: AttentionPlan,
-    block_q: int,
-    block_k: int,
+    block_q: Blocks,
+    block_k: Blocks,
 ) -> tuple[Any, Any]:
     """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
 
@@ -195,8 +213,8 @@ def tiled_backward(
     lse: Any,
     dout: Any,
     plan: AttentionPlan,
-    block_q: int,
-    block_k: int,
+    block_q: Blocks,
+    block_k: Blocks,
     *,
     need_bias_grad: bool,
     need_slope_grad: bool = False,
