@@ -16,6 +16,13 @@ from hypothesis import HealthCheck, settings
 from _backends import ALL_KINDS, FAMILIES, BackendCase, family_installed, family_of, make_case
 from _backends import unavailable_reason as _unavailable
 
+# The JAX sharding tests need a mesh of devices; on CPU, XLA creates host devices
+# on request, which must happen before anything imports JAX (_backends imports it
+# lazily). A run that sets its own device count keeps it.
+_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
+    os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS} --xla_force_host_platform_device_count=8".strip()
+
 settings.register_profile(
     "default",
     max_examples=25,

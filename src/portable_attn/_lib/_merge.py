@@ -1,0 +1,61 @@
+"""Exact merge of attention computed over disjoint sets of keys.
+
+If the keys are split into parts and part ``p`` gives the normalised output
+``out_p`` with row log-sum-exp ``lse_p`` (``-inf`` for a row that sees no key of
+that part), the attention over all keys is::
+
+    m   = max_p lse_p                      # any common shift works; it cancels
+    w_p = exp(lse_p - m)
+    out = sum_p w_p · out_p / sum_p w_p    # zero where every part is empty
+
+This is the online-softmax update of the tiled path applied to whole parts.
+The reductions over parts are passed in, so the same code merges a stacked
+axis (``xp.max`` / ``xp.sum``) or devices of a mesh (``lax.pmax`` / ``lax.psum``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._softmax import safe_denominator
+
+__all__ = ["empty_rows_to_neg_inf", "merge_partials"]
+
+Reduce = Callable[[Any], Any]
+
+
+def empty_rows_to_neg_inf(xp: Any, lse: Any) -> Any:
+    """Turn the tiled path's ``+inf`` (row saw no key) into ``-inf`` (weight 0 in a merge)."""
+    return xp.where(lse == xp.inf, -xp.inf, lse)
+
+
+def merge_partials(
+    xp: Any, out: Any, lse: Any, *, max_over: Reduce, sum_over: Reduce
+) -> tuple[Any, Any]:
+    """Combine partial attention results; return (output, log-sum-exp).
+
+    Parameters
+    ----------
+    xp : namespace
+        Array namespace of `out` and `lse`.
+    out : array, shape (P..., ..., Lq, Dv)
+        Each part's normalised output (zeros for rows with no key in the part).
+    lse : array, shape (P..., ..., Lq, 1)
+        Each part's row log-sum-exp, ``-inf`` for rows with no key in the part.
+    max_over, sum_over : callable
+        Reductions over the parts (``P...``): they must drop the part axes.
+
+    Returns
+    -------
+    out : array, shape (..., Lq, Dv)
+    lse : array, shape (..., Lq, 1)
+        ``-inf`` for rows that see no key in any part.
+    """
+    m = max_over(lse)
+    m_safe = xp.where(m == -xp.inf, 0.0, m)  # every part empty: weights are exp(-inf) = 0
+    w = xp.exp(lse - m_safe)  # (P..., ..., Lq, 1)
+    total = sum_over(w)  # (..., Lq, 1)
+    merged = sum_over(w * out) / safe_denominator(xp, total)
+    lse_all = xp.where(total == 0.0, -xp.inf, m_safe + xp.log(safe_denominator(xp, total)))
+    return merged, lse_all

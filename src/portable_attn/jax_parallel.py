@@ -1,0 +1,170 @@
+"""JAX-specific: sequence (context) parallel attention over a device mesh.
+
+Batch and head parallelism need nothing from this module: give
+:func:`portable_attn.scaled_dot_product_attention` inputs sharded with
+``jax.sharding.NamedSharding`` over the batch or head axis and call it under
+``jax.jit``; every operation is independent across batch and heads, so XLA keeps
+the sharding and inserts no collective.
+
+For sequences too long for one device, :func:`sequence_parallel_attention`
+shards the *keys and values* along ``Lk`` over one mesh axis. Each device
+computes attention of all queries over its own slice of keys, with the positions
+of the whole sequence, plus the row log-sum-exp; the parts are then combined
+with the exact online-softmax merge as two collective reductions (``pmax`` of
+the log-sum-exp, ``psum`` of the rescaled outputs and denominators). No device
+ever holds another device's keys or values, and no all-gather is issued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._attention import _setup
+from ._lib._merge import merge_partials
+from ._partial import partial_attention
+
+__all__ = ["sequence_parallel_attention"]
+
+Array = Any
+
+
+def sequence_parallel_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mesh: Any,
+    axis_name: str,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None,
+    score_mod: Callable[..., Array] | None = None,
+    block_size: int | tuple[int, int] | None = None,
+) -> Array:
+    """Attention with keys/values split along ``Lk`` over the mesh axis `axis_name`.
+
+    Same result as :func:`portable_attn.scaled_dot_product_attention` with the
+    same arguments (bottom-right causal alignment, zero rows for queries that
+    see no key, float32 accumulation for half precision). Works eagerly and
+    under ``jax.jit``; differentiable with ``jax.grad``.
+
+    Parameters
+    ----------
+    query : jax.Array, shape (B..., Hq, Lq, Dk)
+        Replicated over `axis_name` (every device needs every query).
+    key, value : jax.Array, shape (B..., Hkv, Lk, Dk) and (B..., Hkv, Lk, Dv)
+        Split into equal contiguous slices along ``Lk`` over `axis_name`;
+        ``Lk`` must be a multiple of the axis size.
+    mesh : jax.sharding.Mesh
+        The device mesh.
+    axis_name : str
+        The mesh axis to split the keys over. Other mesh axes are replicated.
+    mask, bias : jax.Array, broadcastable to (B..., Hq, Lq, Lk), optional
+        Split along their last axis with the keys when it has length ``Lk``.
+    block_size : int or (int, int), optional
+        Tile each device's part (online softmax within the part too); default
+        one block per device.
+    is_causal, scale, window, softcap, q_lengths, kv_lengths, alibi_slopes, score_mod
+        As in :func:`portable_attn.scaled_dot_product_attention`; positions are
+        those of the whole sequence.
+
+    Returns
+    -------
+    jax.Array, shape (B..., Hq, Lq, Dv)
+        Replicated over `axis_name`, in the promoted dtype of the inputs.
+
+    Raises
+    ------
+    ValueError
+        ``Lk`` not a multiple of the size of `axis_name`, an unknown axis name,
+        or any error :func:`portable_attn.scaled_dot_product_attention` raises.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    options = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap}
+    extras = {
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+        "alibi_slopes": alibi_slopes,
+        "score_mod": score_mod,
+        "dropout_p": 0.0,
+        "dropout_mask": None,
+    }
+    _, plan, _ = _setup(query, key, value, mask, bias, options, extras)  # global checks
+    if axis_name not in mesh.shape:
+        msg = f"`axis_name` {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}"
+        raise ValueError(msg)
+    parts = mesh.shape[axis_name]
+    if plan.kv_len % parts:
+        msg = (
+            f"`key` axis -2 (Lk={plan.kv_len}) must be a multiple of the mesh axis "
+            f"{axis_name!r} of size {parts}: key shape {tuple(key.shape)}"
+        )
+        raise ValueError(msg)
+    part_len = plan.kv_len // parts
+
+    def split_keys(x: Array) -> Any:  # the key axis of K/V, and of a mask/bias that has it
+        return P(*([None] * (x.ndim - 2)), axis_name, None)
+
+    def split_last(x: Array) -> Any:
+        if x.ndim >= 1 and x.shape[-1] == plan.kv_len and plan.kv_len > 1:
+            return P(*([None] * (x.ndim - 1)), axis_name)
+        return P()
+
+    arrays = {"query": query, "key": key, "value": value}
+    specs = {"query": P(), "key": split_keys(key), "value": split_keys(value)}
+    for name, x, spec in (
+        ("mask", mask, split_last),
+        ("bias", bias, split_last),
+        ("q_lengths", q_lengths, None),
+        ("kv_lengths", kv_lengths, None),
+        ("alibi_slopes", alibi_slopes, None),
+    ):
+        if x is not None:
+            arrays[name] = x
+            specs[name] = spec(x) if spec is not None else P()
+
+    def local(a: dict[str, Array]) -> Array:
+        start = lax.axis_index(axis_name) * part_len
+        out, lse = partial_attention(
+            a["query"],
+            a["key"],
+            a["value"],
+            kv_start=start,
+            kv_total=plan.kv_len,
+            mask=a.get("mask"),
+            bias=a.get("bias"),
+            q_lengths=a.get("q_lengths"),
+            kv_lengths=a.get("kv_lengths"),
+            alibi_slopes=a.get("alibi_slopes"),
+            score_mod=score_mod,
+            block_size=block_size,
+            **options,
+        )
+        merged, _ = merge_partials(
+            jnp,
+            out,
+            lse,
+            # the shift cancels exactly, so it needs no gradient (pmax has none)
+            max_over=lambda x: lax.pmax(lax.stop_gradient(x), axis_name),
+            sum_over=lambda x: lax.psum(x, axis_name),
+        )
+        return merged
+
+    # Lay every input out as its spec says (inside jit: a sharding constraint; a K/V
+    # already split along Lk over `axis_name` moves nothing).
+    arrays = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
+    run = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())
+    out = run(arrays).astype(plan.result_dtype)
+    return out[0] if query.ndim == key.ndim == value.ndim == 2 else out

@@ -1,0 +1,102 @@
+"""Attention over parts of the keys, merged exactly: the kernel of sequence parallelism.
+
+Keys are split into uneven contiguous parts; each part is computed with the
+positions of the whole sequence (``partial_attention``) and the parts are
+combined with ``merge_partials``. The result must equal attention over all keys
+on every backend, for every position-dependent feature.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _reference import reference_attention
+from portable_attn import get_alibi_slopes
+from portable_attn._lib._merge import merge_partials
+from portable_attn._partial import partial_attention
+
+B, HQ, HKV, LQ, LK, D = 2, 4, 2, 6, 11, 8
+PARTS = ((0, 3), (3, 4), (4, 11))  # uneven, one of a single key
+
+
+def _merge_parts(backend, q, k, v, *, mask=None, bias=None, block_size=None, **kw):
+    xp = backend.xp
+    outs, lses = [], []
+    for start, stop in PARTS:
+        part = {"kv_start": start, "kv_total": LK, "block_size": block_size, **kw}
+        if mask is not None:
+            part["mask"] = backend.asarray(mask[..., start:stop])
+        if bias is not None:
+            part["bias"] = backend.asarray(bias[..., start:stop])
+        out, lse = partial_attention(
+            backend.asarray(q),
+            backend.asarray(k[..., start:stop, :]),
+            backend.asarray(v[..., start:stop, :]),
+            **part,
+        )
+        outs.append(out)
+        lses.append(lse)
+    merged, lse = merge_partials(
+        xp,
+        xp.stack(outs),
+        xp.stack(lses),
+        max_over=lambda x: xp.max(x, axis=0),
+        sum_over=lambda x: xp.sum(x, axis=0),
+    )
+    return merged, lse
+
+
+def _problem(seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((B, HQ, LQ, D)),
+        rng.standard_normal((B, HKV, LK, D)),
+        rng.standard_normal((B, HKV, LK, D)),
+    )
+
+
+@pytest.mark.parametrize("block_size", [None, 2])
+@pytest.mark.parametrize(
+    "features",
+    [
+        {},
+        {"is_causal": True},
+        {"is_causal": True, "window": (3, None)},
+        {"window": (2, 2), "softcap": 2.0},
+        {"is_causal": True, "kv_lengths": [11, 7], "q_lengths": [6, 4]},
+        {"is_causal": True, "alibi_slopes": get_alibi_slopes(HQ)},
+    ],
+    ids=["plain", "causal", "causal-window", "band-softcap", "lengths", "alibi"],
+)
+def test_parts_merge_to_the_whole(backend, features, block_size):
+    q, k, v = _problem()
+    kw = {
+        n: backend.asarray(np.asarray(x)) if isinstance(x, (list, np.ndarray)) else x
+        for n, x in features.items()
+    }
+    out, _ = _merge_parts(backend, q, k, v, block_size=block_size, **kw)
+    expected = reference_attention(q, k, v, **features)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=1e-12, rtol=1e-10)
+
+
+def test_masks_bias_score_mod_and_empty_rows(backend):
+    q, k, v = _problem(1)
+    rng = np.random.default_rng(2)
+    mask = rng.random((LQ, LK)) < 0.7
+    mask[2] = False  # no key at all: zero row
+    mask[4, 3:] = False  # keys only in the first part: the other parts are empty
+    bias = rng.standard_normal((HQ, LQ, LK))
+
+    def score_mod(scores, batch, head, q_idx, kv_idx):  # depends on absolute key positions
+        return backend.xp.where(kv_idx % 3 == 1, scores - 1.5, scores)
+
+    def score_mod_np(scores, batch, head, q_idx, kv_idx):
+        return np.where(kv_idx % 3 == 1, scores - 1.5, scores)
+
+    out, lse = _merge_parts(backend, q, k, v, mask=mask, bias=bias, score_mod=score_mod)
+    expected = reference_attention(q, k, v, mask=mask, bias=bias, score_mod=score_mod_np)
+    result = backend.to_numpy(out)
+    np.testing.assert_allclose(result, expected, atol=1e-12, rtol=1e-10)
+    assert np.all(result[:, :, 2] == 0)
+    assert np.all(np.isneginf(backend.to_numpy(lse)[:, :, 2]))
