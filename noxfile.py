@@ -28,7 +28,7 @@ nox.options.reuse_existing_virtualenvs = False
 SUPPORTED = ("3.10", "3.11", "3.12", "3.13")
 TORCH_SPEC = os.environ.get("PORTABLE_ATTN_TORCH_SPEC", "torch==2.13.0")
 JAX_SPEC = os.environ.get("PORTABLE_ATTN_JAX_SPEC", "jax")
-DASK_SPEC = os.environ.get("PORTABLE_ATTN_DASK_SPEC", "dask[array]")
+DASK_SPEC = os.environ.get("PORTABLE_ATTN_DASK_SPEC", "dask[array,distributed]")
 CUPY_SPEC = os.environ.get("PORTABLE_ATTN_CUPY_SPEC", "cupy-cuda12x")
 ML_PYTHON = "3.11"  # the Python the pinned torch CPU wheel exists for
 
@@ -96,7 +96,7 @@ def tests_torch(session: nox.Session) -> None:
 
 @nox.session(name="tests-jax", python=ML_PYTHON)
 def tests_jax(session: nox.Session) -> None:
-    """JAX CPU (and GPU when present), jax.grad, jax.jit, jax.vmap."""
+    """JAX CPU (and GPU when present), jax.grad, jax.jit, jax.vmap, 8-device CPU meshes."""
     session.install(JAX_SPEC)
     session.install(".[test]")
     _pytest(session, "jax")
@@ -104,7 +104,7 @@ def tests_jax(session: nox.Session) -> None:
 
 @nox.session(name="tests-dask", python=ML_PYTHON)
 def tests_dask(session: nox.Session) -> None:
-    """Dask arrays, chunked on every axis."""
+    """Dask arrays chunked on every axis; a two-process dask.distributed cluster."""
     session.install(DASK_SPEC)
     session.install(".[test]")
     _pytest(session, "dask")

@@ -1,0 +1,136 @@
+"""Dask on a real ``dask.distributed`` cluster: two worker processes with capped memory.
+
+The workers may each use ``WORKER_MEMORY``; the nanny kills a worker whose
+resident memory passes 95% of it. A full (Lq, Lk) block of scores for one batch
+item (``FULL_BLOCK``) does not fit under that cap, one chunk pair
+(``CHUNK_PAIR``) does with room to spare. The control test shows the cap bites:
+the same call with Lq and Lk unchunked kills a worker.
+
+Inputs are generated on the workers (``dask.array.random``), so nothing large
+crosses from this process either.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from _reference import reference_attention
+from portable_attn import scaled_dot_product_attention
+
+B, H, L, D, CHUNK = 2, 4, 4096, 16, 512
+WORKER_MEMORY = 400 * 2**20
+CHUNK_PAIR = H * CHUNK * CHUNK * 4  # one batch item, all heads, float32: 4 MiB
+FULL_BLOCK = H * L * L * 4  # 256 MiB: with its exp, more than a worker may hold
+
+
+def _wanted(config: pytest.Config) -> bool:
+    raw = config.getoption("--backend") or ""
+    requested = [name.strip() for name in raw.split(",") if name.strip()]
+    return not requested or "dask" in requested
+
+
+@pytest.fixture(scope="module")
+def client(request):
+    if not _wanted(request.config):
+        pytest.skip("Dask-only: a dask.distributed cluster")
+    try:
+        import dask
+        import distributed
+    except ImportError:
+        if request.config.getoption("--backend"):  # the Dask session must have it
+            pytest.fail("the Dask session needs dask.distributed: install dask[distributed]")
+        pytest.skip("dask.distributed is not installed")
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import tests/
+    settings = {
+        "distributed.worker.memory.target": False,  # no spilling to disk: memory is the test
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+        "distributed.worker.memory.terminate": 0.95,
+        "distributed.worker.memory.monitor-interval": "10ms",
+        "distributed.scheduler.allowed-failures": 0,
+    }
+    with dask.config.set(settings):
+        cluster = distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit=WORKER_MEMORY,
+            dashboard_address=None,
+            env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        )
+        with cluster, distributed.Client(cluster) as c:
+            c.register_plugin(_largest_result_plugin())
+            yield c
+
+
+PLUGIN = "portable-attn-largest-result"
+
+
+def _largest_result_plugin():
+    """A worker plugin that records the largest array chunk its worker computed or received."""
+    from distributed import WorkerPlugin
+
+    class LargestResult(WorkerPlugin):
+        name = PLUGIN
+
+        def setup(self, worker):
+            self.worker = worker
+            self.largest = 0
+
+        def transition(self, key, start, finish, **kwargs):
+            if finish == "memory" and isinstance(key, tuple):  # array chunks have tuple keys
+                value = self.worker.data.get(key)
+                if isinstance(value, np.ndarray):
+                    self.largest = max(self.largest, value.nbytes)
+
+    return LargestResult()
+
+
+def _largest(client) -> dict[str, int]:
+    def read(dask_worker):
+        return dask_worker.plugins[PLUGIN].largest
+
+    return client.run(read)
+
+
+def _inputs(chunk: int):
+    import dask.array as da
+
+    rng = da.random.default_rng(0)
+    shape, chunks = (B, H, L, D), (1, H, chunk, D)
+    return tuple(rng.standard_normal(shape, chunks=chunks, dtype=np.float32) for _ in range(3))
+
+
+def test_two_worker_processes_match_numpy(client):
+    q, k, v = _inputs(CHUNK)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)  # lazy: nothing computed yet
+    rows = slice(3000, 3064)  # check a band of query rows against the float64 oracle
+    head, out_rows = client.compute([q[0], out[0, :, rows]], sync=True)
+    k0, v0 = client.compute([k[0], v[0]], sync=True)
+    visible = np.arange(L)[None, :] <= np.arange(L)[rows, None]  # causal, Lq == Lk
+    expected = reference_attention(head[:, rows], k0, v0, mask=visible)
+    np.testing.assert_allclose(out_rows, expected, atol=2e-5, rtol=1e-4)
+
+    whole = scaled_dot_product_attention(q, k, v, is_causal=True)
+    summary = client.compute(whole.sum(), sync=True)
+    assert np.isfinite(summary)
+    largest = _largest(client)
+    assert len(largest) == 2, "both worker processes must take part"
+    assert all(0 < n <= CHUNK_PAIR for n in largest.values()), (largest, CHUNK_PAIR)
+
+
+def test_the_memory_cap_stops_a_whole_row_block(client):
+    """Control: unchunked along Lq and Lk, one task needs FULL_BLOCK and a worker dies."""
+    import distributed
+
+    assert FULL_BLOCK > WORKER_MEMORY // 2
+    q, k, v = _inputs(L)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.raises(distributed.scheduler.KilledWorker):
+        client.compute(out.sum(), sync=True)
+    client.wait_for_workers(2, timeout=60)
