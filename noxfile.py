@@ -159,6 +159,8 @@ def bench(session: nox.Session) -> None:
             "python", "benchmarks/bench.py", "--backend", backend, "--plot", *session.posargs
         )
     session.run("python", "benchmarks/tiled.py", *session.posargs)
+    session.install(DASK_SPEC)
+    session.run("python", "benchmarks/scale.py", *session.posargs)
 
 
 @nox.session(python=ML_PYTHON)
