@@ -148,6 +148,14 @@ def _terms(
     extras: dict[str, Any],
 ) -> tuple[AttentionPlan, ScoreTerms]:
     """Validate the model-building arguments and gather them as score terms."""
+    if (
+        type(extras["dropout_p"]) in (float, int)
+        and extras["dropout_p"] == 0
+        and all(x is None for n, x in extras.items() if n != "dropout_p")
+    ):  # the common call: none of them given
+        return plan, ScoreTerms(
+            mask=None if mask is None else _at_least_2d(xp, mask), offset=plan.offset
+        )
     q_lengths, kv_lengths = extras["q_lengths"], extras["kv_lengths"]
     slopes, score_mod = extras["alibi_slopes"], extras["score_mod"]
     dropout_p, keep = extras["dropout_p"], extras["dropout_mask"]
@@ -246,7 +254,7 @@ def _prepare(xp: Any, x: Array | None, dtype: Any) -> Array | None:
         return None
     if x.ndim == 2:
         x = xp.expand_dims(x, axis=0)  # (1, L, D)
-    return xp.astype(x, dtype, copy=False)
+    return x if x.dtype == dtype else xp.astype(x, dtype)
 
 
 def _at_least_2d(xp: Any, x: Array) -> Array:
@@ -314,7 +322,8 @@ def _route(
 
 
 def _finish(xp: Any, out: Array, plan: AttentionPlan, *, drop_head: bool) -> Array:
-    out = xp.astype(out, plan.result_dtype, copy=False)
+    if out.dtype != plan.result_dtype:
+        out = xp.astype(out, plan.result_dtype)
     return out[0, ...] if drop_head else out
 
 

@@ -46,7 +46,7 @@ def dense_attention(
     # exp_logits (..., Hq, Lq, Lk), row_sum (..., Hq, Lq, 1)
     exp_logits, row_sum = _exp_logits(xp, q, k, bias, terms, plan)
     exp_logits = heads_to_rows(xp, _dropout(xp, exp_logits, terms), plan.num_kv_heads)
-    out = xp.matmul(exp_logits, v)  # (..., Hkv, G*Lq, Dv)
+    out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
     out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
     if terms.dropout_keep is not None:
         out = out * terms.dropout_scale

@@ -121,7 +121,7 @@ def logits_block(xp: Any, q_rows: Any, k: Any, plan: AttentionPlan) -> Any:
     array, shape (..., Hq, bq, bk)
         Soft-capped logits, before the bias.
     """
-    logits = xp.matmul(q_rows, xp.matrix_transpose(k))  # (..., Hkv, G*bq, bk)
+    logits = q_rows @ xp.matrix_transpose(k)  # (..., Hkv, G*bq, bk)
     logits = rows_to_heads(xp, logits, plan.num_q_heads)  # (..., Hq, bq, bk)
     if plan.softcap is not None:
         logits = plan.softcap * xp.tanh(logits / plan.softcap)  # (..., Hq, bq, bk)

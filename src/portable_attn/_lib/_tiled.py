@@ -166,7 +166,7 @@ def tiled_forward(
             p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
             del s  # keep at most two (bq, bk) blocks alive
             kept = heads_to_rows(xp, _keep(xp, p, terms, q_range, k_range), hkv)
-            pv = xp.matmul(kept, v[..., ks:ke, :])  # (..., Hkv, G*bq, Dv)
+            pv = kept @ v[..., ks:ke, :]  # (..., Hkv, G*bq, Dv)
             pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv)
             p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
             if m is None:
