@@ -159,6 +159,7 @@ def bench(session: nox.Session) -> None:
             "python", "benchmarks/bench.py", "--backend", backend, "--plot", *session.posargs
         )
     session.run("python", "benchmarks/tiled.py", *session.posargs)
+    session.run("python", "benchmarks/causal.py")
     session.install(DASK_SPEC)
     session.run("python", "benchmarks/scale.py", *session.posargs)
 
