@@ -19,13 +19,26 @@ from ._softmax import masked_exp, safe_denominator
 __all__ = ["dense_attention", "dense_weights"]
 
 
+def _rows_may_be_empty(bias: Any | None, terms: ScoreTerms, allowed: Any | None) -> bool:
+    """Whether some row can end up with no visible key (a mask, or -inf from bias/score_mod)."""
+    return allowed is not None or bias is not None or terms.score_mod is not None
+
+
 def _exp_logits(
     xp: Any, q: Any, k: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, bool]:
+    """Unnormalised weights, their row sums, and whether a row may be empty."""
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
     capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
     scores = scores_block(xp, capped, bias, terms, plan, whole_q, whole_k)
-    return masked_exp(xp, scores, allowed_block(xp, terms, plan, whole_q, whole_k))
+    allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
+    may_be_empty = _rows_may_be_empty(bias, terms, allowed)
+    return (*masked_exp(xp, scores, allowed, rows_may_be_empty=may_be_empty), may_be_empty)
+
+
+def _normalise(xp: Any, x: Any, row_sum: Any, may_be_empty: bool) -> Any:
+    """Divide by the row sums; rows with no visible key (sum 0) stay exactly 0."""
+    return x / safe_denominator(xp, row_sum) if may_be_empty else x / row_sum
 
 
 def _dropout(xp: Any, weights: Any, terms: ScoreTerms) -> Any:
@@ -44,21 +57,21 @@ def dense_attention(
     ``(Lq, Dv)`` output is cheaper than dividing the ``(Lq, Lk)`` weights.
     """
     # exp_logits (..., Hq, Lq, Lk), row_sum (..., Hq, Lq, 1)
-    exp_logits, row_sum = _exp_logits(xp, q, k, bias, terms, plan)
+    exp_logits, row_sum, may_be_empty = _exp_logits(xp, q, k, bias, terms, plan)
     exp_logits = heads_to_rows(xp, _dropout(xp, exp_logits, terms), plan.num_kv_heads)
     out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
     out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
     if terms.dropout_keep is not None:
         out = out * terms.dropout_scale
-    return out / safe_denominator(xp, row_sum)
+    return _normalise(xp, out, row_sum, may_be_empty)
 
 
 def dense_weights(
     xp: Any, q: Any, k: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
 ) -> Any:
     """Attention weights, shape (*batch, Hq, Lq, Lk), in the compute dtype."""
-    exp_logits, row_sum = _exp_logits(xp, q, k, bias, terms, plan)
-    weights = exp_logits / safe_denominator(xp, row_sum)
+    exp_logits, row_sum, may_be_empty = _exp_logits(xp, q, k, bias, terms, plan)
+    weights = _normalise(xp, exp_logits, row_sum, may_be_empty)
     if terms.dropout_keep is not None:
         weights = _dropout(xp, weights, terms) * terms.dropout_scale
     return weights

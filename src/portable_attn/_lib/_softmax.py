@@ -15,7 +15,9 @@ from typing import Any
 __all__ = ["masked_exp", "safe_denominator"]
 
 
-def masked_exp(xp: Any, logits: Any, allowed: Any | None) -> tuple[Any, Any]:
+def masked_exp(
+    xp: Any, logits: Any, allowed: Any | None, *, rows_may_be_empty: bool = True
+) -> tuple[Any, Any]:
     """Return the unnormalised weights ``exp(logits - rowmax)`` and their row sums.
 
     Parameters
@@ -26,6 +28,10 @@ def masked_exp(xp: Any, logits: Any, allowed: Any | None) -> tuple[Any, Any]:
         Scores in the compute dtype (float32 or float64).
     allowed : array of bool, broadcastable to `logits`, or None
         Positions that may be attended to; the others contribute exactly 0.
+    rows_may_be_empty : bool, default True
+        False when nothing can hide a whole row (no mask, no bias, no
+        ``score_mod``): the guard for an all ``-inf`` row is then skipped, which
+        only matters for non-finite inputs, and those propagate anyway.
 
     Returns
     -------
@@ -38,7 +44,8 @@ def masked_exp(xp: Any, logits: Any, allowed: Any | None) -> tuple[Any, Any]:
     if allowed is not None:
         logits = xp.where(allowed, logits, -xp.inf)  # (..., Lq, Lk)
     row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
-    row_max = xp.where(row_max == -xp.inf, 0.0, row_max)  # empty rows: exp(-inf) = 0
+    if rows_may_be_empty or allowed is not None:
+        row_max = xp.where(row_max == -xp.inf, 0.0, row_max)  # empty rows: exp(-inf) = 0
     exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)
     return exp_logits, xp.sum(exp_logits, axis=-1, keepdims=True)
 
