@@ -31,6 +31,17 @@ H, L, D = 8, 1024, 64
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+def _median_seconds(run, reps: int) -> float:
+    """Median wall time of `run()` over `reps` calls, after one warm-up call."""
+    run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _peak_rss_mib() -> int:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
@@ -61,14 +72,8 @@ def dask_run(workers: int, batch: int, reps: int) -> dict:
         distributed.wait([q, k, v])
         out = scaled_dot_product_attention(q, k, v, is_causal=True)
         per_sequence = out.sum(axis=(1, 2, 3))  # (B,): the output stays on the workers
-        client.compute(per_sequence, sync=True)  # warm-up
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            client.compute(per_sequence, sync=True)
-            times.append(time.perf_counter() - start)
+        t = _median_seconds(lambda: client.compute(per_sequence, sync=True), reps)
         peaks = client.run(_peak_rss_mib)
-    t = statistics.median(times)
     return {
         "engine": "dask",
         "workers": workers,
@@ -99,13 +104,7 @@ def jax_run(devices: int, batch: int, reps: int) -> dict:
         return scaled_dot_product_attention(q, k, v, is_causal=True, block_size="auto")
 
     attend = jax.jit(attend)
-    attend(q, k, v).block_until_ready()  # compile and warm up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        attend(q, k, v).block_until_ready()
-        times.append(time.perf_counter() - start)
-    t = statistics.median(times)
+    t = _median_seconds(lambda: attend(q, k, v).block_until_ready(), reps)  # warm-up compiles
     return {
         "engine": "jax",
         "devices": devices,
