@@ -122,3 +122,45 @@ class TestChunkPairs:
         result = out.compute()
         np.testing.assert_allclose(result, expected, atol=1e-12, rtol=1e-10)
         assert np.all(result[:, :, 5] == 0)  # fully masked rows stay exactly zero
+
+
+class TestOneSideChunked:
+    @pytest.mark.parametrize("side", ["query", "key"])
+    def test_only_one_sequence_axis_chunked(self, backend, side):
+        _dask_only(backend)
+        import dask.array as da
+
+        rng = np.random.default_rng(5)
+        q_np = rng.standard_normal((B, HQ, LQ, D))
+        k_np, v_np = (rng.standard_normal((B, HKV, LK, D)) for _ in range(2))
+        q_chunks = (1, HQ, Q_CHUNKS if side == "query" else LQ, D)
+        k_chunks = (1, HKV, K_CHUNKS if side == "key" else LK, D)
+        q = da.from_array(q_np, chunks=q_chunks)
+        k, v = (da.from_array(a, chunks=k_chunks) for a in (k_np, v_np))
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, window=(40, None))
+        assert out.chunks[-2] == q.chunks[-2]
+        expected = reference_attention(q_np, k_np, v_np, is_causal=True, window=(40, None))
+        np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)
+
+
+class TestAutoWithLargeChunks:
+    def test_auto_tiles_inside_chunks_too_large_for_one_block(self, backend, monkeypatch):
+        """None follows the chunks as given; "auto" also caps the block inside a chunk."""
+        _dask_only(backend)
+        import portable_attn._attention as attention
+
+        monkeypatch.setattr(attention, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(attention, "EAGER_TILES", (8, 16))
+        seen = []
+        real = attention.tiled_attention
+        monkeypatch.setattr(
+            attention, "tiled_attention", lambda *a: seen.append(a[-2:]) or real(*a)
+        )
+        (q, k, v), (q_np, k_np, v_np) = _problem(Q_CHUNKS, K_CHUNKS)
+        as_chunked = scaled_dot_product_attention(q, k, v, is_causal=True)
+        auto = scaled_dot_product_attention(q, k, v, is_causal=True, block_size="auto")
+        assert seen[0] == ((16,) * 4, (24,) * 4)  # one tile per chunk pair
+        assert seen[1] == ((8,) * 8, (16, 8) * 4)  # each chunk split at the chunk boundaries
+        expected = reference_attention(q_np, k_np, v_np, is_causal=True)
+        for out in (as_chunked, auto):
+            np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)

@@ -22,8 +22,16 @@ def jax_cpu(backend):
         pytest.skip("JAX CPU only: device meshes of host devices")
     import jax
 
-    assert jax.device_count() >= 8, "conftest must set --xla_force_host_platform_device_count=8"
-    return backend
+    assert len(_cpus(8)) == 8, "conftest must set --xla_force_host_platform_device_count=8"
+    with jax.default_device(_cpus(1)[0]):  # a GPU host's default device is not in the mesh
+        yield backend
+
+
+def _cpus(n):
+    """The first `n` host (CPU) devices, whatever the default backend is."""
+    import jax
+
+    return jax.devices("cpu")[:n]
 
 
 def _rand(*shape, seed):
@@ -41,7 +49,7 @@ class TestBatchAndHeadSharding:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        mesh = jax.make_mesh((4, 2), ("batch", "heads"))
+        mesh = jax.make_mesh((4, 2), ("batch", "heads"), devices=_cpus(8))
         sharding = NamedSharding(mesh, P("batch", "heads"))
         q_np, k_np, v_np = _rand(8, 4, 48, 16, seed=0), _rand(8, 2, 64, 16, seed=1), None
         v_np = _rand(8, 2, 64, 16, seed=2)  # GQA: 2 query heads per key/value head
@@ -82,7 +90,7 @@ class TestSequenceParallel:
 
         from portable_attn.jax_parallel import sequence_parallel_attention
 
-        mesh = jax.make_mesh((8,), ("seq",))
+        mesh = jax.make_mesh((8,), ("seq",), devices=_cpus(8))
         q_np, k_np, v_np, mask_np, bias_np = _sequence_problem()
         kv_len, slopes = np.array([64, 37]), get_alibi_slopes(4)
         kw = {"is_causal": True, "window": (40, None), "softcap": 5.0}
@@ -129,7 +137,7 @@ class TestSequenceParallel:
 
         from portable_attn.jax_parallel import sequence_parallel_attention
 
-        mesh = jax.make_mesh((4,), ("seq",))
+        mesh = jax.make_mesh((4,), ("seq",), devices=_cpus(4))
         q, k, v, mask, _ = _sequence_problem()
         mask = jax.numpy.asarray(mask)
         w = _rand(2, 4, 24, 8, seed=20)
@@ -151,12 +159,38 @@ class TestSequenceParallel:
             assert np.all(np.isfinite(np.asarray(g)))
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=2e-5, rtol=1e-4)
 
+    def test_two_d_inputs_and_unsigned_lengths(self, jax_cpu):
+        import jax
+        import jax.numpy as jnp
+
+        from portable_attn.jax_parallel import sequence_parallel_attention
+
+        mesh = jax.make_mesh((4,), ("seq",), devices=_cpus(4))
+        q, k, v = _rand(5, 8, seed=30), _rand(16, 8, seed=31), _rand(16, 6, seed=32)
+        out = sequence_parallel_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=True)
+        assert out.shape == (5, 6)
+        expected = reference_attention(q, k, v, is_causal=True)
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-4)
+
+        q3, k3, v3 = q[None, None], k[None, None], v[None, None]
+        kv_len = jnp.asarray([3], dtype=jnp.uint8)  # parts 1-3 lie past the end: negative
+        out = sequence_parallel_attention(
+            *(jnp.asarray(x) for x in (q3, k3, v3)),
+            mesh=mesh,
+            axis_name="seq",
+            is_causal=True,
+            kv_lengths=kv_len,
+        )
+        expected = reference_attention(q3, k3, v3, is_causal=True, kv_lengths=np.array([3]))
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-4)
+        assert np.all(np.asarray(out)[0, 0, :2] == 0)  # i' = i + 3 - 5 < 0: no key visible
+
     def test_bad_splits_are_named(self, jax_cpu):
         import jax
 
         from portable_attn.jax_parallel import sequence_parallel_attention
 
-        mesh = jax.make_mesh((8,), ("seq",))
+        mesh = jax.make_mesh((8,), ("seq",), devices=_cpus(8))
         q, k, v = _rand(1, 2, 4, 8, seed=0), _rand(1, 2, 12, 8, seed=1), _rand(1, 2, 12, 8, seed=2)
         with pytest.raises(ValueError, match=r"`key` axis -2 \(Lk=12\).*multiple.*'seq'"):
             sequence_parallel_attention(q, k, v, mesh=mesh, axis_name="seq")

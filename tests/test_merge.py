@@ -64,7 +64,7 @@ def _problem(seed=0):
         {"is_causal": True},
         {"is_causal": True, "window": (3, None)},
         {"window": (2, 2), "softcap": 2.0},
-        {"is_causal": True, "kv_lengths": [11, 7], "q_lengths": [6, 4]},
+        {"is_causal": True, "kv_lengths": [11, 3], "q_lengths": [6, 4]},  # parts past the end
         {"is_causal": True, "alibi_slopes": get_alibi_slopes(HQ)},
     ],
     ids=["plain", "causal", "causal-window", "band-softcap", "lengths", "alibi"],
@@ -100,3 +100,20 @@ def test_masks_bias_score_mod_and_empty_rows(backend):
     np.testing.assert_allclose(result, expected, atol=1e-12, rtol=1e-10)
     assert np.all(result[:, :, 2] == 0)
     assert np.all(np.isneginf(backend.to_numpy(lse)[:, :, 2]))
+
+
+def test_unsigned_lengths_may_put_queries_before_every_key(backend):
+    """uint8 lengths: ``kv_len - q_len`` is negative here and must not wrap around."""
+    from portable_attn import scaled_dot_product_attention
+
+    q, k, v = _problem(3)
+    kv_len = np.array([2, 11], dtype=np.uint8)
+    expected = reference_attention(q, k, v, is_causal=True, kv_lengths=kv_len.astype(np.int64))
+    lengths = backend.asarray(kv_len)
+    qkv = (backend.asarray(a) for a in (q, k, v))
+    whole = scaled_dot_product_attention(*qkv, is_causal=True, kv_lengths=lengths)
+    merged, _ = _merge_parts(backend, q, k, v, is_causal=True, kv_lengths=lengths)
+    for out in (whole, merged):
+        result = backend.to_numpy(out)
+        np.testing.assert_allclose(result, expected, atol=1e-12, rtol=1e-10)
+        assert np.all(result[0, :, :4] == 0)  # i' = i + 2 - 6 < 0 for the first four queries

@@ -13,7 +13,7 @@ from ._lib._compat import array_namespace, chunk_sizes, device, library_name
 from ._lib._dense import dense_attention, dense_weights
 from ._lib._masks import arange
 from ._lib._scores import AttentionPlan, ScoreTerms
-from ._lib._tiled import Blocks, default_tiles
+from ._lib._tiled import EAGER_TILES, Blocks, default_tiles
 from ._native import native_attention, native_unsupported_reason, prefer_native
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
@@ -141,6 +141,13 @@ def _build_plan(
     )
 
 
+def signed_lengths(xp: Any, x: Array) -> Array:
+    """Lengths as a signed integer array, so ``kv_len - q_len`` can go below zero."""
+    if not xp.isdtype(x.dtype, "unsigned integer"):
+        return x
+    return xp.astype(x, xp.int32 if library_name(x) == "jax" else xp.int64)
+
+
 def _terms(
     xp: Any,
     plan: AttentionPlan,
@@ -168,6 +175,7 @@ def _terms(
             msg = f"`{name}` must be an integer array of valid lengths, but got dtype {x.dtype}"
             raise TypeError(msg)
         v.check_broadcastable_to(name, x, plan.batch, "batch")
+        x = signed_lengths(xp, x)
         lengths[name] = xp.reshape(x, (*x.shape, 1, 1, 1))  # (*batch, 1, 1, 1)
     offset: Any = plan.offset
     if lengths:
@@ -262,6 +270,18 @@ def _at_least_2d(xp: Any, x: Array) -> Array:
     return xp.expand_dims(x, axis=0) if x.ndim < 2 else x
 
 
+def _chunk_pair_bytes(xp: Any, query: Array, plan: AttentionPlan, bq: int, bk: int) -> int:
+    """Bytes of the scores of one (query chunk, key chunk) pair of a Dask call."""
+    lead = [chunk_sizes(query, axis) or (query.shape[axis],) for axis in range(query.ndim - 2)]
+    itemsize = 8 if plan.compute_dtype == xp.float64 else 4
+    return math.prod(max(sizes) for sizes in lead) * bq * bk * itemsize
+
+
+def _subdivide(sizes: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """Split each chunk into blocks of at most `size`, keeping the chunk boundaries."""
+    return tuple(min(size, n - start) for n in sizes for start in range(0, n, size))
+
+
 def _tiles(
     xp: Any, query: Array, key: Array, plan: AttentionPlan, block_size: Any
 ) -> tuple[Blocks, Blocks] | None:
@@ -271,7 +291,15 @@ def _tiles(
         # softmax, so no task holds more than one (q chunk, k chunk) block of scores.
         q_chunks, k_chunks = chunk_sizes(query, -2), chunk_sizes(key, -2)
         if q_chunks is not None or k_chunks is not None:
-            return q_chunks or plan.q_len, k_chunks or plan.kv_len
+            q_sizes, k_sizes = q_chunks or (plan.q_len,), k_chunks or (plan.kv_len,)
+            if (
+                block_size == "auto"
+                and _chunk_pair_bytes(xp, query, plan, max(q_sizes), max(k_sizes))
+                > AUTO_DENSE_LIMIT_BYTES
+            ):  # chunks too large for one block: tile within them
+                q_sizes = _subdivide(q_sizes, EAGER_TILES[0])
+                k_sizes = _subdivide(k_sizes, EAGER_TILES[1])
+            return q_sizes, k_sizes
     if block_size is None:
         return None
     if block_size == "auto":
@@ -405,7 +433,8 @@ def scaled_dot_product_attention(
         Dask arrays chunked along ``Lq`` or ``Lk`` take the tiled path with
         None or "auto" too, one block per (query chunk, key chunk) pair: key
         chunks are merged by the online softmax and no task holds more than one
-        chunk pair of scores.
+        chunk pair of scores. "auto" also splits a chunk pair whose scores would
+        pass ``AUTO_DENSE_LIMIT_BYTES`` into blocks of 128 x 256 within it.
     q_lengths, kv_lengths : integer array, broadcastable to the batch dims, optional
         Valid prefix length of each sequence, e.g. shape (B,). Keys at or past
         ``kv_lengths`` are masked, query rows at or past ``q_lengths`` are zero.

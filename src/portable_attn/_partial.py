@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._attention import _at_least_2d, _prepare, _setup, _tiles
+from ._attention import _at_least_2d, _prepare, _setup, _tiles, signed_lengths
 from ._lib._compat import array_namespace, device
 from ._lib._merge import empty_rows_to_neg_inf
 from ._lib._tiled import tiled_forward
@@ -67,10 +67,11 @@ def partial_attention(
         Row log-sum-exp of this part's scores, ``-inf`` for rows with no visible
         key in it.
     """
+    xp0, dev = array_namespace(query=query), device(query)
     if kv_lengths is None:
-        xp0, dev = array_namespace(query=query), device(query)
         kv_lengths = xp0.asarray(kv_total) if dev is None else xp0.asarray(kv_total, device=dev)
-    local_lengths = kv_lengths - kv_start  # key j_part is valid iff j_part + start < length
+    # key j_part is valid iff j_part + start < length (signed: a part may lie past the end)
+    local_lengths = signed_lengths(xp0, kv_lengths) - kv_start
     mod = score_mod
     if score_mod is not None:
 
@@ -98,8 +99,9 @@ def partial_attention(
     b = None if bias is None else _at_least_2d(xp, xp.astype(bias, dt, copy=False))
     lse_shape = (*plan.batch, plan.num_q_heads, plan.q_len, 1)
     if plan.kv_len == 0 or plan.q_len == 0:
-        out = xp.zeros((*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim), dtype=dt)
-        return out, xp.full(lse_shape, -xp.inf, dtype=dt)
+        on = {} if plan.device is None else {"device": plan.device}
+        out = xp.zeros((*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim), dtype=dt, **on)
+        return out, xp.full(lse_shape, -xp.inf, dtype=dt, **on)
     tiles = _tiles(xp, query, key, plan, block_size) or (plan.q_len, plan.kv_len)
     out, lse = tiled_forward(xp, q, k, v, b, terms, plan, *tiles)
     return out, empty_rows_to_neg_inf(xp, lse)

@@ -13,6 +13,13 @@ of the whole sequence, plus the row log-sum-exp; the parts are then combined
 with the exact online-softmax merge as two collective reductions (``pmax`` of
 the log-sum-exp, ``psum`` of the rescaled outputs and denominators). No device
 ever holds another device's keys or values, and no all-gather is issued.
+
+Costs to know: causal block skipping is not applied inside a device's part (the
+part's positions are traced values), so a device whose keys all lie after every
+query still computes its part, which the merge then weights by zero; and
+``jax.grad`` differentiates through the forward blocks, so backward memory per
+device is that of its ``(Lq, Lk / devices)`` part rather than O(L). Tested with
+JAX 0.10 (``jax.shard_map``).
 """
 
 from __future__ import annotations
@@ -165,6 +172,9 @@ def sequence_parallel_attention(
     # Lay every input out as its spec says (inside jit: a sharding constraint; a K/V
     # already split along Lk over `axis_name` moves nothing).
     arrays = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
-    run = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # older JAX: only the experimental location (untested here)
+        from jax.experimental.shard_map import shard_map
+    run = shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())
     out = run(arrays).astype(plan.result_dtype)
     return out[0] if query.ndim == key.ndim == value.ndim == 2 else out

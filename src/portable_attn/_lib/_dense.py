@@ -20,8 +20,16 @@ __all__ = ["dense_attention", "dense_weights"]
 
 
 def _rows_may_be_empty(bias: Any | None, terms: ScoreTerms, allowed: Any | None) -> bool:
-    """Whether some row can end up with no visible key (a mask, or -inf from bias/score_mod)."""
-    return allowed is not None or bias is not None or terms.score_mod is not None
+    """Whether some row can end up with no visible key (a mask, or -inf from bias/score_mod).
+
+    ALiBi counts too: a huge slope can push a whole row's scores to -inf.
+    """
+    return (
+        allowed is not None
+        or bias is not None
+        or terms.score_mod is not None
+        or terms.alibi_slopes is not None
+    )
 
 
 def _exp_logits(

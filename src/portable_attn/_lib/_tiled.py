@@ -60,6 +60,9 @@ def block_ranges(length: int, size: Blocks) -> list[Range]:
     if isinstance(size, int):
         return [(start, min(start + size, length)) for start in range(0, length, size)]
     ends = [sum(size[: i + 1]) for i in range(len(size))]
+    if not ends or ends[-1] != length:
+        msg = f"block sizes {size} do not add up to the length {length}"
+        raise ValueError(msg)
     return [(end - n, end) for n, end in zip(size, ends, strict=True) if n > 0]
 
 
