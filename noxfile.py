@@ -30,7 +30,9 @@ TORCH_SPEC = os.environ.get("PORTABLE_ATTN_TORCH_SPEC", "torch==2.13.0")
 JAX_SPEC = os.environ.get("PORTABLE_ATTN_JAX_SPEC", "jax")
 DASK_SPEC = os.environ.get("PORTABLE_ATTN_DASK_SPEC", "dask[array,distributed]")
 CUPY_SPEC = os.environ.get("PORTABLE_ATTN_CUPY_SPEC", "cupy-cuda12x")
-ML_PYTHON = "3.11"  # the Python the pinned torch CPU wheel exists for
+# The Python the pinned torch CPU wheel exists for: with another Python, torch==2.13.0
+# would come from PyPI as a multi-GB CUDA build. Change both together.
+ML_PYTHON = "3.11"
 
 
 def _expose_pyenv_versions() -> None:

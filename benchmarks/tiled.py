@@ -8,7 +8,9 @@ NumPy's peak extra memory comes from tracemalloc, torch's from the growth of the
 process RSS (sampled every millisecond) over its value before the first full-size
 call (after a small warm-up call that loads the libraries), with glibc's mmap
 threshold fixed so that freed blocks leave the RSS.
-Times are medians of repeated runs after that call (a single run at L >= 8192).
+Times are medians of repeated runs in their own process, after only the small
+warm-up call: the first full-size call is timed too, and at L >= 8192 it is the only
+(cold) run.
 Run it on a quiet machine: anything else on the cores shows in the times.
 float32, B=1, H=8, D=64. Results go to benchmarks/results/tiled.json.
 """

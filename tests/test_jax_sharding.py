@@ -51,7 +51,7 @@ class TestBatchAndHeadSharding:
 
         mesh = jax.make_mesh((4, 2), ("batch", "heads"), devices=_cpus(8))
         sharding = NamedSharding(mesh, P("batch", "heads"))
-        q_np, k_np, v_np = _rand(8, 4, 48, 16, seed=0), _rand(8, 2, 64, 16, seed=1), None
+        q_np, k_np = _rand(8, 4, 48, 16, seed=0), _rand(8, 2, 64, 16, seed=1)
         v_np = _rand(8, 2, 64, 16, seed=2)  # GQA: 2 query heads per key/value head
         mask_np = np.random.default_rng(3).random((48, 64)) < 0.8
         q, k, v = (jax.device_put(a, sharding) for a in (q_np, k_np, v_np))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from _reference import reference_attention
 from portable_attn import scaled_dot_product_attention
 
 
@@ -115,7 +116,7 @@ def test_jax_native_needs_equal_head_dims(backend):
     if backend.family != "jax":
         pytest.skip("jax only")
     args = [backend.asarray(a) for a in qkv(dv=5)]
-    with pytest.raises(ValueError, match="Dv == Dk"):
+    with pytest.raises(ValueError, match=r"`value` axis -1 \(Dv\) == `key` axis -1 \(Dk\).*Dv=5"):
         scaled_dot_product_attention(*args, implementation="native")
 
 
@@ -139,3 +140,20 @@ def test_default_routing(backend, monkeypatch):
     routed_bias = bool(calls)
     assert routed_plain == (backend.family == "torch")  # torch's fused kernel is faster on CPU
     assert not routed_bias  # masks and biases stay on the portable path by default
+
+
+def test_native_takes_auto_block_size(backend, monkeypatch):
+    """block_size="auto" leaves the choice to the library: "native" must not refuse it."""
+    if backend.family not in ("torch", "jax"):
+        pytest.skip("torch and JAX have native kernels")
+    import portable_attn._attention as attention
+
+    monkeypatch.setattr(attention, "AUTO_DENSE_LIMIT_BYTES", 0)  # "auto" would tile
+    monkeypatch.setattr(attention, "AUTO_DENSE_LIMIT_BYTES_TORCH", 0)
+    q, k, v = qkv(dv=8)
+    args = [backend.asarray(a) for a in (q, k, v)]
+    out = scaled_dot_product_attention(
+        *args, is_causal=True, block_size="auto", implementation="native"
+    )
+    expected = reference_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=2e-6, rtol=1e-6)

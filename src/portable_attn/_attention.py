@@ -23,8 +23,9 @@ Array = Any
 #: ``block_size="auto"`` keeps the dense path while its logits would take at most
 #: this many bytes (batch x Hq x Lq x Lk x 4, or x 8 for float64), and tiles above.
 AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
-#: The same limit for torch, whose eager dense path measured 3.4-4.9x slower than
-#: its tiled path at L = 512-8192 (B=1, H=8, D=64: benchmarks/results/bench-torch.json),
+#: The same limit for torch, whose eager dense path measured 1.7-2.6x (non-causal) and
+#: 2.8-6.1x (causal) slower than its tiled path at L = 512-8192 (B=1, H=8, D=64:
+#: benchmarks/results/bench-torch.json),
 #: while at L = 128 (0.5 MiB of logits) dense is the faster of the two.
 AUTO_DENSE_LIMIT_BYTES_TORCH = 4 * 2**20
 
@@ -189,7 +190,10 @@ def _terms(
             "alibi_slopes", slopes, (*plan.batch, plan.num_q_heads), "(..., Hq) heads"
         )
         if slopes.ndim == 0 or slopes.shape[-1] not in (1, plan.num_q_heads):
-            msg = f"`alibi_slopes` must end with the head axis Hq={plan.num_q_heads}"
+            msg = (
+                f"`alibi_slopes` must end with the head axis Hq={plan.num_q_heads} (or 1), "
+                f"but has shape {tuple(slopes.shape)}"
+            )
             raise ValueError(msg)
         slopes = xp.reshape(xp.astype(slopes, plan.compute_dtype), (*slopes.shape, 1, 1))
     if score_mod is not None and not callable(score_mod):
@@ -334,7 +338,10 @@ def _route(
     if implementation == "portable":
         return False
     if implementation == "native":
-        reason = native_unsupported_reason(lib, plan, terms, tiles)
+        # "auto" leaves the path to the library, and the native kernel is one: only an
+        # explicit block size asks for the portable tiled path
+        explicit = tiles if block_size != "auto" else None
+        reason = native_unsupported_reason(lib, plan, terms, explicit)
         if reason is not None:
             msg = f"implementation='native': {reason}; use implementation=None or 'portable'"
             raise ValueError(msg)
@@ -418,7 +425,8 @@ def scaled_dot_product_attention(
     softcap : float, optional
         Soft-capping of the logits, ``softcap · tanh(logits / softcap)``.
     block_size : int, (int, int) or "auto", optional
-        None (default): the dense path, which builds the (Lq, Lk) scores once.
+        None (default): the dense path, which builds the (Lq, Lk) scores once
+        (unless `implementation` routes the call to a native kernel).
         An int (or a pair ``(block_q, block_k)``): the tiled path, exact online
         softmax over query and key blocks of this size; memory O(Lq + Lk) per
         head instead of O(Lq · Lk), and key blocks that causal/window structure
@@ -460,10 +468,12 @@ def scaled_dot_product_attention(
         ``"portable"``: always the array-API implementation. ``"native"``: the
         framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
         with our masks, alignment and empty-row handling; a call it cannot
-        express (softcap, score_mod, ALiBi, dropout, block_size, other libraries)
-        raises ValueError. None: the native kernel only where it is expressible,
-        honours the contract and is measured faster (torch without masks or bias,
-        causal only with Lq == Lk); the portable path otherwise.
+        express (softcap, score_mod, ALiBi, dropout, an int or pair block_size,
+        JAX with Dv != Dk, other libraries) raises ValueError; "auto" is
+        allowed. None: the native kernel only where it is expressible, honours
+        the contract and is measured faster (torch without mask, bias,
+        lengths or window, causal only with Lq == Lk, block_size None or "auto");
+        the portable path otherwise.
 
     Returns
     -------

@@ -59,7 +59,10 @@ def native_unsupported_reason(
     if unsupported:
         return f"the native kernel cannot express {', '.join(unsupported)}"
     if lib == "jax" and plan.value_dim != plan.key_dim:
-        return "jax.nn.dot_product_attention needs Dv == Dk"
+        return (
+            "jax.nn.dot_product_attention needs `value` axis -1 (Dv) == `key` axis -1 "
+            f"(Dk), but got Dv={plan.value_dim} and Dk={plan.key_dim}"
+        )
     return None
 
 

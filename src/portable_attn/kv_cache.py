@@ -221,7 +221,11 @@ def kv_cache_attention(
         Queries of the newest tokens.
     cache : KVCache
         The cache, including these tokens.
-    scale, window, softcap, is_causal
+    is_causal : bool, default True
+        Causal masking, bottom-right aligned: the newest tokens see the whole
+        cache up to themselves (unlike :func:`scaled_dot_product_attention`, the
+        default here is True).
+    scale, window, softcap
         As in :func:`scaled_dot_product_attention`.
     **kwargs
         Other arguments of :func:`scaled_dot_product_attention` (``alibi_slopes``,

@@ -70,8 +70,8 @@ class ScoreTerms:
 
     Every array already has the shape it broadcasts with: masks have at least two
     dims (..., Lq|1, Lk|1); lengths, offsets and the batch index are
-    (*batch, 1, 1, 1); ALiBi slopes are (..., Hq, 1, 1). None of them is
-    differentiated.
+    (*batch, 1, 1, 1); ALiBi slopes are (..., Hq, 1, 1). Only the ALiBi slopes
+    receive a gradient (in the tiled backward and through autodiff).
     """
 
     mask: Any | None = None

@@ -29,8 +29,8 @@ def masked_exp(
     allowed : array of bool, broadcastable to `logits`, or None
         Positions that may be attended to; the others contribute exactly 0.
     rows_may_be_empty : bool, default True
-        False when nothing can hide a whole row (no mask, no bias, no
-        ``score_mod``): the guard for an all ``-inf`` row is then skipped, which
+        False when nothing can hide a whole row (no mask, bias, ``score_mod``
+        or ALiBi): the guard for an all ``-inf`` row is then skipped, which
         only matters for non-finite inputs, and those propagate anyway.
 
     Returns
