@@ -4,6 +4,8 @@
     nox -s tests-torch       # one backend
     nox -l                   # list the sessions
 
+The ``tests-<backend>`` sessions are generated from the ``BACKENDS`` table below.
+
 The torch and JAX requirements can be overridden for a real machine, e.g.
 ``PORTABLE_ATTN_TORCH_SPEC="torch==2.6.0" nox -s tests-torch``. The default
 torch pin is the CPU wheel this project's machines install in seconds; an
@@ -17,6 +19,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import nox
@@ -73,45 +77,6 @@ def _pytest(session: nox.Session, backend: str) -> None:
     )
 
 
-@nox.session(name="tests-numpy", python=PYTHONS)
-def tests_numpy(session: nox.Session) -> None:
-    """NumPy (writable and read-only inputs) on every Python 3.10-3.13 found, and doctests."""
-    session.install(".[test]")
-    _pytest(session, "numpy")
-    session.run("python", "-m", "pytest", "--doctest-modules", "src/portable_attn")
-
-
-@nox.session(name="tests-array_api_strict", python=PYTHONS)
-def tests_array_api_strict(session: nox.Session) -> None:
-    """array-api-strict: proof that only the standard is used."""
-    session.install(".[test]")
-    _pytest(session, "array_api_strict")
-
-
-@nox.session(name="tests-torch", python=ML_PYTHON)
-def tests_torch(session: nox.Session) -> None:
-    """PyTorch CPU (and CUDA when present), autograd, gradcheck, torch.compile."""
-    session.install(TORCH_SPEC)  # first, so nothing else can pull another torch build
-    session.install(".[test]")
-    _pytest(session, "torch")
-
-
-@nox.session(name="tests-jax", python=ML_PYTHON)
-def tests_jax(session: nox.Session) -> None:
-    """JAX CPU (and GPU when present), jax.grad, jax.jit, jax.vmap, 8-device CPU meshes."""
-    session.install(JAX_SPEC)
-    session.install(".[test]")
-    _pytest(session, "jax")
-
-
-@nox.session(name="tests-dask", python=ML_PYTHON)
-def tests_dask(session: nox.Session) -> None:
-    """Dask arrays chunked on every axis; a two-process dask.distributed cluster."""
-    session.install(DASK_SPEC)
-    session.install(".[test]")
-    _pytest(session, "dask")
-
-
 def _has_nvidia_gpu() -> bool:
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -120,14 +85,69 @@ def _has_nvidia_gpu() -> bool:
     return probe.returncode == 0 and "GPU" in probe.stdout
 
 
-@nox.session(name="tests-cupy", python=ML_PYTHON)
-def tests_cupy(session: nox.Session) -> None:
-    """CuPy on an NVIDIA GPU; skipped with the reason on a machine without one."""
-    if not _has_nvidia_gpu():
-        session.skip("no NVIDIA GPU on this machine (nvidia-smi found none): CuPy not tested")
-    session.install(CUPY_SPEC)
-    session.install(".[test]")
-    _pytest(session, "cupy")
+@dataclass(frozen=True)
+class Backend:
+    """One ``tests-<backend>`` session: where it runs and what it does besides pytest."""
+
+    doc: str  # the description ``nox -l`` shows
+    python: str | list[str]  # a str gives the bare name (tests-torch), a list tests-numpy-3.12
+    first: str | None = None  # installed before ".[test]", so nothing else picks its build
+    doctests: bool = False  # also run pytest --doctest-modules src/portable_attn
+    skip_without_gpu: str | None = None  # skip with this reason when no NVIDIA GPU is found
+
+
+BACKENDS = {
+    "numpy": Backend(
+        "NumPy (writable and read-only inputs) on every Python 3.10-3.13 found, and doctests.",
+        PYTHONS,
+        doctests=True,
+    ),
+    "array_api_strict": Backend(
+        "array-api-strict: proof that only the standard is used.",
+        PYTHONS,
+    ),
+    "torch": Backend(
+        "PyTorch CPU (and CUDA when present), autograd, gradcheck, torch.compile.",
+        ML_PYTHON,
+        first=TORCH_SPEC,  # first, so nothing else can pull another torch build
+    ),
+    "jax": Backend(
+        "JAX CPU (and GPU when present), jax.grad, jax.jit, jax.vmap, 8-device CPU meshes.",
+        ML_PYTHON,
+        first=JAX_SPEC,
+    ),
+    "dask": Backend(
+        "Dask arrays chunked on every axis; a two-process dask.distributed cluster.",
+        ML_PYTHON,
+        first=DASK_SPEC,
+    ),
+    "cupy": Backend(
+        "CuPy on an NVIDIA GPU; skipped with the reason on a machine without one.",
+        ML_PYTHON,
+        first=CUPY_SPEC,
+        skip_without_gpu="no NVIDIA GPU on this machine (nvidia-smi found none): CuPy not tested",
+    ),
+}
+
+
+def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]:
+    def tests(session: nox.Session) -> None:
+        if spec.skip_without_gpu is not None and not _has_nvidia_gpu():
+            session.skip(spec.skip_without_gpu)
+        if spec.first is not None:
+            session.install(spec.first)
+        session.install(".[test]")
+        _pytest(session, backend)
+        if spec.doctests:
+            session.run("python", "-m", "pytest", "--doctest-modules", "src/portable_attn")
+
+    tests.__doc__ = spec.doc
+    tests.__name__ = tests.__qualname__ = f"tests_{backend}"
+    return tests
+
+
+for _backend, _spec in BACKENDS.items():
+    nox.session(name=f"tests-{_backend}", python=_spec.python)(_tests_session(_backend, _spec))
 
 
 @nox.session(python=ML_PYTHON)

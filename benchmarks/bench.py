@@ -8,7 +8,9 @@ For each shape it times, in one process: the portable dense path, the portable
 tiled path, the textbook version in the same framework (matmul, max-subtracted
 softmax, matmul), the native kernel where one exists (torch SDPA,
 ``jax.nn.dot_product_attention`` under ``jax.jit``) and the GEMM-bound limit (the
-two matmuls alone). It reports medians over repeated runs after warm-up, ratios
+two matmuls alone). All of them are timed interleaved, round-robin
+(``portable_attn._timing``), on arrays from the backend table
+(``portable_attn._backends``). It reports medians over repeated runs after warm-up, ratios
 to native and to textbook, GFLOP/s (4·B·H·Lq·Lk·D) and the fraction of the GEMM
 rate, and the per-call overhead on tiny inputs. Results go to
 ``benchmarks/results/bench-<backend>.json``. Never run it next to other work:
@@ -19,27 +21,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from portable_attn._backends import make_backend
+from portable_attn._timing import interleaved_seconds
+
 RESULTS = Path(__file__).parent / "results"
 B, H, D = 1, 8, 64
 
 
 class Runner:
-    """The five implementations for one backend, with device synchronisation."""
+    """The five implementations for one backend; arrays and sync from the backend table."""
 
     def __init__(self, backend: str):
+        if backend not in ("numpy", "torch", "jax"):
+            raise SystemExit(f"unknown backend {backend!r}")
         self.backend = backend
+        # exact=False: time the library's own defaults (TF32, JAX matmul precision)
+        self.table = make_backend(backend, exact=False)
+        self.sync = self.table.sync
         if backend == "numpy":
             self.xp = np
-            self.sync = lambda x: x
             self.native = None
         elif backend == "torch":
             import torch
@@ -47,31 +56,23 @@ class Runner:
             torch.set_grad_enabled(False)
             self.torch = torch
             self.xp = torch
-            self.sync = lambda x: x
             self.native = lambda q, k, v, causal: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=causal
             )
-        elif backend == "jax":
+        else:
             import jax
             import jax.numpy as jnp
 
             self.jax, self.xp = jax, jnp
-            self.sync = lambda x: x.block_until_ready()
 
             def native(q, k, v, causal):
                 t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
                 return t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=causal))
 
             self.native = jax.jit(native, static_argnums=3)
-        else:
-            raise SystemExit(f"unknown backend {backend!r}")
 
     def asarray(self, a, dtype="float32"):
-        if self.backend == "numpy":
-            return a.astype(dtype)
-        if self.backend == "torch":
-            return self.torch.from_numpy(a.astype("float32")).to(getattr(self.torch, dtype))
-        return self.xp.asarray(a, dtype=getattr(self.xp, dtype))
+        return self.table.asarray(a, dtype)
 
     def functions(self, causal, lq, lk):
         from portable_attn import scaled_dot_product_attention as sdpa
@@ -79,24 +80,28 @@ class Runner:
         xp = self.xp
         mask = None
         if causal:
-            mask_np = np.tril(np.ones((lq, lk), dtype=bool), lk - lq)
-            mask = mask_np if self.backend == "numpy" else self.asarray(mask_np, "bool")
+            mask = self.asarray(np.tril(np.ones((lq, lk), dtype=bool), lk - lq), "bool")
 
         def textbook(q, k, v):
-            s = (q @ xp.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1])
+            # math.sqrt: a Python float keeps float32 (np.sqrt gives a float64 NumPy scalar,
+            # which NumPy 2 promotes float32 arrays to)
+            s = (q @ xp.swapaxes(k, -1, -2)) / math.sqrt(q.shape[-1])
             if mask is not None:
-                s = xp.where(mask, s, -np.inf)
+                s = xp.where(mask, s, -math.inf)
             s = (
                 s - xp.max(s, axis=-1, keepdims=True)
                 if self.backend != "torch"
                 else s - s.amax(-1, keepdim=True)
             )
             e = xp.exp(s)
-            return (
+            out = (
                 e / xp.sum(e, axis=-1, keepdims=True)
                 if self.backend != "torch"
                 else e / e.sum(-1, keepdim=True)
             ) @ v
+            if out.dtype != q.dtype:
+                raise AssertionError(f"textbook gave {out.dtype} for {q.dtype} inputs")
+            return out
 
         def gemm(q, k, v):
             return (q @ xp.swapaxes(k, -1, -2)) @ v
@@ -117,14 +122,23 @@ class Runner:
             fns = {name: self.jax.jit(f) if name != "native" else f for name, f in fns.items()}
         return fns
 
-    def time(self, f, args, reps):
-        self.sync(f(*args))  # warm-up (and jit compilation)
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            self.sync(f(*args))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def time(self, fns, args, reps):
+        """Median seconds of each of `fns` on `args`, timed interleaved (round-robin).
+
+        Each is first called once (warm-up and jit compilation); one that raises
+        (a kernel that refuses a dtype) is reported and left out.
+        """
+        ready = {}
+        for name, f in fns.items():
+            try:
+                self.sync(f(*args))
+            except Exception as exc:
+                print(f"  {name}: {type(exc).__name__}: {exc}"[:160])
+                continue
+            ready[name] = lambda f=f: f(*args)
+        if not ready:
+            return {}
+        return interleaved_seconds(ready, repeats=reps, warmup=0, sync=self.sync).medians
 
 
 def environment(backend):
@@ -189,17 +203,15 @@ def main():
         v = run.asarray(rng.standard_normal((B, H, lk, d)), dtype)
         reps = 3 if lq * lk >= 4096 * 4096 else (5 if args.quick else 10)
         flops = 4 * B * H * lq * lk * d
-        times = {}
+        fns = {}
         for name, f in run.functions(causal, lq, lk).items():
             dense_bytes = B * H * lq * lk * 4 * 3
             if name in ("portable dense", "textbook", "gemm") and dense_bytes > 8 * 2**30:
                 continue  # would not fit
             if args.backend == "numpy" and dtype != "float32":
                 continue
-            try:
-                times[name] = run.time(f, (q, k, v), reps)
-            except Exception as exc:  # a kernel that refuses a dtype: report, go on
-                print(f"  {name}: {type(exc).__name__}: {exc}"[:160])
+            fns[name] = f
+        times = run.time(fns, (q, k, v), reps)  # side by side, interleaved
         gemm_rate = flops / times["gemm"] if "gemm" in times else None
         for name, t in times.items():
             row = {
@@ -266,7 +278,7 @@ def per_call_overhead(run):
         import jax.numpy as jnp
 
         def textbook(q, k, v):
-            s = q @ jnp.swapaxes(k, -1, -2) / np.sqrt(8)
+            s = q @ jnp.swapaxes(k, -1, -2) / math.sqrt(8)
             e = jnp.exp(s - s.max(-1, keepdims=True))
             return e / e.sum(-1, keepdims=True) @ v
 
@@ -275,16 +287,9 @@ def per_call_overhead(run):
         "portable_us": lambda q, k, v: sdpa(q, k, v, implementation="portable"),
         "textbook_us": textbook,
     }
-    res = {}
-    for key, f in fns.items():
-        run.sync(f(q, k, v))
-        samples = []
-        for _ in range(30):
-            start = time.perf_counter()
-            for _ in range(100):
-                run.sync(f(q, k, v))
-            samples.append((time.perf_counter() - start) / 100)
-        res[key] = 1e6 * statistics.median(samples)
+    calls = {key: (lambda f=f: f(q, k, v)) for key, f in fns.items()}
+    timed = interleaved_seconds(calls, repeats=30, warmup=1, number=100, sync=run.sync)
+    res = {key: 1e6 * t for key, t in timed.medians.items()}
     res["difference_us"] = res["default_us"] - res["textbook_us"]
     res["portable_difference_us"] = res["portable_us"] - res["textbook_us"]
     return res

@@ -18,10 +18,12 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+
+from portable_attn._backends import make_backend
+from portable_attn._timing import interleaved_seconds
 
 RESULTS = Path(__file__).parent / "results"
 B, H, D = 1, 8, 64
@@ -30,10 +32,11 @@ B, H, D = 1, 8, 64
 def _setup(backend: str, length: int):
     from portable_attn import scaled_dot_product_attention as sdpa
 
+    table = make_backend(backend, exact=False)  # the library's own speed settings
     rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal((B, H, length, D), dtype=np.float32) for _ in range(3)]
+    data = [rng.standard_normal((B, H, length, D), dtype=np.float32) for _ in range(3)]
+    arrays = [table.asarray(a) for a in data]
     if backend == "numpy":
-        sync = lambda x: x  # noqa: E731
         fns = {
             c: (lambda q, k, v, c=c: sdpa(q, k, v, is_causal=c, block_size=(128, 256)))
             for c in (False, True)
@@ -42,8 +45,6 @@ def _setup(backend: str, length: int):
         import torch
 
         torch.set_grad_enabled(False)
-        arrays = [torch.from_numpy(a) for a in arrays]
-        sync = lambda x: x  # noqa: E731
         fns = {
             c: (
                 lambda q, k, v, c=c: sdpa(
@@ -55,33 +56,25 @@ def _setup(backend: str, length: int):
     else:
         import jax
 
-        arrays = [jax.numpy.asarray(a) for a in arrays]
-        sync = lambda x: x.block_until_ready()  # noqa: E731
         fns = {
             c: jax.jit(lambda q, k, v, c=c: sdpa(q, k, v, is_causal=c, block_size="auto"))
             for c in (False, True)
         }
-    return arrays, sync, fns
+    return arrays, table.sync, fns
 
 
 def measure(backend: str, length: int, pairs: int) -> dict:
     arrays, sync, fns = _setup(backend, length)
-    for f in fns.values():
-        sync(f(*arrays))  # warm-up (and compile)
-    times = {False: [], True: []}
-    for i in range(pairs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        for causal in order:
-            start = time.perf_counter()
-            sync(fns[causal](*arrays))
-            times[causal].append(time.perf_counter() - start)
-    ratios = [c / n for c, n in zip(times[True], times[False], strict=True)]
+    # one causal and one non-causal call per round, alternating which goes first
+    calls = {c: (lambda f=f: f(*arrays)) for c, f in fns.items()}
+    timed = interleaved_seconds(calls, repeats=pairs, warmup=1, sync=sync)  # warm-up compiles
+    ratios = timed.ratios(True, False)
     return {
         "backend": backend,
         "L": length,
         "pairs": pairs,
-        "noncausal_ms": 1e3 * statistics.median(times[False]),
-        "causal_ms": 1e3 * statistics.median(times[True]),
+        "noncausal_ms": 1e3 * timed.medians[False],
+        "causal_ms": 1e3 * timed.medians[True],
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
@@ -93,6 +86,7 @@ def main() -> int:
     parser.add_argument("--backend", choices=["numpy", "torch", "jax"], action="append")
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS / "causal.json", help="JSON to write")
     args = parser.parse_args()
     backends = args.backend or [
         b for b in ("numpy", "torch", "jax") if b == "numpy" or importlib.util.find_spec(b)
@@ -106,8 +100,8 @@ def main() -> int:
             f"{row['causal_ms']:8.1f} ms, causal/non-causal median {row['ratio_median']:.2f} "
             f"(range {row['ratio_min']:.2f}-{row['ratio_max']:.2f} over {row['pairs']} pairs)"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "causal.json"
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out}")
     return 0

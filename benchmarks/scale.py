@@ -5,8 +5,8 @@
 
 The workload is one batch of B=64 sequences, H=8 heads, L=1024, D=64, float32,
 causal. Throughput is sequences per second (median of repeated runs after a
-warm-up), side by side in one run, with each worker's (or the JAX process's)
-peak resident memory. Dask inputs are generated and kept on the workers first,
+warm-up, timed by ``portable_attn._timing``), side by side in one run, with
+each worker's (or the JAX process's) peak resident memory. Dask inputs are generated and kept on the workers first,
 so the timing is the attention and not the transfer; JAX inputs are sharded over
 the batch axis of the mesh and computed with ``block_size="auto"``. Each JAX configuration runs in its own process,
 because the number of host devices is fixed when JAX starts. Never run it next
@@ -20,26 +20,15 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from portable_attn._timing import median_seconds
 
 RESULTS = Path(__file__).parent / "results"
 H, L, D = 8, 1024, 64
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def _median_seconds(run, reps: int) -> float:
-    """Median wall time of `run()` over `reps` calls, after one warm-up call."""
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _peak_rss_mib() -> int:
@@ -72,7 +61,8 @@ def dask_run(workers: int, batch: int, reps: int) -> dict:
         distributed.wait([q, k, v])
         out = scaled_dot_product_attention(q, k, v, is_causal=True)
         per_sequence = out.sum(axis=(1, 2, 3))  # (B,): the output stays on the workers
-        t = _median_seconds(lambda: client.compute(per_sequence, sync=True), reps)
+        # sync=True: the call returns when the workers are done
+        t = median_seconds(lambda: client.compute(per_sequence, sync=True), repeats=reps)
         peaks = client.run(_peak_rss_mib)
     return {
         "engine": "dask",
@@ -91,7 +81,9 @@ def jax_run(devices: int, batch: int, reps: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from portable_attn import scaled_dot_product_attention
+    from portable_attn._backends import make_backend
 
+    sync = make_backend("jax", exact=False).sync
     mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices])
     sharding = NamedSharding(mesh, P("batch"))
     rng = np.random.default_rng(0)
@@ -104,7 +96,7 @@ def jax_run(devices: int, batch: int, reps: int) -> dict:
         return scaled_dot_product_attention(q, k, v, is_causal=True, block_size="auto")
 
     attend = jax.jit(attend)
-    t = _median_seconds(lambda: attend(q, k, v).block_until_ready(), reps)  # warm-up compiles
+    t = median_seconds(lambda: attend(q, k, v), repeats=reps, sync=sync)  # warm-up compiles
     return {
         "engine": "jax",
         "devices": devices,

@@ -8,8 +8,8 @@ NumPy's peak extra memory comes from tracemalloc, torch's from the growth of the
 process RSS (sampled every millisecond) over its value before the first full-size
 call (after a small warm-up call that loads the libraries), with glibc's mmap
 threshold fixed so that freed blocks leave the RSS.
-Times are medians of repeated runs in their own process, after only the small
-warm-up call: the first full-size call is timed too, and at L >= 8192 it is the only
+Times are medians (``portable_attn._timing``) of repeated runs in their own
+process, after only the small warm-up call: the first full-size call is timed too, and at L >= 8192 it is the only
 (cold) run.
 Run it on a quiet machine: anything else on the cores shows in the times.
 float32, B=1, H=8, D=64. Results go to benchmarks/results/tiled.json.
@@ -30,13 +30,16 @@ BLOCK = (128, 256)  # (block_q, block_k), as block_size="auto" picks on NumPy an
 RESULTS = Path(__file__).parent / "results" / "tiled.json"
 
 WORKER = r"""
-import json, os, statistics, sys, threading, time, tracemalloc
+import json, os, sys, threading, time, tracemalloc
 import numpy as np
 backend, path = sys.argv[1], sys.argv[2]
 L, reps, H, D, BQ, BK = (int(a) for a in sys.argv[3:9])
 causal, backward = sys.argv[9] == "1", sys.argv[10] == "1"
 mode = sys.argv[11]  # "memory" or "time": separate processes, separate allocator settings
 from portable_attn import scaled_dot_product_attention as sdpa
+from portable_attn._backends import make_backend
+from portable_attn._timing import median_seconds
+table = make_backend(backend, exact=False)  # arrays and sync from the one backend table
 rng = np.random.default_rng(0)
 data = [rng.standard_normal((1, H, L, D)).astype(np.float32) for _ in range(3)]
 block = None if path == "dense" else (BQ, BK)
@@ -47,7 +50,7 @@ def rss():
 if backend == "torch":
     import torch
     torch.manual_seed(0)
-    args = [torch.from_numpy(a) for a in data]
+    args = [table.asarray(a) for a in data]
     if backward:
         args = [a.requires_grad_(True) for a in args]
     def call():
@@ -58,9 +61,10 @@ if backend == "torch":
                 a.grad = None
         return None
 else:
-    args = data
+    args = [table.asarray(a) for a in data]
     def call():
         sdpa(*args, is_causal=causal, block_size=block, implementation="portable")
+del data  # the backend arrays are copies
 # warm up the libraries (lazy imports, thread pools) on a small problem, then measure
 # memory on the first full-size call, before freed-and-reused pages could hide growth
 warm = sdpa(*[a[..., :128, :] for a in args], is_causal=causal, block_size=64)
@@ -80,10 +84,9 @@ else:
             top[0] = max(top[0], rss()); time.sleep(0.001)
     th = threading.Thread(target=sample); th.start(); call(); done.set(); th.join()
     peak = top[0] - base
-times = []
-for i in range(reps if mode == "time" else 0):
-    start = time.perf_counter(); call(); times.append(time.perf_counter() - start)
-print(json.dumps({"time_s": statistics.median(times) if times else None, "peak_bytes": peak}))
+# no warm-up beyond the small call above: the first full-size call is timed too
+time_s = median_seconds(call, repeats=reps, warmup=0, sync=table.sync) if mode == "time" else None
+print(json.dumps({"time_s": time_s, "peak_bytes": peak}))
 """
 
 

@@ -1,4 +1,11 @@
-"""Assertions pinned to the backend under test."""
+"""What the tests share: data builders, the run-and-compare helpers, and assertions.
+
+Every test builds its data with :func:`randn` and :func:`qkv` (seeded NumPy
+float64, moved to a backend on request), runs both entry points with :func:`run`
+or :func:`check`, and judges a result against the float64 oracle
+(``portable_attn._reference``) with :func:`assert_close` or, in half precision,
+:func:`half_precision_bound`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,127 @@ import numpy as np
 
 from _backends import BackendCase
 from portable_attn._lib._compat import array_namespace, device
+
+# ---------------------------------------------------------------------------
+# data
+
+PATHS = [None, 3]  # `block_size` of the dense path, and of a tiled one whose blocks divide nothing
+
+
+def randn(*shape: int, seed: int = 0, dtype: Any = np.float64) -> np.ndarray:
+    """Standard normal NumPy data of `shape`, the same for the same `seed`."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype, copy=False)
+
+
+def qkv(
+    *,
+    batch: tuple[int, ...] = (2,),
+    hq: int = 4,
+    hkv: int = 2,
+    lq: int = 5,
+    lk: int = 7,
+    dk: int = 8,
+    dv: int = 6,
+    seed: int = 0,
+    backend: BackendCase | None = None,
+    dtype: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """Query ``(*batch, hq, lq, dk)``, key ``(*batch, hkv, lk, dk)``, value ``(..., dv)``.
+
+    Each is :func:`randn` data, with the seeds ``seed``, ``seed + 1`` and ``seed + 2``.
+    NumPy float64 arrays, or `backend` arrays of `dtype` (float64 by default) when a
+    backend is given.
+    """
+    arrays = (
+        randn(*batch, hq, lq, dk, seed=seed),
+        randn(*batch, hkv, lk, dk, seed=seed + 1),
+        randn(*batch, hkv, lk, dv, seed=seed + 2),
+    )
+    if backend is None:
+        if dtype is not None:
+            arrays = tuple(a.astype(dtype) for a in arrays)
+        return arrays
+    return tuple(backend.asarray(a, dtype) for a in arrays)
+
+
+def on_backend(backend: BackendCase, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `kwargs` with every NumPy array moved to `backend`."""
+    return {n: backend.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items()}
+
+
+def representable(backend: BackendCase, a: np.ndarray, dtype: str) -> np.ndarray:
+    """`a` rounded to `dtype` on `backend`, back in NumPy float64: what the backend sees."""
+    return backend.to_numpy(backend.asarray(a, dtype)).astype(np.float64)
+
+
+def attention_plan(
+    *,
+    q_len: int,
+    kv_len: int,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    batch: tuple[int, ...] = (),
+    num_q_heads: int = 1,
+    num_kv_heads: int = 1,
+    value_dim: int = 1,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    compute_dtype: Any = None,
+    result_dtype: Any = None,
+    device: Any = None,
+    **fields: Any,
+):
+    """An ``AttentionPlan`` built by field name, with one head of width 1 unless told."""
+    from portable_attn._lib._scores import AttentionPlan
+
+    return AttentionPlan(
+        batch=batch,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        value_dim=value_dim,
+        scale=scale,
+        softcap=softcap,
+        is_causal=is_causal,
+        window=window,
+        compute_dtype=compute_dtype,
+        result_dtype=result_dtype,
+        device=device,
+        **fields,
+    )
+
+
+# ---------------------------------------------------------------------------
+# running both entry points
+
+
+def run(backend: BackendCase, q, k, v, *, dtype: str = "float64", block_size=None, **kw):
+    """``(scaled_dot_product_attention, attention_weights)`` of NumPy data on `backend`.
+
+    Array keyword arguments are moved to the backend; `q`, `k`, `v` become `dtype`.
+    `block_size` goes to ``scaled_dot_product_attention`` only.
+    """
+    from portable_attn import attention_weights, scaled_dot_product_attention
+
+    kw = on_backend(backend, kw)
+    qb, kb, vb = (backend.asarray(a, dtype) for a in (q, k, v))
+    out = scaled_dot_product_attention(qb, kb, vb, block_size=block_size, **kw)
+    return out, attention_weights(qb, kb, **kw)
+
+
+def check(backend: BackendCase, q, k, v, *, block_size=None, **kw):
+    """:func:`run`, each result compared with the float64 oracle; returns the results."""
+    from portable_attn._reference import reference_attention, reference_weights
+
+    out, w = run(backend, q, k, v, block_size=block_size, **kw)
+    assert_close(backend, out, reference_attention(q, k, v, **kw))
+    assert_close(backend, w, reference_weights(q, k, **kw))
+    return out, w
+
+
+# ---------------------------------------------------------------------------
+# assertions
 
 
 def assert_backend_array(backend: BackendCase, actual: Any, *, shape=None, dtype=None) -> None:
@@ -35,3 +163,19 @@ def assert_close(
     np.testing.assert_allclose(
         backend.to_numpy(actual).astype(np.float64), expected, atol=atol, rtol=rtol
     )
+
+
+def half_precision_bound(
+    backend: BackendCase, expected: np.ndarray, dtype: str, *, baseline_error: float = 0.0
+) -> float:
+    """The largest error a `dtype` (float16, bfloat16) result may have against `expected`.
+
+    `expected` is the float64 oracle on the half-precision inputs. The best any
+    implementation can do is the exact result rounded once to `dtype`; a result may
+    be off by twice that (plus 1e-7 for results that round exactly), or, where a
+    same-dtype baseline implementation (the dense path) is given by its error
+    against `expected`, by as much as that baseline.
+    """
+    rounded = backend.to_numpy(backend.asarray(expected.astype(np.float32), dtype))
+    best = float(np.abs(rounded - expected).max())
+    return max(2 * best + 1e-7, baseline_error)

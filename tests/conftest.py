@@ -3,7 +3,25 @@
 Pick the backends of a run with ``--backend numpy,torch`` or the environment
 variable ``PORTABLE_ATTN_BACKEND``. A backend family that a run asked for must be
 installed (the run fails otherwise); without a request, every known kind runs
-and the missing ones are skipped with the reason.
+and the missing ones are skipped with the reason. GPU kinds (``torch:cuda``,
+``jax:gpu``, ``cupy``) without a device are skipped with the reason.
+
+A test that only makes sense on some backends says so with a marker, read when
+the suite is collected: ``backend`` is parametrized with the allowed kinds only,
+so other backends simply have no case of it (a test left with no kind in a run
+is reported as skipped, with the reason)::
+
+    @pytest.mark.backends("torch", "jax", reason="native kernels")  # these families
+    @pytest.mark.kinds("numpy", reason="tracemalloc")  # these kinds exactly
+    @pytest.mark.skip_backends("dask", reason="a lazy cache cannot check")
+    @pytest.mark.autodiff  # the families with automatic differentiation
+    @pytest.mark.main_kinds  # one kind per family: numpy, not numpy_readonly
+    @pytest.mark.dtypes("float16", "bfloat16")  # parametrizes `dtype` with `backend`,
+    def test_half(backend, dtype): ...  # only the pairs the backend supports
+
+Markers on a class or a module (``pytestmark``) apply to each of its tests; several
+markers intersect. ``backends`` on a test without the ``backend`` fixture skips it
+when the run asks for none of the families.
 """
 
 from __future__ import annotations
@@ -31,6 +49,25 @@ settings.register_profile(
 )
 settings.load_profile("default")
 
+# What a backend can do, known without importing it (collection must not import
+# torch or JAX). The `backend` fixture checks these against each BackendCase it builds.
+AUTODIFF_FAMILIES = ("torch", "jax")  # BackendCase.has_autodiff
+DTYPE_FAMILIES = {  # BackendCase.supports(dtype), for the dtypes not every family has
+    "bfloat16": ("torch", "jax"),
+    "float16": tuple(f for f in FAMILIES if f != "array_api_strict"),  # not in the standard
+}
+GPU_KINDS = ("torch:cuda", "jax:gpu", "cupy")
+
+MARKERS = {
+    "backends": "backends(*families, reason=None): run only on these backend families",
+    "kinds": "kinds(*kinds, reason=None): run only on these backend kinds (numpy, not "
+    "numpy_readonly; jax, not jax:gpu)",
+    "skip_backends": "skip_backends(*families, reason=None): never run on these families",
+    "autodiff": "autodiff: run only on the families with automatic differentiation",
+    "main_kinds": "main_kinds: run on the first kind of each family only",
+    "dtypes": "dtypes(*dtypes): parametrize `dtype` with `backend`, only supported pairs",
+}
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -45,7 +82,14 @@ def _requested(config: pytest.Config) -> list[str]:
     return [name.strip() for name in raw.split(",") if name.strip()]
 
 
+def _run_kinds(config: pytest.Config) -> list[str]:
+    requested = _requested(config)
+    return [k for k in ALL_KINDS if not requested or family_of(k) in requested]
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    for doc in MARKERS.values():
+        config.addinivalue_line("markers", doc)
     for family in _requested(config):
         if family not in FAMILIES:
             msg = f"unknown backend {family!r}; choose from {', '.join(FAMILIES)}"
@@ -60,14 +104,90 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "portable_attn backends: " + (", ".join(requested) if requested else "all available")
 
 
+def _names(marker: pytest.Mark, known) -> tuple[str, ...]:
+    for name in marker.args:
+        if name not in known:
+            msg = f"@pytest.mark.{marker.name}: unknown name {name!r}; choose from {known}"
+            raise pytest.UsageError(msg)
+    return marker.args
+
+
+def _allowed(node, kinds: list[str]) -> tuple[list[str], list[str]]:
+    """The kinds among `kinds` that the markers of `node` allow, and why others are left out."""
+    why = []
+    for marker in node.iter_markers():
+        reason = marker.kwargs.get("reason")
+        if marker.name == "backends":
+            families = _names(marker, tuple(FAMILIES))
+            kinds = [k for k in kinds if family_of(k) in families]
+            why.append(reason or f"only on {', '.join(families)}")
+        elif marker.name == "kinds":
+            only = _names(marker, ALL_KINDS)
+            kinds = [k for k in kinds if k in only]
+            why.append(reason or f"only on the kinds {', '.join(only)}")
+        elif marker.name == "skip_backends":
+            families = _names(marker, tuple(FAMILIES))
+            kinds = [k for k in kinds if family_of(k) not in families]
+            why.append(reason or f"not on {', '.join(families)}")
+        elif marker.name == "autodiff":
+            kinds = [k for k in kinds if family_of(k) in AUTODIFF_FAMILIES]
+            why.append(f"needs automatic differentiation ({', '.join(AUTODIFF_FAMILIES)})")
+        elif marker.name == "main_kinds":
+            kinds = [k for k in kinds if FAMILIES[family_of(k)][0] == k]
+            why.append("runs on the main kind of each family only")
+    return kinds, why
+
+
+def _supports(kind: str, dtype: str) -> bool:
+    return family_of(kind) in DTYPE_FAMILIES.get(dtype, FAMILIES)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames:
-        requested = _requested(metafunc.config)
-        kinds = [k for k in ALL_KINDS if not requested or family_of(k) in requested]
-        metafunc.parametrize("backend", kinds, indirect=True)
+    if "backend" not in metafunc.fixturenames:
+        return
+    run = _run_kinds(metafunc.config)
+    kinds, why = _allowed(metafunc.definition, run)
+    dtype_marker = metafunc.definition.get_closest_marker("dtypes")
+    if dtype_marker is None:
+        cases = [(k,) for k in kinds]
+        argnames: tuple[str, ...] = ("backend",)
+    else:
+        dtypes = dtype_marker.args
+        cases = [(k, d) for k in kinds for d in dtypes if _supports(k, d)]
+        argnames = ("backend", "dtype")
+        why.append(f"needs one of the dtypes {', '.join(dtypes)}")
+    if not cases:
+        reason = "; ".join(why) + f"; this run has {', '.join(dict.fromkeys(map(family_of, run)))}"
+        skip = pytest.param(*(None,) * len(argnames), marks=pytest.mark.skip(reason=reason))
+        metafunc.parametrize(argnames, [skip], indirect=["backend"], ids=["no_backend"])
+        return
+    ids = ["-".join(c) for c in cases]
+    metafunc.parametrize(argnames, cases, indirect=["backend"], ids=ids)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # a test without the `backend` fixture (a dask.distributed cluster...) may still be
+    # for some families only: skip it when the run asks for none of them
+    for item in items:
+        if "backend" in getattr(item, "fixturenames", ()):
+            continue
+        if item.get_closest_marker("dtypes") is not None:
+            msg = f"{item.nodeid}: @pytest.mark.dtypes needs the `backend` fixture"
+            raise pytest.UsageError(msg)
+        run = _run_kinds(config)
+        kinds, why = _allowed(item, run)
+        if not kinds:
+            item.add_marker(pytest.mark.skip(reason="; ".join(why)))
 
 
 _CASES: dict[str, BackendCase] = {}
+
+
+def _check_tables(case: BackendCase) -> None:
+    """The collection-time tables above must say what the backend case says."""
+    assert case.has_autodiff == (case.family in AUTODIFF_FAMILIES), case.kind
+    for dtype in DTYPE_FAMILIES:
+        assert case.supports(dtype) == _supports(case.kind, dtype), (case.kind, dtype)
 
 
 @pytest.fixture
@@ -76,12 +196,13 @@ def backend(request: pytest.FixtureRequest) -> BackendCase:
     reason = _unavailable(kind)
     if reason is not None:
         requested = _requested(request.config)
-        gpu_kind = kind in ("torch:cuda", "jax:gpu")
-        if family_of(kind) in requested and not gpu_kind:
+        if family_of(kind) in requested and kind not in GPU_KINDS:
             pytest.fail(f"requested backend {kind!r} cannot run: {reason}")
         pytest.skip(reason)
     if kind not in _CASES:
-        _CASES[kind] = make_case(kind)
+        case = make_case(kind)
+        _check_tables(case)
+        _CASES[kind] = case
     return _CASES[kind]
 
 

@@ -5,35 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _helpers import assert_backend_array, assert_close
-from _reference import reference_attention, reference_weights
+from _helpers import (
+    assert_backend_array,
+    assert_close,
+    check,
+    half_precision_bound,
+    qkv,
+    randn,
+    representable,
+    run,
+)
 from portable_attn import attention_weights, scaled_dot_product_attention
-
-
-def randn(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
-def qkv(batch=(2,), hq=4, hkv=2, lq=5, lk=7, dk=8, dv=6, seed=0):
-    return (
-        randn(*batch, hq, lq, dk, seed=seed),
-        randn(*batch, hkv, lk, dk, seed=seed + 1),
-        randn(*batch, hkv, lk, dv, seed=seed + 2),
-    )
-
-
-def run(backend, q, k, v, dtype="float64", **kw):
-    """Run both entry points on the backend and return (output, weights)."""
-    kw = {n: backend.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
-    qb, kb, vb = (backend.asarray(a, dtype) for a in (q, k, v))
-    return (scaled_dot_product_attention(qb, kb, vb, **kw), attention_weights(qb, kb, **kw))
-
-
-def check(backend, q, k, v, **kw):
-    out, w = run(backend, q, k, v, **kw)
-    assert_close(backend, out, reference_attention(q, k, v, **kw))
-    assert_close(backend, w, reference_weights(q, k, **kw))
-    return out, w
+from portable_attn._reference import reference_attention
 
 
 class TestScaledDotProductAttention:
@@ -218,34 +201,28 @@ class TestPrecision:
         )
         assert_backend_array(backend, w, dtype=dtype)
 
-    @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+    @pytest.mark.dtypes("float16", "bfloat16")
     def test_half_precision_accumulates_in_float32(self, backend, dtype):
-        if not backend.supports(dtype):
-            pytest.skip(f"{backend.kind} has no {dtype}")
         q, k, v = qkv(lq=16, lk=64, dk=64, dv=64)
         # the oracle sees exactly the half-precision inputs
-        qh, kh, vh = (
-            backend.to_numpy(backend.asarray(a, dtype)).astype(np.float64) for a in (q, k, v)
-        )
+        qh, kh, vh = (representable(backend, a, dtype) for a in (q, k, v))
         expected = reference_attention(qh, kh, vh, is_causal=True)
         out, _ = run(backend, qh, kh, vh, dtype=dtype, is_causal=True)
         assert_backend_array(backend, out, shape=expected.shape, dtype=dtype)
-        # a plain float32 computation rounded to the half dtype: the best one can do
-        rounded = backend.to_numpy(backend.asarray(expected.astype(np.float32), dtype))
+        # a plain float32 computation rounded to the half dtype is the best one can do
         err = np.abs(backend.to_numpy(out) - expected).max()
-        best = np.abs(rounded - expected).max()
-        assert err <= 2 * best + 1e-7, (err, best)
+        bound = half_precision_bound(backend, expected, dtype)
+        assert err <= bound, (err, bound)
         if dtype == "float16":
             assert err <= 2e-3
 
-    def test_float16_logits_beyond_float16_range(self, backend):
-        if not backend.supports("float16"):
-            pytest.skip(f"{backend.kind} has no float16")
+    @pytest.mark.dtypes("float16")
+    def test_float16_logits_beyond_float16_range(self, backend, dtype):
         # |q.k| = 64 * 40 * 40 = 102400 > float16 max (65504): must not overflow
         q = np.full((1, 2, 64), 40.0)
         k = np.stack([np.full(64, 40.0), np.full(64, -40.0)])
         v = np.array([[1.0], [2.0]])
-        out, w = run(backend, q, k, v, dtype="float16", scale=1.0)
+        out, w = run(backend, q, k, v, dtype=dtype, scale=1.0)
         assert np.all(np.isfinite(backend.to_numpy(w)))
         np.testing.assert_allclose(backend.to_numpy(out), [[[1.0], [1.0]]])
 
@@ -286,9 +263,8 @@ class TestInputs:
 
 
 class TestLaziness:
+    @pytest.mark.backends("dask", reason="Dask-only: nothing may be computed before asked")
     def test_dask_result_is_lazy(self, backend):
-        if backend.family != "dask":
-            pytest.skip("Dask-only: nothing may be computed before the caller asks")
         import dask
 
         def refuse(*args, **kwargs):

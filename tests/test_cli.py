@@ -11,9 +11,8 @@ from portable_attn import __version__
 from portable_attn._cli import main
 
 
+@pytest.mark.main_kinds
 def test_check_passes_on_the_backend(backend, capsys):
-    if backend.kind in ("numpy_readonly", "torch:cuda", "jax:gpu"):
-        pytest.skip("covered by the family's main kind")
     assert main(["check", "--backend", backend.family, "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith(backend.family))
@@ -22,9 +21,8 @@ def test_check_passes_on_the_backend(backend, capsys):
         assert " ok (" in line  # gradients checked against central differences
 
 
+@pytest.mark.kinds("numpy", reason="one failing run is enough")
 def test_check_fails_when_a_backend_is_wrong(backend, capsys, monkeypatch):
-    if backend.kind != "numpy":
-        pytest.skip("one failing run is enough")
     from portable_attn import _check
 
     monkeypatch.setitem(_check.TOLERANCE, "float32", 0.0)
@@ -42,9 +40,8 @@ def test_python_dash_m_prints_version():
     assert __version__ in proc.stdout
 
 
+@pytest.mark.main_kinds
 def test_explain_prints_the_numbers_of_the_notes(backend, capsys):
-    if backend.kind in ("numpy_readonly", "torch:cuda", "jax:gpu"):
-        pytest.skip("covered by the family's main kind")
     assert main(["explain", "--d-k", "64", "--backend", backend.family]) == 0
     out = capsys.readouterr().out
     assert "q.k unscaled" in out
@@ -55,9 +52,8 @@ def test_explain_prints_the_numbers_of_the_notes(backend, capsys):
     assert 7.5 < raw < 8.5
 
 
+@pytest.mark.kinds("numpy", reason="one plot is enough")
 def test_explain_plot_needs_matplotlib_or_writes_png(backend, tmp_path, capsys):
-    if backend.kind != "numpy":
-        pytest.skip("one plot is enough")
     target = tmp_path / "entropy.png"
     try:
         import matplotlib  # noqa: F401

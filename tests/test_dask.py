@@ -11,16 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _reference import reference_attention
+from _helpers import randn
 from portable_attn import scaled_dot_product_attention
+from portable_attn._reference import reference_attention
+
+pytestmark = pytest.mark.backends("dask", reason="Dask-only: chunked, lazy graphs")
 
 B, HQ, HKV, LQ, LK, D = 2, 4, 2, 64, 96, 8
 Q_CHUNKS, K_CHUNKS = 16, 24
-
-
-def _dask_only(backend):
-    if backend.family != "dask":
-        pytest.skip("Dask-only: chunked, lazy graphs")
 
 
 def _random(shape, chunks, seed):
@@ -58,7 +56,6 @@ def _problem(q_chunk: int, k_chunk: int):
 
 class TestChunkPairs:
     def test_no_task_returns_more_than_one_chunk_pair(self, backend):
-        _dask_only(backend)
         (q, k, v), (q_np, k_np, v_np) = _problem(Q_CHUNKS, K_CHUNKS)
         out = scaled_dot_product_attention(q, k, v, is_causal=True)
         watch = _LargestResult()
@@ -71,7 +68,6 @@ class TestChunkPairs:
 
     def test_the_bound_catches_whole_rows(self, backend):
         """Control: with Lq and Lk unchunked, a task holds a full (Lq, Lk) block."""
-        _dask_only(backend)
         (q, k, v), _ = _problem(LQ, LK)
         watch = _LargestResult()
         with watch.callback:
@@ -79,10 +75,9 @@ class TestChunkPairs:
         assert watch.largest >= 1 * HQ * LQ * LK * 8
 
     def test_output_keeps_the_query_chunks(self, backend):
-        _dask_only(backend)
         import dask.array as da
 
-        q_np = np.random.default_rng(0).standard_normal((B, HQ, LQ, D))
+        q_np = randn(B, HQ, LQ, D)
         q = da.from_array(q_np, chunks=(1, 2, (10, 30, 24), D))
         (_, k, v), (_, k_np, v_np) = _problem(Q_CHUNKS, K_CHUNKS)
         out = scaled_dot_product_attention(q, k, v)
@@ -92,7 +87,6 @@ class TestChunkPairs:
         np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)
 
     def test_every_feature_with_uneven_chunks(self, backend):
-        _dask_only(backend)
         import dask.array as da
 
         rng = np.random.default_rng(4)
@@ -127,7 +121,6 @@ class TestChunkPairs:
 class TestOneSideChunked:
     @pytest.mark.parametrize("side", ["query", "key"])
     def test_only_one_sequence_axis_chunked(self, backend, side):
-        _dask_only(backend)
         import dask.array as da
 
         rng = np.random.default_rng(5)
@@ -141,26 +134,3 @@ class TestOneSideChunked:
         assert out.chunks[-2] == q.chunks[-2]
         expected = reference_attention(q_np, k_np, v_np, is_causal=True, window=(40, None))
         np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)
-
-
-class TestAutoWithLargeChunks:
-    def test_auto_tiles_inside_chunks_too_large_for_one_block(self, backend, monkeypatch):
-        """None follows the chunks as given; "auto" also caps the block inside a chunk."""
-        _dask_only(backend)
-        import portable_attn._attention as attention
-
-        monkeypatch.setattr(attention, "AUTO_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(attention, "EAGER_TILES", (8, 16))
-        seen = []
-        real = attention.tiled_attention
-        monkeypatch.setattr(
-            attention, "tiled_attention", lambda *a: seen.append(a[-2:]) or real(*a)
-        )
-        (q, k, v), (q_np, k_np, v_np) = _problem(Q_CHUNKS, K_CHUNKS)
-        as_chunked = scaled_dot_product_attention(q, k, v, is_causal=True)
-        auto = scaled_dot_product_attention(q, k, v, is_causal=True, block_size="auto")
-        assert seen[0] == ((16,) * 4, (24,) * 4)  # one tile per chunk pair
-        assert seen[1] == ((8,) * 8, (16, 8) * 4)  # each chunk split at the chunk boundaries
-        expected = reference_attention(q_np, k_np, v_np, is_causal=True)
-        for out in (as_chunked, auto):
-            np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)

@@ -17,8 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-from _reference import reference_attention
 from portable_attn import scaled_dot_product_attention
+from portable_attn._reference import reference_attention
+
+pytestmark = pytest.mark.backends("dask", reason="Dask-only: a dask.distributed cluster")
 
 B, H, L, D, CHUNK = 2, 4, 4096, 16, 512
 WORKER_MEMORY = 400 * 2**20
@@ -26,16 +28,8 @@ CHUNK_PAIR = H * CHUNK * CHUNK * 4  # one batch item, all heads, float32: 4 MiB
 FULL_BLOCK = H * L * L * 4  # 256 MiB: with its exp, more than a worker may hold
 
 
-def _wanted(config: pytest.Config) -> bool:
-    raw = config.getoption("--backend") or ""
-    requested = [name.strip() for name in raw.split(",") if name.strip()]
-    return not requested or "dask" in requested
-
-
 @pytest.fixture(scope="module")
 def client(request):
-    if not _wanted(request.config):
-        pytest.skip("Dask-only: a dask.distributed cluster")
     try:
         import dask
         import distributed

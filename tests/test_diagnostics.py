@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _helpers import assert_close
-from _reference import reference_weights
+from _helpers import assert_close, randn
+from portable_attn._reference import reference_weights
 from portable_attn.diagnostics import (
     attention_entropy,
     logit_stats,
@@ -14,10 +14,6 @@ from portable_attn.diagnostics import (
     scale_report,
     softmax_sensitivity,
 )
-
-
-def randn(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape)
 
 
 class TestEntropy:
@@ -42,7 +38,7 @@ class TestLogitStats:
         stats = logit_stats(backend.asarray(q), backend.asarray(k), mask=backend.asarray(mask),
                             is_causal=True)  # fmt: skip
         logits = np.einsum("bhqd,bhkd->bhqk", q, np.repeat(k, 2, axis=1)) / 4.0
-        from _reference import structure
+        from portable_attn._reference import structure
 
         allowed = np.broadcast_to(mask & structure(6, 8, is_causal=True), logits.shape)
         per_head = [logits[:, h][allowed[:, h]] for h in range(4)]
@@ -70,9 +66,8 @@ class TestSaturationAndSensitivity:
         assert_close(backend, softmax_sensitivity(backend.asarray(w)),
                      np.array([0.9997 * 0.0003, 0.25]))  # fmt: skip
 
+    @pytest.mark.backends("jax", reason="jax.jit only")
     def test_under_jit(self, backend):
-        if backend.family != "jax":
-            pytest.skip("jax.jit only")
         import jax
 
         w = backend.asarray(reference_weights(randn(2, 3, 4), randn(2, 5, 4, seed=1)))

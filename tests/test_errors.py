@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from _helpers import qkv
 from portable_attn import attention_weights, causal_mask, scaled_dot_product_attention
 
 
 @pytest.fixture
 def arrays(backend):
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal(s) for s in [(2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6)])
-    return [backend.asarray(a) for a in (q, k, v)]
+    """Query (2, 4, 5, 8), key (2, 2, 7, 8), value (2, 2, 7, 6) on the backend."""
+    return list(qkv(batch=(2,), hq=4, hkv=2, lq=5, lk=7, dk=8, dv=6, backend=backend))
 
 
 def call(q, k, v, **kw):

@@ -6,11 +6,16 @@ which ``conftest.py`` sets before JAX is imported.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
-from _reference import reference_attention
+from _helpers import randn
 from portable_attn import get_alibi_slopes, scaled_dot_product_attention
+from portable_attn._reference import reference_attention
+
+pytestmark = pytest.mark.kinds("jax", reason="JAX CPU only: device meshes of host devices")
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -18,8 +23,6 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "
 @pytest.fixture
 def jax_cpu(backend):
     """The JAX CPU backend case, with at least 8 devices."""
-    if backend.kind != "jax":
-        pytest.skip("JAX CPU only: device meshes of host devices")
     import jax
 
     assert len(_cpus(8)) == 8, "conftest must set --xla_force_host_platform_device_count=8"
@@ -34,8 +37,7 @@ def _cpus(n):
     return jax.devices("cpu")[:n]
 
 
-def _rand(*shape, seed):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+_rand = partial(randn, dtype=np.float32)  # float32 data: what a mesh of devices computes in
 
 
 def _hlo(fn, *args):

@@ -8,13 +8,17 @@ on every backend, for every position-dependent feature.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
-from _reference import reference_attention
+from _helpers import qkv
 from portable_attn import get_alibi_slopes
+from portable_attn._lib._call import prepare
 from portable_attn._lib._merge import merge_partials
 from portable_attn._partial import partial_attention
+from portable_attn._reference import reference_attention
 
 B, HQ, HKV, LQ, LK, D = 2, 4, 2, 6, 11, 8
 PARTS = ((0, 3), (3, 4), (4, 11))  # uneven, one of a single key
@@ -24,17 +28,17 @@ def _merge_parts(backend, q, k, v, *, mask=None, bias=None, block_size=None, **k
     xp = backend.xp
     outs, lses = [], []
     for start, stop in PARTS:
-        part = {"kv_start": start, "kv_total": LK, "block_size": block_size, **kw}
         if mask is not None:
-            part["mask"] = backend.asarray(mask[..., start:stop])
+            kw["mask"] = backend.asarray(mask[..., start:stop])
         if bias is not None:
-            part["bias"] = backend.asarray(bias[..., start:stop])
-        out, lse = partial_attention(
+            kw["bias"] = backend.asarray(bias[..., start:stop])
+        call = prepare(
             backend.asarray(q),
             backend.asarray(k[..., start:stop, :]),
             backend.asarray(v[..., start:stop, :]),
-            **part,
+            **kw,
         )
+        out, lse = partial_attention(call, kv_start=start, kv_total=LK, block_size=block_size)
         outs.append(out)
         lses.append(lse)
     merged, lse = merge_partials(
@@ -47,13 +51,7 @@ def _merge_parts(backend, q, k, v, *, mask=None, bias=None, block_size=None, **k
     return merged, lse
 
 
-def _problem(seed=0):
-    rng = np.random.default_rng(seed)
-    return (
-        rng.standard_normal((B, HQ, LQ, D)),
-        rng.standard_normal((B, HKV, LK, D)),
-        rng.standard_normal((B, HKV, LK, D)),
-    )
+_problem = partial(qkv, batch=(B,), hq=HQ, hkv=HKV, lq=LQ, lk=LK, dk=D, dv=D)
 
 
 @pytest.mark.parametrize("block_size", [None, 2])
@@ -81,7 +79,7 @@ def test_parts_merge_to_the_whole(backend, features, block_size):
 
 
 def test_masks_bias_score_mod_and_empty_rows(backend):
-    q, k, v = _problem(1)
+    q, k, v = _problem(seed=1)
     rng = np.random.default_rng(2)
     mask = rng.random((LQ, LK)) < 0.7
     mask[2] = False  # no key at all: zero row
@@ -106,7 +104,7 @@ def test_unsigned_lengths_may_put_queries_before_every_key(backend):
     """uint8 lengths: ``kv_len - q_len`` is negative here and must not wrap around."""
     from portable_attn import scaled_dot_product_attention
 
-    q, k, v = _problem(3)
+    q, k, v = _problem(seed=3)
     kv_len = np.array([2, 11], dtype=np.uint8)
     expected = reference_attention(q, k, v, is_causal=True, kv_lengths=kv_len.astype(np.int64))
     lengths = backend.asarray(kv_len)

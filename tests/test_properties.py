@@ -27,7 +27,7 @@ def problems(draw):
 
 
 def visible(mask, kw, lq, lk):
-    from _reference import structure
+    from portable_attn._reference import structure
 
     return mask & structure(lq, lk, **kw)
 

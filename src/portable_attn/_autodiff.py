@@ -18,8 +18,9 @@ import dataclasses
 import functools
 from typing import Any
 
+from ._lib._call import AttentionCall
 from ._lib._compat import library_name
-from ._lib._scores import AttentionPlan, ScoreTerms
+from ._lib._scores import ScoreTerms
 from ._lib._tiled import Blocks, tiled_backward, tiled_forward
 
 __all__ = ["tiled_attention"]
@@ -28,18 +29,10 @@ __all__ = ["tiled_attention"]
 _ARRAY_FIELDS = ("mask", "q_lengths", "kv_lengths", "offset", "batch_index", "dropout_keep")
 
 
-def tiled_attention(
-    xp: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    bias: Any | None,
-    terms: ScoreTerms,
-    plan: AttentionPlan,
-    block_q: Blocks,
-    block_k: Blocks,
-) -> Any:
+def tiled_attention(call: AttentionCall, block_q: Blocks, block_k: Blocks) -> Any:
     """Tiled attention output (..., Hq, Lq, Dv) with an O(L)-memory backward where one exists."""
+    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    terms, plan = call.terms, call.plan
     lib = library_name(q)
     static = (xp, plan, block_q, block_k)
     if terms.score_mod is None and lib == "torch":

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from ._lib._compat import numpy_namespace
+from ._lib._compat import namespace_or_numpy
 from ._lib._masks import structure_allowed
+from ._lib._validation import check_count
 
 __all__ = ["causal_mask"]
 
@@ -55,12 +56,9 @@ def causal_mask(
     if align not in ("bottom-right", "top-left"):
         msg = f"`align` must be 'bottom-right' or 'top-left', but got {align!r}"
         raise ValueError(msg)
-    for name, n in (("num_queries", num_queries), ("num_keys", num_keys)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            msg = f"`{name}` must be a non-negative integer, but got {n!r}"
-            raise ValueError(msg)
-    if xp is None:
-        xp = numpy_namespace()
+    check_count("num_queries", num_queries, minimum=0)
+    check_count("num_keys", num_keys, minimum=0)
+    xp = namespace_or_numpy(xp)
     offset = num_keys - num_queries if align == "bottom-right" else 0
     return structure_allowed(
         xp,

@@ -1,235 +1,119 @@
 """``portable-attn check``: run the library on every installed backend and compare.
 
-This is the one module of the package that knows each backend by name: it
-converts NumPy data to each library, synchronises devices for timing and drives
-autograd. The attention itself is always the portable implementation.
+Each backend that can run here (from :mod:`portable_attn._backends`, the one
+table of array libraries) computes a fixed set of cases in every dtype it
+supports; the results are compared with the float64 oracle of
+:mod:`portable_attn._reference`, gradients with its central differences, and a
+float32 call is timed with :mod:`portable_attn._timing`. The attention itself is
+always the portable implementation.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import statistics
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._attention import attention_weights, scaled_dot_product_attention
+from ._backends import FAMILIES, Backend, family_installed, make_backend, unavailable_reason
+from ._reference import central_differences, reference_attention
+from ._timing import median_seconds
 
-__all__ = ["CheckResult", "available_targets", "run_checks"]
+__all__ = ["CheckResult", "Target", "available_targets", "run_checks"]
 
 # Max abs error allowed against the float64 oracle on unit-scale data, per dtype.
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
+# Kinds that only the test suite runs: read-only NumPy inputs compute like NumPy.
+_TEST_ONLY_KINDS = ("numpy_readonly",)
 
-@dataclass
+
+@dataclass(frozen=True)
 class Target:
-    """One backend on one device, with the few operations the check needs."""
+    """One backend as ``check`` (and ``explain``) names and drives it.
 
-    name: str
-    version: str
-    device: str
-    dtypes: tuple[str, ...]
-    to_backend: Callable[[np.ndarray, str], Any]
-    to_numpy: Callable[[Any], np.ndarray]
-    sync: Callable[[Any], None] = lambda _: None
-    grad: Callable[..., tuple[Any, ...]] | None = None
+    A thin view of a :class:`~portable_attn._backends.Backend`: the conversions,
+    the synchronisation and the gradients are the backend table's.
 
+    Parameters
+    ----------
+    backend : Backend
+        The backend.
+    """
 
-def _version(module: str) -> str:
-    return getattr(importlib.import_module(module), "__version__", "?")
+    backend: Backend
 
+    @property
+    def name(self) -> str:
+        """The reported name: torch and JAX name their device (``"torch:cpu"``)."""
+        b = self.backend
+        return f"{b.family}:{b.device_name}" if b.family in ("torch", "jax") else b.kind
 
-def _numpy_targets() -> Iterator[Target]:
-    yield Target(
-        "numpy",
-        np.__version__,
-        "cpu",
-        ("float64", "float32", "float16"),
-        lambda a, dt: a.astype(dt),
-        np.asarray,
-    )
+    @property
+    def version(self) -> str:
+        """The library's version."""
+        return self.backend.version
 
+    @property
+    def device(self) -> str:
+        """``"cpu"``, ``"cuda"`` or ``"gpu"``."""
+        return self.backend.device_name
 
-def _strict_targets() -> Iterator[Target]:
-    import array_api_strict as xs
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The floating dtypes checked, widest first."""
+        return self.backend.dtypes
 
-    yield Target(
-        "array_api_strict",
-        xs.__version__,
-        "cpu",
-        ("float64", "float32"),
-        lambda a, dt: xs.asarray(a.astype(dt)),
-        np.from_dlpack,
-    )
+    @property
+    def has_autodiff(self) -> bool:
+        """Whether :meth:`grad` works."""
+        return self.backend.has_autodiff
 
+    def to_backend(self, a: Any, dtype: str) -> Any:
+        """Return NumPy data `a` as an array of the backend in `dtype` (a name)."""
+        return self.backend.asarray(a, dtype)
 
-def _torch_targets() -> Iterator[Target]:
-    import torch
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """Bring an array of the backend back to NumPy (bfloat16 as float32)."""
+        return self.backend.to_numpy(x)
 
-    def grad(fn: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
-        leaves = [a.detach().requires_grad_(True) for a in args]
-        return torch.autograd.grad(fn(*leaves), leaves)
+    def sync(self, x: Any) -> None:
+        """Wait until `x` is computed."""
+        self.backend.sync(x)
 
-    def to_numpy(x: Any) -> np.ndarray:
-        x = x.detach()
-        return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy()
-
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for dev in devices:
-        sync = (lambda _: torch.cuda.synchronize()) if dev == "cuda" else (lambda _: None)
-
-        def to_backend(a: np.ndarray, dt: str, dev: str = dev) -> Any:
-            t = torch.asarray(a.astype("float32" if dt == "bfloat16" else dt), device=dev)
-            return t.to(torch.bfloat16) if dt == "bfloat16" else t
-
-        yield Target(
-            f"torch:{dev}",
-            torch.__version__,
-            dev,
-            ("float64", "float32", "float16", "bfloat16"),
-            to_backend,
-            to_numpy,
-            sync,
-            grad,
-        )
-
-
-def _jax_targets() -> Iterator[Target]:
-    import jax
-    import jax.numpy as jnp
-
-    jax.config.update("jax_enable_x64", True)
-
-    def grad(fn: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
-        return jax.grad(fn, argnums=tuple(range(len(args))))(*args)
-
-    def to_numpy(x: Any) -> np.ndarray:
-        return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
-
-    platforms = ["cpu"]
-    try:
-        jax.devices("gpu")
-        platforms.append("gpu")
-    except RuntimeError:
-        pass
-    for platform in platforms:
-        dev = jax.devices(platform)[0]
-
-        def to_backend(a: np.ndarray, dt: str, dev: Any = dev) -> Any:
-            return jax.device_put(jnp.asarray(a, dtype=getattr(jnp, dt)), dev)
-
-        yield Target(
-            f"jax:{platform}",
-            jax.__version__,
-            platform,
-            ("float64", "float32", "float16", "bfloat16"),
-            to_backend,
-            to_numpy,
-            lambda x: x.block_until_ready(),
-            grad,
-        )
-
-
-def _cupy_targets() -> Iterator[Target]:
-    import cupy
-
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return
-    except Exception:  # no driver: CUDARuntimeError
-        return
-    yield Target(
-        "cupy",
-        cupy.__version__,
-        "cuda",
-        ("float64", "float32", "float16"),
-        lambda a, dt: cupy.asarray(a.astype(dt)),
-        lambda x: x.get(),
-        lambda _: cupy.cuda.runtime.deviceSynchronize(),
-    )
-
-
-def _dask_targets() -> Iterator[Target]:
-    import dask
-    import dask.array as da
-
-    def to_backend(a: np.ndarray, dt: str) -> Any:
-        return da.from_array(a.astype(dt), chunks=tuple(max(1, n // 2) for n in a.shape))
-
-    yield Target(
-        "dask",
-        dask.__version__,
-        "cpu",
-        ("float64", "float32", "float16"),
-        to_backend,
-        lambda x: np.asarray(x.compute()),
-        lambda x: x.compute(),
-    )
-
-
-_FACTORIES = {
-    "numpy": _numpy_targets,
-    "array_api_strict": _strict_targets,
-    "torch": _torch_targets,
-    "jax": _jax_targets,
-    "cupy": _cupy_targets,
-    "dask": _dask_targets,
-}
-_MODULES = {"dask": "dask.array"}
+    def grad(self, fn: Any, *args: Any) -> tuple[Any, ...]:
+        """Return the gradients of the scalar ``fn(*args)`` (torch and JAX only)."""
+        return self.backend.grad(fn, *args)
 
 
 def available_targets(only: list[str] | None = None) -> tuple[list[Target], list[str]]:
-    """Return the installed targets and the names of the backends not installed."""
+    """Return the backends that can run here and the families not installed.
+
+    Parameters
+    ----------
+    only : list of str, optional
+        Families to consider (default: all of them).
+
+    Returns
+    -------
+    targets : list of Target
+        Every kind of the installed families that can run (GPU kinds only with
+        their device), in the order of :data:`~portable_attn._backends.FAMILIES`.
+    missing : list of str
+        The families asked for (or all) that are not installed.
+    """
     targets, missing = [], []
-    for name, factory in _FACTORIES.items():
-        if only and name not in only:
+    for family, kinds in FAMILIES.items():
+        if only and family not in only:
             continue
-        module = _MODULES.get(name, name).split(".")[0]
-        if importlib.util.find_spec(module) is None:
-            missing.append(name)
+        if not family_installed(family):
+            missing.append(family)
             continue
-        targets.extend(factory())
+        for kind in kinds:
+            if kind not in _TEST_ONLY_KINDS and unavailable_reason(kind) is None:
+                targets.append(Target(make_backend(kind)))
     return targets, missing
-
-
-# ---------------------------------------------------------------------------
-# the oracle: float64 NumPy, per head, with the structural mask built by np.tri
-
-
-def _oracle(q, k, v, *, mask=None, bias=None, is_causal=False, window=None, softcap=None):
-    *batch, hq, lq, d = q.shape
-    hkv, lk = k.shape[-3], k.shape[-2]
-    allowed = np.ones((lq, lk), dtype=bool)
-    shift = lk - lq
-    if is_causal:
-        allowed &= np.tri(lq, lk, shift, dtype=bool)
-    if window is not None:
-        left, right = window
-        if right is not None:
-            allowed &= np.tri(lq, lk, shift + right, dtype=bool)
-        if left is not None:
-            allowed &= ~np.tri(lq, lk, shift - left - 1, dtype=bool)
-    out = np.zeros((*batch, hq, lq, v.shape[-1]))
-    for idx in np.ndindex(*batch, hq):
-        kv_idx = (*idx[:-1], idx[-1] // (hq // hkv))
-        s = q[idx] @ k[kv_idx].T / np.sqrt(d)
-        if softcap is not None:
-            s = softcap * np.tanh(s / softcap)
-        if bias is not None:
-            s = s + np.broadcast_to(bias, (*batch, hq, lq, lk))[idx]
-        ok = (
-            allowed if mask is None else allowed & np.broadcast_to(mask, (*batch, hq, lq, lk))[idx]
-        )
-        for i in range(lq):
-            row = s[i][ok[i]]
-            if row.size and np.isfinite(row.max()):
-                p = np.exp(row - row.max())
-                out[idx][i] = (p / p.sum()) @ v[kv_idx][ok[i]]
-    return out
 
 
 def _cases(rng: np.random.Generator) -> list[tuple[str, dict[str, Any]]]:
@@ -277,16 +161,16 @@ class CheckResult:
 
 
 def _check_values(t: Target, res: CheckResult, cases: list[tuple[str, dict[str, Any]]]) -> None:
-    for dt in t.dtypes:
+    b = t.backend
+    for dt in b.dtypes:
         worst = 0.0
         for label, case in cases:
             kw = {n: case[n] for n in ("is_causal", "window", "softcap") if n in case}
             # the oracle sees the values after rounding to the dtype under test
             rounded = {
-                n: t.to_numpy(t.to_backend(case[n], dt)).astype(np.float64)
-                for n in ("q", "k", "v")
+                n: b.to_numpy(b.asarray(case[n], dt)).astype(np.float64) for n in ("q", "k", "v")
             }
-            expected = _oracle(
+            expected = reference_attention(
                 rounded["q"],
                 rounded["k"],
                 rounded["v"],
@@ -294,11 +178,11 @@ def _check_values(t: Target, res: CheckResult, cases: list[tuple[str, dict[str, 
                 bias=case.get("bias"),
                 **kw,
             )
-            args = [t.to_backend(rounded[n], dt) for n in ("q", "k", "v")]
-            mask = None if "mask" not in case else t.to_backend(case["mask"], "bool")
-            bias = None if "bias" not in case else t.to_backend(case["bias"], dt)
-            out = t.to_numpy(scaled_dot_product_attention(*args, mask=mask, bias=bias, **kw))
-            weights = t.to_numpy(attention_weights(*args[:2], mask=mask, bias=bias, **kw))
+            args = [b.asarray(rounded[n], dt) for n in ("q", "k", "v")]
+            mask = None if "mask" not in case else b.asarray(case["mask"], "bool")
+            bias = None if "bias" not in case else b.asarray(case["bias"], dt)
+            out = b.to_numpy(scaled_dot_product_attention(*args, mask=mask, bias=bias, **kw))
+            weights = b.to_numpy(attention_weights(*args[:2], mask=mask, bias=bias, **kw))
             row_sums = weights.sum(-1)
             if not np.all(np.isfinite(out)) or not np.all(np.isfinite(weights)):
                 res.failures.append(f"{dt} {label}: non-finite values")
@@ -312,7 +196,8 @@ def _check_values(t: Target, res: CheckResult, cases: list[tuple[str, dict[str, 
 
 
 def _check_gradients(t: Target, res: CheckResult, rng: np.random.Generator) -> None:
-    if t.grad is None:
+    b = t.backend
+    if not b.has_autodiff:
         return
     shapes = [(1, 2, 3, 4), (1, 1, 5, 4), (1, 1, 5, 3)]
     data = [rng.standard_normal(s) for s in shapes]
@@ -321,24 +206,17 @@ def _check_gradients(t: Target, res: CheckResult, rng: np.random.Generator) -> N
     cot = rng.standard_normal((1, 2, 3, 3))
 
     def loss_np(*arrays: np.ndarray) -> float:
-        return float(np.sum(_oracle(*arrays, mask=mask, is_causal=True) * cot))
+        return float(np.sum(reference_attention(*arrays, mask=mask, is_causal=True) * cot))
 
     def loss(q: Any, k: Any, v: Any) -> Any:
-        out = scaled_dot_product_attention(
-            q, k, v, mask=t.to_backend(mask, "bool"), is_causal=True
-        )
-        return (out * t.to_backend(cot, "float64")).sum()
+        out = scaled_dot_product_attention(q, k, v, mask=b.asarray(mask, "bool"), is_causal=True)
+        return (out * b.asarray(cot, "float64")).sum()
 
-    grads = t.grad(loss, *(t.to_backend(a, "float64") for a in data))
-    eps, worst = 1e-6, 0.0
-    for i, (a, g) in enumerate(zip(data, grads, strict=True)):
-        g = t.to_numpy(g)
-        for idx in np.ndindex(a.shape):
-            hi, lo = [x.copy() for x in data], [x.copy() for x in data]
-            hi[i][idx] += eps
-            lo[i][idx] -= eps
-            numeric = (loss_np(*hi) - loss_np(*lo)) / (2 * eps)
-            worst = max(worst, abs(numeric - g[idx]))
+    grads = b.grad(loss, *(b.asarray(a, "float64") for a in data))
+    numeric = central_differences(loss_np, data, eps=1e-6)
+    worst = max(
+        float(np.max(np.abs(n - b.to_numpy(g)))) for n, g in zip(numeric, grads, strict=True)
+    )
     ok = worst < 1e-6
     res.gradients = f"ok ({worst:.0e})" if ok else f"FAIL ({worst:.1e})"
     if not ok:
@@ -346,19 +224,36 @@ def _check_gradients(t: Target, res: CheckResult, rng: np.random.Generator) -> N
 
 
 def _time_call(t: Target, res: CheckResult, rng: np.random.Generator, repeats: int) -> None:
-    q, k, v = (t.to_backend(rng.standard_normal((1, 8, 256, 64)), "float32") for _ in range(3))
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
-        t.sync(scaled_dot_product_attention(q, k, v, is_causal=True))
-        times.append(time.perf_counter() - start)
-    res.time_ms = statistics.median(times[2:]) * 1e3
+    b = t.backend
+    q, k, v = (b.asarray(rng.standard_normal((1, 8, 256, 64)), "float32") for _ in range(3))
+    seconds = median_seconds(
+        lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+        repeats=repeats,
+        warmup=2,
+        sync=b.sync,
+    )
+    res.time_ms = seconds * 1e3
 
 
 def run_checks(
     only: list[str] | None = None, *, repeats: int = 10
 ) -> tuple[list[CheckResult], list[str]]:
-    """Check every installed backend; return the results and the missing backends."""
+    """Check every backend that can run here.
+
+    Parameters
+    ----------
+    only : list of str, optional
+        Families to check (default: all installed).
+    repeats : int, default 10
+        Timed calls per backend (after two warm-up calls).
+
+    Returns
+    -------
+    results : list of CheckResult
+        One per backend checked; a backend that raises is reported as failed.
+    missing : list of str
+        The families not installed.
+    """
     targets, missing = available_targets(only)
     results = []
     for t in targets:

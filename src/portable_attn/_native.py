@@ -9,23 +9,11 @@ index arithmetic, and rows that see no key are given a harmless all-visible
 mask for the kernel and zeroed afterwards (the kernels would otherwise return
 NaN or uniform rows there), so their gradients are zero too.
 
-Routing table (``implementation=``):
-
-=================  ==============================  =====================================
-call               ``"native"``                    ``None`` (default)
-=================  ==============================  =====================================
-torch              SDPA (``enable_gqa``; masks     SDPA when there is no mask, bias,
-                   and bias as ``attn_mask``)      lengths or window and causal only
-                                                   with Lq == Lk (the fused kernels);
-                                                   portable otherwise
-jax                ``jax.nn.dot_product_attention``  portable (on CPU the XLA kernel is
-                   (needs Dv == Dk; its softmax is   slower than the portable path)
-                   float32 even for float64)
-numpy, cupy, ...   error: no native kernel         portable
-softcap,           error: not expressible          portable
-score_mod, ALiBi,
-dropout, weights
-=================  ==============================  =====================================
+What each kernel can express is :func:`unsupported_reason`: torch SDPA and
+``jax.nn.dot_product_attention`` (which needs Dv == Dk, and whose softmax is
+float32 even for float64) take masks, bias, lengths, windows and GQA; softcap,
+``score_mod``, ALiBi and dropout are not expressible. *When* a call is routed
+here is decided in ``portable_attn._path_policy``.
 """
 
 from __future__ import annotations
@@ -33,17 +21,23 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._lib._compat import library_name
-from ._lib._scores import AttentionPlan, ScoreTerms, allowed_block
+from ._lib._call import AttentionCall
+from ._lib._compat import has_native_kernel, library_name
+from ._lib._scores import AttentionPlan, allowed_block
+from ._lib._tiled import block_visibility
 
-__all__ = ["native_attention", "native_unsupported_reason", "prefer_native"]
+__all__ = ["native_attention", "unsupported_reason"]
 
 
-def native_unsupported_reason(
-    lib: str, plan: AttentionPlan, terms: ScoreTerms, tiles: Any
-) -> str | None:
-    """Why a call cannot go to the native kernel of `lib`, or None when it can."""
-    if lib not in ("torch", "jax"):
+def unsupported_reason(call: AttentionCall, *, explicit_tiles: bool = False) -> str | None:
+    """Why `call` cannot go to its library's native kernel, or None when it can.
+
+    `explicit_tiles` is an int or pair `block_size`: a request for the portable
+    tiled path.
+    """
+    plan, terms = call.plan, call.terms
+    if not has_native_kernel(call.query):
+        lib = library_name(call.query)
         return f"there is no native attention kernel for {lib} arrays (torch and jax only)"
     unsupported = [
         name
@@ -52,13 +46,13 @@ def native_unsupported_reason(
             ("score_mod", terms.score_mod is not None),
             ("alibi_slopes", terms.alibi_slopes is not None),
             ("dropout_mask", terms.dropout_keep is not None),
-            ("block_size (the portable tiled path)", tiles is not None),
+            ("block_size (the portable tiled path)", explicit_tiles),
         )
         if used
     ]
     if unsupported:
         return f"the native kernel cannot express {', '.join(unsupported)}"
-    if lib == "jax" and plan.value_dim != plan.key_dim:
+    if library_name(call.query) == "jax" and plan.value_dim != plan.key_dim:
         return (
             "jax.nn.dot_product_attention needs `value` axis -1 (Dv) == `key` axis -1 "
             f"(Dk), but got Dv={plan.value_dim} and Dk={plan.key_dim}"
@@ -66,48 +60,58 @@ def native_unsupported_reason(
     return None
 
 
-def prefer_native(lib: str, plan: AttentionPlan, terms: ScoreTerms, bias: Any) -> bool:
-    """Decide the default routing: native only where measured faster (torch's fused kernels)."""
-    if lib != "torch":
-        return False
-    plain = terms.mask is None and bias is None and not plan.has_lengths
-    return plain and plan.window is None and (not plan.is_causal or plan.q_len == plan.kv_len)
-
-
-def _visibility(xp: Any, allowed: Any | None, bias: Any | None, shape: tuple[int, ...]) -> Any:
-    """Rows (…, Lq, 1) that see at least one key with a finite score."""
-    ok = None if allowed is None else xp.broadcast_to(allowed, shape)
-    if bias is not None:
-        finite = xp.broadcast_to(bias > -xp.inf, shape)
-        ok = finite if ok is None else xp.logical_and(ok, finite)
-    return None if ok is None else xp.any(ok, axis=-1, keepdims=True)
-
-
-def native_attention(
-    xp: Any, q: Any, k: Any, v: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
+def _visible_rows(
+    xp: Any, allowed: Any | None, bias: Any | None, plan: AttentionPlan, *, structure_only: bool
 ) -> Any:
-    """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the compute dtype."""
-    lib = library_name(q)
+    """Rows that see at least one key with a finite score, at the smallest deciding shape.
+
+    The ``any`` runs over `allowed` (and the finite entries of `bias`) as they
+    are, never broadcast to (B..., Hq, Lq, Lk): a padding mask (B, 1, 1, Lk)
+    gives (B, 1, 1, 1). None when no row can be empty: nothing hides anything,
+    or only causal/window structure with ``Lq <= Lk`` (every query then sees its
+    own aligned position ``i' = i + Lk - Lq``, which lies in ``[0, Lk)``).
+    """
+    if allowed is None and bias is None:
+        return None
+    if structure_only and bias is None and plan.q_len <= plan.kv_len:
+        return None
+    ok = allowed
+    if bias is not None:
+        finite = bias > -xp.inf
+        ok = finite if ok is None else xp.logical_and(ok, finite)
+    return xp.any(ok, axis=-1, keepdims=True)  # (..., Lq|1, 1)
+
+
+def native_attention(call: AttentionCall) -> Any:
+    """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the compute dtype.
+
+    Every mask keeps its own broadcast shape: a padding mask or `kv_lengths`
+    stays (B, 1, 1, Lk), causal structure is (Lq, Lk), and structure that hides
+    nothing (bottom-right causal with ``Lq == 1``: decoding) is no mask at all.
+    """
+    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    terms, plan = call.terms, call.plan
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
-    shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
-    # the kernels' own causal flags are top-left aligned: ours is passed as a mask,
-    # unless Lq == Lk where both alignments agree and the fused causal kernel can be used
-    kernel_causal = plan.is_causal and plan.q_len == plan.kv_len and plan.window is None
-    structural = not kernel_causal
+    # The kernels' own causal flags are top-left aligned: ours is passed as a mask,
+    # except with Lq == Lk, where both alignments agree and the fused causal kernel
+    # can be used (it takes no mask beside it).
+    plain = terms.mask is None and bias is None and not plan.has_lengths
+    square = plan.q_len == plan.kv_len
+    kernel_causal = plan.is_causal and plan.window is None and square and plain
+    hides_nothing = block_visibility(plan, whole_q, whole_k) == "full"
+    structural = not (kernel_causal or hides_nothing)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
-    if kernel_causal and (allowed is not None or bias is not None):
-        allowed = allowed_block(xp, terms, plan, whole_q, whole_k)  # fold causal in too
-        kernel_causal = False
-    visible = _visibility(xp, allowed, bias, shape)  # (..., Hq, Lq, 1) or None
+    structure_only = terms.mask is None and not plan.has_lengths
+    visible = _visible_rows(xp, allowed, bias, plan, structure_only=structure_only)
     if visible is not None:  # give empty rows something finite to chew on, zero them later
         if allowed is not None:
             allowed = xp.logical_or(allowed, xp.logical_not(visible))
         if bias is not None:
             bias = xp.where(visible, bias, 0.0)
-    if lib == "torch":
-        out = _torch(xp, q, k, v, allowed, bias, plan, kernel_causal, shape)
+    if library_name(q) == "torch":
+        out = _torch(xp, q, k, v, allowed, bias, plan, kernel_causal)
     else:
-        out = _jax(xp, q, k, v, allowed, bias, plan, kernel_causal, shape)
+        out = _jax(xp, q, k, v, allowed, bias, plan, kernel_causal)
     return out if visible is None else xp.where(visible, out, 0.0)
 
 
@@ -120,7 +124,6 @@ def _torch(
     bias: Any,
     plan: AttentionPlan,
     causal: bool,
-    shape: tuple[int, ...],
 ) -> Any:
     import torch.nn.functional as F
 
@@ -133,7 +136,7 @@ def _torch(
         attn_mask = bias if allowed is None else xp.where(allowed, bias, -xp.inf)
         attn_mask = xp.astype(attn_mask, q.dtype)
     elif allowed is not None:
-        attn_mask = allowed
+        attn_mask = allowed  # in its own broadcast shape, e.g. (B, 1, 1, Lk)
     gqa = plan.num_q_heads != plan.num_kv_heads
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=causal, scale=plan.scale, enable_gqa=gqa
@@ -149,7 +152,6 @@ def _jax(
     bias: Any,
     plan: AttentionPlan,
     causal: bool,
-    shape: tuple[int, ...],
 ) -> Any:
     import jax
 

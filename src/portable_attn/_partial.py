@@ -8,55 +8,69 @@ Portable: only standard ``xp`` calls, like the core.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
-from ._attention import _at_least_2d, _prepare, _setup, _tiles, signed_lengths
-from ._lib._compat import array_namespace, device
+from ._lib._call import AttentionCall
+from ._lib._compat import on_device
 from ._lib._merge import empty_rows_to_neg_inf
 from ._lib._tiled import tiled_forward
+from ._path_policy import choose_path
 
-__all__ = ["partial_attention"]
+__all__ = ["partial_attention", "shift_keys"]
 
 Array = Any
 
 
+def shift_keys(call: AttentionCall, kv_start: int | Array, kv_total: int) -> AttentionCall:
+    """Place the keys of `call` at ``[kv_start, kv_start + Lk_part)`` of `kv_total` keys.
+
+    Causal, window, ALiBi, `kv_lengths` and `score_mod` positions become those of
+    the whole sequence: the valid length of the part is ``kv_len - kv_start``
+    (signed: a part may lie past the end), which also moves the alignment
+    ``i' = i + kv_len - q_len`` by ``-kv_start``; `score_mod` sees absolute key
+    positions.
+    """
+    xp, plan, terms = call.xp, call.plan, call.terms
+    kv_len = terms.kv_lengths
+    if kv_len is None:
+        kv_len = xp.asarray(kv_total, **on_device(plan.device))
+    local = kv_len - kv_start  # key j_part is valid iff j_part + start < length
+    q_len = plan.q_len if terms.q_lengths is None else terms.q_lengths
+    mod = terms.score_mod
+    if mod is not None:
+        inner = mod
+
+        def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+            return inner(scores, batch, head, q_idx, kv_idx + kv_start)
+
+    new_terms = dataclasses.replace(terms, kv_lengths=local, offset=local - q_len, score_mod=mod)
+    return dataclasses.replace(
+        call, plan=dataclasses.replace(plan, has_lengths=True), terms=new_terms
+    )
+
+
 def partial_attention(
-    query: Array,
-    key: Array,
-    value: Array,
+    call: AttentionCall,
     *,
     kv_start: int | Array,
     kv_total: int,
-    mask: Array | None = None,
-    bias: Array | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    window: tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
-    q_lengths: Array | None = None,
-    kv_lengths: Array | None = None,
-    alibi_slopes: Array | None = None,
-    score_mod: Callable[..., Array] | None = None,
     block_size: int | tuple[int, int] | None = None,
 ) -> tuple[Array, Array]:
-    """Attention of every query over the keys ``[kv_start, kv_start + Lk_part)``.
-
-    The keys, values, and the key axis of `mask`/`bias`, are one contiguous part
-    of a sequence of `kv_total` keys; causal, window, ALiBi, `kv_lengths` and
-    `score_mod` positions are those of the whole sequence. Other arguments as in
-    :func:`portable_attn.scaled_dot_product_attention`.
+    """Attention of every query of `call` over its keys, placed at `kv_start` of `kv_total`.
 
     Parameters
     ----------
-    query : array, shape (B..., Hq, Lq, Dk)
-    key : array, shape (B..., Hkv, Lk_part, Dk)
-    value : array, shape (B..., Hkv, Lk_part, Dv)
+    call : AttentionCall
+        Prepared from the query, this part's keys and values (B..., Hkv,
+        Lk_part, D), and the key axis of `mask`/`bias` cut to the part.
     kv_start : int or integer array of shape ()
         Position of this part's first key in the whole sequence (may be traced,
         e.g. ``lax.axis_index(...) * Lk_part``).
     kv_total : int
         Number of keys in the whole sequence.
+    block_size : int or (int, int), optional
+        Tile the part; default one block.
 
     Returns
     -------
@@ -67,41 +81,15 @@ def partial_attention(
         Row log-sum-exp of this part's scores, ``-inf`` for rows with no visible
         key in it.
     """
-    xp0, dev = array_namespace(query=query), device(query)
-    if kv_lengths is None:
-        kv_lengths = xp0.asarray(kv_total) if dev is None else xp0.asarray(kv_total, device=dev)
-    # key j_part is valid iff j_part + start < length (signed: a part may lie past the end)
-    local_lengths = signed_lengths(xp0, kv_lengths) - kv_start
-    mod = score_mod
-    if score_mod is not None:
-
-        def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
-            return score_mod(scores, batch, head, q_idx, kv_idx + kv_start)
-
-    xp, plan, terms = _setup(
-        query,
-        key,
-        value,
-        mask,
-        bias,
-        {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap},
-        {
-            "q_lengths": q_lengths,
-            "kv_lengths": local_lengths,  # also moves the causal/window/ALiBi alignment
-            "alibi_slopes": alibi_slopes,
-            "score_mod": mod,
-            "dropout_p": 0.0,
-            "dropout_mask": None,
-        },
+    call = shift_keys(call, kv_start, kv_total)
+    plan = call.plan
+    path = choose_path(call, block_size, "portable")
+    if path.kind == "empty":
+        out = call.zeros(plan.q_len, plan.value_dim)
+        return out, call.zeros(plan.q_len, 1) - call.xp.inf  # lse -inf: no key
+    tiles = path.tiles or (plan.q_len, plan.kv_len)
+    xp = call.xp
+    out, lse = tiled_forward(
+        xp, call.query, call.key, call.value, call.bias, call.terms, plan, *tiles
     )
-    dt = plan.compute_dtype
-    q, k, v = (_prepare(xp, x, dt) for x in (query, key, value))
-    b = None if bias is None else _at_least_2d(xp, xp.astype(bias, dt, copy=False))
-    lse_shape = (*plan.batch, plan.num_q_heads, plan.q_len, 1)
-    if plan.kv_len == 0 or plan.q_len == 0:
-        on = {} if plan.device is None else {"device": plan.device}
-        out = xp.zeros((*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim), dtype=dt, **on)
-        return out, xp.full(lse_shape, -xp.inf, dtype=dt, **on)
-    tiles = _tiles(xp, query, key, plan, block_size) or (plan.q_len, plan.kv_len)
-    out, lse = tiled_forward(xp, q, k, v, b, terms, plan, *tiles)
     return out, empty_rows_to_neg_inf(xp, lse)

@@ -7,6 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from ._lib._compat import namespace_or_numpy, on_device
+from ._lib._validation import check_count
+
 __all__ = ["get_alibi_slopes"]
 
 
@@ -43,16 +46,10 @@ def get_alibi_slopes(num_heads: int, *, xp: Any = None, device: Any = None) -> A
     >>> get_alibi_slopes(4)
     array([0.25      , 0.0625    , 0.015625  , 0.00390625])
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        msg = f"`num_heads` must be a positive integer, but got {num_heads!r}"
-        raise ValueError(msg)
+    check_count("num_heads", num_heads, minimum=1)
     m = 2 ** math.floor(math.log2(num_heads))
     slopes = _power_of_two_slopes(m)
     if m < num_heads:
         slopes += _power_of_two_slopes(2 * m)[0::2][: num_heads - m]
-    result = np.asarray(slopes, dtype=np.float64)
-    if xp is None:
-        return result
-    if device is None:
-        return xp.asarray(result)
-    return xp.asarray(result, device=device)
+    xp = namespace_or_numpy(xp)
+    return xp.asarray(np.asarray(slopes, dtype=np.float64), **on_device(device))

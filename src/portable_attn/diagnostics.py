@@ -17,9 +17,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._attention import _plan, _terms, attention_weights
+from ._attention import attention_weights
+from ._backends import to_numpy as _to_host
+from ._lib import _validation as v
+from ._lib._call import ATTENTION_KEYWORDS, prepare
 from ._lib._compat import array_namespace
-from ._lib._compat import to_numpy as _to_host
 from ._lib._scores import allowed_block, logits_block, scaled_query_rows, scores_block
 
 __all__ = [
@@ -135,30 +137,17 @@ class LogitStats:
     max_abs: Any
 
 
-def _logits_and_allowed(query: Any, key: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+def _logits_and_allowed(
+    caller: str, query: Any, key: Any, kwargs: dict[str, Any]
+) -> tuple[Any, Any, Any, Any]:
     """Compute the logits exactly as the attention does, and the allowed mask."""
-    mask, bias = kwargs.pop("mask", None), kwargs.pop("bias", None)
-    xp = array_namespace(query=query, key=key, mask=mask, bias=bias)
-    base = {n: kwargs.pop(n, None) for n in ("is_causal", "scale", "window", "softcap")}
-    base["is_causal"] = bool(base["is_causal"])
-    plan = _plan(xp, query, key, None, mask, bias, **base)
-    extras = {
-        "q_lengths": None,
-        "kv_lengths": None,
-        "alibi_slopes": None,
-        "score_mod": None,
-        "dropout_p": 0.0,
-        "dropout_mask": None,
-    } | kwargs
-    plan, terms = _terms(xp, plan, mask, extras)
-    dt = plan.compute_dtype
-    q = xp.astype(query if query.ndim > 2 else query[None, ...], dt, copy=False)
-    k = xp.astype(key if key.ndim > 2 else key[None, ...], dt, copy=False)
-    b = None if bias is None else xp.astype(bias, dt, copy=False)
+    v.check_keywords(caller, kwargs, ATTENTION_KEYWORDS)
+    call = prepare(query, key, None, **kwargs)
+    xp, plan = call.xp, call.plan
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
-    capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)
-    logits = scores_block(xp, capped, b, terms, plan, whole_q, whole_k)  # (..., Hq, Lq, Lk)
-    allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
+    capped = logits_block(xp, scaled_query_rows(xp, call.query, plan), call.key, plan)
+    logits = scores_block(xp, capped, call.bias, call.terms, plan, whole_q, whole_k)
+    allowed = allowed_block(xp, call.terms, plan, whole_q, whole_k)  # (..., Hq, Lq, Lk)
     if allowed is None:
         allowed = xp.ones(logits.shape, dtype=xp.bool)
     allowed = xp.broadcast_to(allowed, logits.shape)
@@ -182,7 +171,7 @@ def logit_stats(query: Any, key: Any, **kwargs: Any) -> LogitStats:
     LogitStats
         Arrays of shape (Hq,).
     """
-    xp, logits, allowed, _ = _logits_and_allowed(query, key, dict(kwargs))
+    xp, logits, allowed, _ = _logits_and_allowed("logit_stats", query, key, kwargs)
     f = xp.astype(allowed, logits.dtype)
     count = _heads_last(xp, f, 3)
     count = xp.where(count > 0, count, 1.0)
@@ -268,7 +257,7 @@ def scale_report(query: Any, key: Any, **kwargs: Any) -> ScaleReport:
     """
     import numpy as np
 
-    xp, _, _, plan = _logits_and_allowed(query, key, dict(kwargs))
+    xp, _, _, plan = _logits_and_allowed("scale_report", query, key, kwargs)
     stats = logit_stats(query, key, **kwargs)
     weights = attention_weights(query, key, **kwargs)
     if weights.ndim == 2:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._attention import _setup
+from ._lib._call import prepare
 from ._lib._merge import merge_partials
 from ._partial import partial_attention
 
@@ -99,16 +99,33 @@ def sequence_parallel_attention(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    options = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap}
-    extras = {
+    def attention_call(a: dict[str, Array]) -> Any:  # on the whole arrays, or one part
+        return prepare(
+            a["query"],
+            a["key"],
+            a["value"],
+            mask=a.get("mask"),
+            bias=a.get("bias"),
+            is_causal=is_causal,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            q_lengths=a.get("q_lengths"),
+            kv_lengths=a.get("kv_lengths"),
+            alibi_slopes=a.get("alibi_slopes"),
+            score_mod=score_mod,
+        )
+
+    given = {
+        "mask": mask,
+        "bias": bias,
         "q_lengths": q_lengths,
         "kv_lengths": kv_lengths,
         "alibi_slopes": alibi_slopes,
-        "score_mod": score_mod,
-        "dropout_p": 0.0,
-        "dropout_mask": None,
     }
-    _, plan, _ = _setup(query, key, value, mask, bias, options, extras)  # global checks
+    arrays = {"query": query, "key": key, "value": value}
+    arrays |= {name: x for name, x in given.items() if x is not None}
+    plan = attention_call(arrays).plan  # every check, on the whole arrays
     if axis_name not in mesh.shape:
         msg = f"`axis_name` {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}"
         raise ValueError(msg)
@@ -129,35 +146,15 @@ def sequence_parallel_attention(
             return P(*([None] * (x.ndim - 1)), axis_name)
         return P()
 
-    arrays = {"query": query, "key": key, "value": value}
     specs = {"query": P(), "key": split_keys(key), "value": split_keys(value)}
-    for name, x, spec in (
-        ("mask", mask, split_last),
-        ("bias", bias, split_last),
-        ("q_lengths", q_lengths, None),
-        ("kv_lengths", kv_lengths, None),
-        ("alibi_slopes", alibi_slopes, None),
-    ):
-        if x is not None:
-            arrays[name] = x
-            specs[name] = spec(x) if spec is not None else P()
+    for name in given:
+        if name in arrays:
+            specs[name] = split_last(arrays[name]) if name in ("mask", "bias") else P()
 
     def local(a: dict[str, Array]) -> Array:
         start = lax.axis_index(axis_name) * part_len
         out, lse = partial_attention(
-            a["query"],
-            a["key"],
-            a["value"],
-            kv_start=start,
-            kv_total=plan.kv_len,
-            mask=a.get("mask"),
-            bias=a.get("bias"),
-            q_lengths=a.get("q_lengths"),
-            kv_lengths=a.get("kv_lengths"),
-            alibi_slopes=a.get("alibi_slopes"),
-            score_mod=score_mod,
-            block_size=block_size,
-            **options,
+            attention_call(a), kv_start=start, kv_total=plan.kv_len, block_size=block_size
         )
         merged, _ = merge_partials(
             jnp,

@@ -14,8 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._attention import scaled_dot_product_attention
-from ._lib._compat import array_namespace, device, library_name
+from ._lib._compat import (
+    array_namespace,
+    device,
+    has_concrete_values,
+    namespace_or_numpy,
+    on_device,
+)
 from ._lib._masks import arange
+from ._lib._validation import check_count
 
 __all__ = ["KVCache", "kv_cache_append", "kv_cache_attention", "kv_cache_init"]
 
@@ -39,7 +46,7 @@ class KVCache:
     lengths: Any
 
     def __post_init__(self) -> None:
-        if library_name(self.keys) == "jax" or "jax" in sys.modules:
+        if "jax" in sys.modules:  # JAX arrays imply JAX: make the cache a pytree
             _register_with_jax()
 
     @property
@@ -67,7 +74,8 @@ def _register_with_jax() -> None:
 
 
 def kv_cache_init(
-    xp: Any,
+    _xp: Any = None,
+    /,
     *,
     batch_shape: tuple[int, ...],
     num_kv_heads: int,
@@ -76,13 +84,12 @@ def kv_cache_init(
     value_dim: int | None = None,
     dtype: Any = None,
     device: Any = None,
+    xp: Any = None,
 ) -> KVCache:
     """Create an empty cache of zeros with all lengths 0.
 
     Parameters
     ----------
-    xp : namespace
-        Array namespace (e.g. ``array_api_compat.array_namespace(q)``, ``jax.numpy``).
     batch_shape : tuple of int
         Leading batch dims ``B...``.
     num_kv_heads, capacity, head_dim : int
@@ -93,22 +100,24 @@ def kv_cache_init(
         Dtype of keys and values; float32 by default.
     device : device, optional
         Device of the arrays.
+    xp : namespace, optional
+        Array namespace of the cache (e.g. ``array_api_compat.array_namespace(q)``);
+        NumPy when omitted. (Passing it first, positionally, is deprecated.)
 
     Returns
     -------
     KVCache
     """
+    xp = namespace_or_numpy(xp, caller="kv_cache_init", positional=_xp)
     for name, n in (
         ("num_kv_heads", num_kv_heads),
         ("capacity", capacity),
         ("head_dim", head_dim),
     ):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            msg = f"`{name}` must be a positive integer, but got {n!r}"
-            raise ValueError(msg)
+        check_count(name, n, minimum=1)
     dtype = xp.float32 if dtype is None else dtype
     value_dim = head_dim if value_dim is None else value_dim
-    kw = {} if device is None else {"device": device}
+    kw = on_device(device)
     shape = (*batch_shape, num_kv_heads, capacity)
     return KVCache(
         keys=xp.zeros((*shape, head_dim), dtype=dtype, **kw),
@@ -182,14 +191,8 @@ def kv_cache_append(cache: KVCache, key: Any, value: Any) -> KVCache:
 
 def _check_capacity(xp: Any, cache: KVCache, t: int) -> None:
     lengths = cache.lengths
-    lib = library_name(lengths)
-    if lib == "dask":
-        return  # checking would compute the graph
-    if lib == "jax":
-        import jax
-
-        if isinstance(lengths, jax.core.Tracer):
-            return  # traced: static shapes, nothing to check without a host sync
+    if not has_concrete_values(lengths):
+        return  # traced or lazy: checking would need a host sync or a computation
     longest = int(xp.max(lengths)) if lengths.ndim else int(lengths)
     if longest + t > cache.capacity:
         msg = (

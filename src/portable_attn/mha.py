@@ -8,16 +8,14 @@ from typing import Any
 import numpy as np
 
 from ._attention import scaled_dot_product_attention
-from ._lib._compat import array_namespace
+from ._lib._compat import array_namespace, namespace_or_numpy, on_device
 
 __all__ = ["init_mha_params", "multi_head_attention"]
 
 
 def init_mha_params(
-    xp: Any,
-    d_model: int,
-    num_heads: int,
-    *,
+    *args: Any,
+    xp: Any = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
     kv_input_dim: int | None = None,
@@ -34,8 +32,6 @@ def init_mha_params(
 
     Parameters
     ----------
-    xp : namespace
-        Target array namespace.
     d_model : int
         Width of the query input and of the output.
     num_heads : int
@@ -52,6 +48,9 @@ def init_mha_params(
         Seed of the NumPy generator.
     dtype, device : optional
         Of the arrays; float32 by default.
+    xp : namespace, optional
+        Target array namespace; NumPy when omitted. (The older form
+        ``init_mha_params(xp, d_model, num_heads)`` is deprecated.)
 
     Returns
     -------
@@ -59,6 +58,12 @@ def init_mha_params(
         ``wq (d_model, H·Dk)``, ``wk (d_kv, Hkv·Dk)``, ``wv (d_kv, Hkv·Dv)``,
         ``wo (H·Dv, d_model)`` and, with `bias`, ``bq, bk, bv, bo``.
     """
+    legacy = args[0] if len(args) == 3 else None
+    if len(args) not in (2, 3):
+        msg = f"init_mha_params() takes d_model and num_heads, but got {len(args)} positional"
+        raise TypeError(msg)
+    d_model, num_heads = args[-2:]
+    xp = namespace_or_numpy(xp, caller="init_mha_params", positional=legacy)
     hkv = num_heads if num_kv_heads is None else num_kv_heads
     dh = d_model // num_heads if head_dim is None else head_dim
     d_kv = d_model if kv_input_dim is None else kv_input_dim
@@ -82,8 +87,7 @@ def init_mha_params(
             "bo": np.zeros(d_model),
         }
     dtype = xp.float32 if dtype is None else dtype
-    kw = {} if device is None else {"device": device}
-    return {name: xp.asarray(a, dtype=dtype, **kw) for name, a in params.items()}
+    return {name: xp.asarray(a, dtype=dtype, **on_device(device)) for name, a in params.items()}
 
 
 def _project(xp: Any, x: Any, w: Any, b: Any | None, heads: int) -> Any:

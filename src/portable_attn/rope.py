@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._lib._compat import array_namespace, device
+from ._lib._compat import array_namespace, device, on_device
 
 __all__ = ["apply_rope"]
 
@@ -89,8 +89,10 @@ def apply_rope(
     if kind is not None and kind[0] == "ntk":
         base = base * kind[1] ** (dim / (dim - 2))
     half = dim // 2
-    exponents = xp.arange(0, half, dtype=compute, device=device(x)) * (2.0 / dim)
-    inv_freq = xp.pow(xp.asarray(base, dtype=compute, device=device(x)), -exponents)  # (D/2,)
+    exponents = xp.arange(0, half, dtype=compute, **on_device(device(x))) * (2.0 / dim)
+    inv_freq = xp.pow(
+        xp.asarray(base, dtype=compute, **on_device(device(x))), -exponents
+    )  # (D/2,)
     pos = xp.astype(positions, compute)
     if kind is not None and kind[0] == "linear":
         pos = pos / kind[1]

@@ -1,13 +1,19 @@
-"""The single place that imports :mod:`array_api_compat`.
+"""The single place that imports :mod:`array_api_compat`, and what each library can do.
 
 Everything else in the package asks this module for the namespace, the device
 and the library name of an array, so backend detection lives in one spot and can
 be cached per array type (namespace resolution is the largest part of the
 per-call overhead on tiny inputs).
+
+Policy elsewhere asks *capabilities* rather than comparing library names:
+:func:`is_traced`, :func:`has_concrete_values`, :func:`has_native_kernel`,
+:func:`traces_python_loops`, :func:`multithreaded_elementwise`. Each answers from
+the array's library here, and only here.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import array_api_compat
@@ -15,13 +21,21 @@ from array_api_compat import device, is_array_api_obj, size
 
 __all__ = [
     "array_namespace",
-    "device",
-    "is_array_api_obj",
     "chunk_sizes",
+    "default_integer_dtype",
+    "device",
+    "fused_native_kernel",
+    "has_concrete_values",
+    "has_native_kernel",
+    "is_array_api_obj",
+    "is_traced",
     "library_name",
+    "multithreaded_elementwise",
+    "namespace_or_numpy",
     "numpy_namespace",
+    "on_device",
     "size",
-    "to_numpy",
+    "traces_python_loops",
 ]
 
 _NAMESPACE_BY_TYPE: dict[type, Any] = {}
@@ -45,6 +59,97 @@ def chunk_sizes(x: Any, axis: int) -> tuple[int, ...] | None:
     if len(sizes) < 2 or any(n != n for n in sizes):  # one chunk, or unknown (NaN) sizes
         return None
     return tuple(int(n) for n in sizes)
+
+
+def on_device(dev: Any) -> dict[str, Any]:
+    """Keyword arguments that create an array on `dev`: ``{"device": dev}``, or ``{}``.
+
+    Every function that creates an array next to its inputs goes through this:
+    inside ``jax.jit`` a JAX tracer's device is None, and then the library must
+    choose (JAX places the new array with the traced computation).
+    """
+    return {} if dev is None else {"device": dev}
+
+
+def is_traced(x: Any) -> bool:
+    """Whether `x` is an abstract value being traced (a JAX tracer under ``jax.jit``)."""
+    if library_name(x) != "jax":
+        return False
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
+
+
+def has_concrete_values(x: Any) -> bool:
+    """Whether the values of `x` can be read without tracing or computing a graph.
+
+    False for JAX tracers and for lazy Dask arrays (reading would compute them).
+    """
+    return library_name(x) != "dask" and not is_traced(x)
+
+
+def has_native_kernel(x: Any) -> bool:
+    """Whether the library of `x` has a fused attention kernel (see ``portable_attn._native``)."""
+    return library_name(x) in ("torch", "jax")
+
+
+def fused_native_kernel(x: Any) -> bool:
+    """Whether the native kernel of `x`'s library is fused by default (torch SDPA).
+
+    PyTorch's SDPA picks a fused flash / memory-efficient kernel on CPU and CUDA
+    when given no mask; ``jax.nn.dot_product_attention`` with its default
+    implementation composes XLA operations (cuDNN only on request, on GPUs).
+    """
+    return library_name(x) == "torch"
+
+
+def traces_python_loops(x: Any) -> bool:
+    """Whether a Python loop over blocks becomes nodes of a traced program (JAX).
+
+    Such libraries are usually called under ``jax.jit``: every block of the
+    tiled path is a node of the compiled program, so the block count must stay
+    bounded.
+    """
+    return library_name(x) == "jax"
+
+
+def multithreaded_elementwise(x: Any) -> bool:
+    """Whether eager elementwise operations of the library of `x` run on several threads.
+
+    PyTorch's CPU kernels are multi-threaded; NumPy's ufuncs, array-api-strict
+    and the per-chunk NumPy of Dask run on one thread.
+    """
+    return library_name(x) == "torch"
+
+
+def default_integer_dtype(xp: Any) -> Any:
+    """Return the namespace's default integer dtype (int32 for JAX without ``jax_enable_x64``)."""
+    info = getattr(xp, "__array_namespace_info__", None)
+    if info is not None:
+        return info().default_dtypes()["integral"]
+    return xp.int64  # pragma: no cover - every supported namespace has the info object
+
+
+def namespace_or_numpy(xp: Any, *, caller: str = "", positional: Any = None) -> Any:
+    """Return the namespace for a function that creates arrays: `xp`, or NumPy's.
+
+    The convention: such functions take a keyword-only ``xp=`` (NumPy when
+    omitted). `positional` is a namespace passed first and positionally, the
+    older form of ``kv_cache_init`` and ``init_mha_params``: still accepted,
+    with a DeprecationWarning.
+    """
+    if positional is not None:
+        if xp is not None:
+            msg = f"{caller}() got the namespace both positionally and as `xp=`"
+            raise TypeError(msg)
+        warnings.warn(
+            f"{caller}(xp, ...) with the namespace first is deprecated: pass it as "
+            f"{caller}(..., xp=xp)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        xp = positional
+    return numpy_namespace() if xp is None else xp
 
 
 def _namespace_of(name: str, x: Any) -> Any:
@@ -103,25 +208,3 @@ def numpy_namespace() -> Any:
     import array_api_compat.numpy as np_xp
 
     return np_xp
-
-
-def to_numpy(x: Any) -> Any:
-    """Copy an array of any supported library to a float64 NumPy array on the host.
-
-    A host transfer (and, for Dask, a computation): only for reports, never in
-    the attention computation itself.
-    """
-    import numpy as np
-
-    lib = library_name(x)
-    if lib == "dask":
-        x = x.compute()
-    elif lib == "torch":
-        x = x.detach().cpu()
-        if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
-    elif lib == "cupy":
-        x = x.get()
-    elif lib == "array_api_strict":
-        return np.from_dlpack(x).astype(np.float64)
-    return np.asarray(x, dtype=np.float64)

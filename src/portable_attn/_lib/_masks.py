@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._compat import on_device
+
 __all__ = ["arange", "padding_allowed", "structure_allowed"]
 
 
 def arange(xp: Any, start: int, stop: int, device: Any) -> Any:
-    # Inside jax.jit the device of a tracer can be None: then let the library choose.
-    if device is None:
-        return xp.arange(start, stop)
-    return xp.arange(start, stop, device=device)
+    """Positions ``start .. stop - 1`` next to the inputs (`device` may be None)."""
+    return xp.arange(start, stop, **on_device(device))
 
 
 def structure_allowed(

@@ -18,9 +18,9 @@ register the backward with torch and JAX live in ``portable_attn._autodiff``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from ._compat import on_device
 from ._scores import (
     AttentionPlan,
     ScoreTerms,
@@ -128,9 +128,7 @@ def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) ->
 
 
 def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
-    if plan.device is None:
-        return xp.zeros(shape, dtype=plan.compute_dtype)
-    return xp.zeros(shape, dtype=plan.compute_dtype, device=plan.device)
+    return xp.zeros(shape, dtype=plan.compute_dtype, **on_device(plan.device))
 
 
 def tiled_forward(
@@ -330,22 +328,3 @@ def _bias_row(
             ds = _zeros(xp, full, plan)
         parts.append(sum_to_shape(xp, ds, blk_shape))
     return _combine(xp, parts, -1, bias.shape[-1] != 1)
-
-
-#: ``(block_q, block_k)`` of ``block_size="auto"`` for eagerly executed libraries:
-#: two (H, 128, 256) float32 score blocks (1 MiB each for H = 8) stay cache-friendly.
-EAGER_TILES = (128, 256)
-
-
-def default_tiles(traced: bool, q_len: int, kv_len: int) -> tuple[int, int]:
-    """``(block_q, block_k)`` for ``block_size="auto"``.
-
-    A traced program (JAX) unrolls the block loops into its graph, so it gets
-    blocks of at least 256 and at most 16 per axis, keeping compile time bounded.
-    """
-    if traced:
-        return (
-            max(256, 128 * math.ceil(q_len / (16 * 128))),
-            max(256, 128 * math.ceil(kv_len / (16 * 128))),
-        )
-    return EAGER_TILES

@@ -1,9 +1,10 @@
-"""Argument checks for the attention entry points, and their messages.
+"""Every argument check of the package, and its message.
 
 Every message names the argument, the axis and both shapes or dtypes, so a bad
-call fails here with a readable error instead of deep inside a backend. The
-checks only read static metadata (shapes, dtypes, Python scalars): they never
-look at array values, so they are cheap and safe under ``jax.jit``.
+call fails here with a readable error instead of deep inside a backend: a wrong
+type is a TypeError, a wrong value a ValueError. The checks only read static
+metadata (shapes, dtypes, Python scalars): they never look at array values, so
+they are cheap and safe under ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,21 @@ from typing import Any
 
 __all__ = [
     "broadcast_batch_shapes",
+    "check_alibi_slopes",
     "check_attention_arrays",
+    "check_block_size",
     "check_broadcastable_to",
+    "check_count",
+    "check_dropout",
+    "check_floating",
+    "check_implementation",
+    "check_is_causal",
+    "check_keywords",
+    "check_lengths",
     "check_mask_dtype",
+    "check_native_route",
     "check_positive_scalar",
+    "check_score_mod",
     "check_window",
 ]
 
@@ -197,3 +209,106 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
         )
         raise ValueError(msg)
     return q, k, v
+
+
+def check_is_causal(is_causal: Any) -> bool:
+    """Raise TypeError unless `is_causal` is a bool."""
+    if not isinstance(is_causal, bool):
+        msg = f"`is_causal` must be True or False, but got {is_causal!r}"
+        raise TypeError(msg)
+    return is_causal
+
+
+def check_lengths(xp: Any, name: str, x: Any, batch: Shape) -> None:
+    """`q_lengths` / `kv_lengths`: an integer array broadcastable to the batch shape."""
+    if not xp.isdtype(x.dtype, "integral"):
+        msg = f"`{name}` must be an integer array of valid lengths, but got dtype {x.dtype}"
+        raise TypeError(msg)
+    check_broadcastable_to(name, x, batch, "batch")
+
+
+def check_alibi_slopes(xp: Any, slopes: Any, batch: Shape, num_q_heads: int) -> None:
+    """`alibi_slopes`: floating, broadcastable to (..., Hq), ending with the head axis."""
+    check_floating(xp, "alibi_slopes", slopes)
+    check_broadcastable_to("alibi_slopes", slopes, (*batch, num_q_heads), "(..., Hq) heads")
+    if slopes.ndim == 0 or slopes.shape[-1] not in (1, num_q_heads):
+        msg = (
+            f"`alibi_slopes` must end with the head axis Hq={num_q_heads} (or 1), "
+            f"but has shape {tuple(slopes.shape)}"
+        )
+        raise ValueError(msg)
+
+
+def check_score_mod(score_mod: Any) -> None:
+    """`score_mod`: None or a callable."""
+    if score_mod is not None and not callable(score_mod):
+        msg = f"`score_mod` must be callable, but got {type(score_mod).__name__}"
+        raise TypeError(msg)
+
+
+def check_dropout(dropout_p: Any, dropout_mask: Any | None) -> float:
+    """`dropout_p` in [0, 1), given together with a `dropout_mask` exactly when > 0."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        msg = f"`dropout_p` must be a float in [0, 1), but got {dropout_p!r}"
+        raise TypeError(msg)
+    if not 0.0 <= dropout_p < 1.0:
+        msg = f"`dropout_p` must be in [0, 1), but got {dropout_p!r}"
+        raise ValueError(msg)
+    if (dropout_p > 0) != (dropout_mask is not None):
+        given = "None" if dropout_mask is None else "an array"
+        msg = (
+            "`dropout_p` > 0 needs a `dropout_mask` (a boolean keep-mask from your own "
+            "random generator) and a `dropout_mask` needs `dropout_p` > 0; got "
+            f"dropout_p={dropout_p!r} and dropout_mask={given}"
+        )
+        raise ValueError(msg)
+    return float(dropout_p)
+
+
+def check_block_size(block_size: Any) -> str | tuple[int, int] | None:
+    """`block_size`: None, "auto", a positive int or a pair of them; a pair is returned."""
+    if block_size is None or (isinstance(block_size, str) and block_size == "auto"):
+        return block_size
+    sizes = block_size if isinstance(block_size, tuple) and len(block_size) == 2 else None
+    sizes = sizes or (block_size, block_size)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        msg = (
+            "`block_size` must be None, a positive integer, a pair (block_q, block_k) of "
+            f"positive integers or 'auto', but got {block_size!r}"
+        )
+        raise ValueError(msg)
+    return sizes[0], sizes[1]
+
+
+def check_implementation(implementation: Any) -> None:
+    """Check that `implementation` is None, "portable" or "native"."""
+    if implementation not in (None, "portable", "native"):
+        msg = f"`implementation` must be None, 'portable' or 'native', but got {implementation!r}"
+        raise ValueError(msg)
+
+
+def check_native_route(reason: str | None) -> None:
+    """Raise for ``implementation="native"`` when the kernel cannot express the call."""
+    if reason is not None:
+        msg = f"implementation='native': {reason}; use implementation=None or 'portable'"
+        raise ValueError(msg)
+
+
+def check_keywords(caller: str, given: Any, known: Sequence[str]) -> None:
+    """Raise TypeError naming a keyword argument that `caller` does not take."""
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        msg = (
+            f"{caller}() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"it takes {', '.join(known)}"
+        )
+        raise TypeError(msg)
+
+
+def check_count(name: str, n: Any, *, minimum: int) -> int:
+    """Check that `n` is a whole number (a size or a count) of at least `minimum`."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < minimum:
+        kind = "non-negative" if minimum == 0 else "positive"
+        msg = f"`{name}` must be a {kind} integer, but got {n!r}"
+        raise ValueError(msg)
+    return n

@@ -1,12 +1,12 @@
-"""Rotary position embeddings and the QK-norm helpers."""
+"""Rotary position embeddings: `apply_rope` against explicit 2x2 rotations."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from _helpers import assert_close
-from portable_attn import apply_rope, l2_normalize, rms_norm
+from _helpers import assert_close, randn
+from portable_attn import apply_rope
 
 
 def rope_oracle(x, positions, base=10000.0, interleaved=False):
@@ -22,10 +22,6 @@ def rope_oracle(x, positions, base=10000.0, interleaved=False):
         out[..., a] = x[..., a] * c - x[..., b] * s
         out[..., b] = x[..., b] * c + x[..., a] * s
     return out
-
-
-def randn(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape)
 
 
 class TestRope:
@@ -70,12 +66,11 @@ class TestRope:
         )
         assert_close(backend, out, rope_oracle(x, pos, base=10000.0 * 8.0 ** (8 / 6)))
 
-    def test_keeps_half_precision_dtype(self, backend):
-        if not backend.supports("float16"):
-            pytest.skip(f"{backend.kind} has no float16")
+    @pytest.mark.dtypes("float16")
+    def test_keeps_half_precision_dtype(self, backend, dtype):
         x = randn(1, 4, 8)
-        out = apply_rope(backend.asarray(x, "float16"), backend.asarray(np.arange(4)))
-        assert out.dtype == backend.dtype("float16")
+        out = apply_rope(backend.asarray(x, dtype), backend.asarray(np.arange(4)))
+        assert out.dtype == backend.dtype(dtype)
         np.testing.assert_allclose(backend.to_numpy(out), rope_oracle(x, np.arange(4)), atol=5e-3)
 
     @pytest.mark.parametrize(
@@ -96,42 +91,3 @@ class TestRope:
                 backend.asarray(np.arange(4)),
                 scaling={"type": "yarn", "factor": 2},
             )
-
-
-class TestNorms:
-    def test_l2_normalize(self, backend):
-        x = randn(2, 3, 5)
-        x[0, 0] = 0.0
-        out = l2_normalize(backend.asarray(x))
-        norms = np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
-        assert_close(backend, out, x / norms)
-
-    def test_l2_normalize_other_axis(self, backend):
-        x = randn(4, 3)
-        assert_close(
-            backend,
-            l2_normalize(backend.asarray(x), axis=0),
-            x / np.linalg.norm(x, axis=0, keepdims=True),
-        )
-
-    def test_rms_norm(self, backend):
-        x, w = randn(2, 5, 6), randn(6, seed=1)
-        out = rms_norm(backend.asarray(x), backend.asarray(w), eps=1e-5)
-        expected = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * w
-        assert_close(backend, out, expected)
-
-    def test_cosine_logits_are_bounded(self, backend, xp):
-        from portable_attn import attention_weights
-
-        q, k = randn(1, 6, 64) * 10, randn(1, 8, 64, seed=1) * 10
-        qn, kn = l2_normalize(backend.asarray(q)), l2_normalize(backend.asarray(k))
-        # with 1/sqrt(d) the cosine logits span at most 2/8: nearly uniform weights
-        w = backend.to_numpy(attention_weights(qn, kn))
-        assert w.max() < 1.5 / 8
-        # a learned temperature (here 20) restores a usable range
-        sharp = backend.to_numpy(attention_weights(qn, kn, scale=20.0))
-        assert sharp.max() > 2 * w.max()
-
-    def test_bad_eps(self, backend):
-        with pytest.raises(ValueError, match="`eps` must be > 0"):
-            rms_norm(backend.asarray(np.ones(3)), eps=0.0)

@@ -1,7 +1,10 @@
-"""A plain float64 NumPy oracle for attention, written independently of the library.
+"""The float64 NumPy oracle for attention, written independently of the library.
 
 It loops over query rows and key columns for the structural masks and repeats
 K/V heads explicitly for grouped-query attention: slow and obvious on purpose.
+The test suite and ``portable-attn check`` both compare against it (it ships in
+the package so the command line can use it), and :func:`central_differences`
+is the one finite-difference gradient both use.
 """
 
 from __future__ import annotations
@@ -119,3 +122,35 @@ def reference_attention(q, k, v, **kwargs):
     v = np.repeat(v, groups, axis=-3)
     out = w @ v
     return out[0] if two_d else out
+
+
+def central_differences(fn, args, eps=1e-6):
+    """``d fn / d args[i]`` by central differences, on NumPy copies of the arguments.
+
+    Parameters
+    ----------
+    fn : callable
+        Scalar function of NumPy float64 arrays.
+    args : sequence of ndarray
+        The point to differentiate at (not modified).
+    eps : float, default 1e-6
+        Step.
+
+    Returns
+    -------
+    list of ndarray
+        One gradient per argument, shaped like it.
+    """
+    args = [np.asarray(a, dtype=np.float64) for a in args]
+    grads = []
+    for i, a in enumerate(args):
+        g = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            hi, lo = a.copy(), a.copy()
+            hi[idx] += eps
+            lo[idx] -= eps
+            up = fn(*args[:i], hi, *args[i + 1 :])
+            down = fn(*args[:i], lo, *args[i + 1 :])
+            g[idx] = (up - down) / (2 * eps)
+        grads.append(g)
+    return grads

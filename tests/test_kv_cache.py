@@ -1,12 +1,11 @@
-"""KV cache decoding, multi-head attention layers and a whole decoder block."""
+"""KV cache decoding: `kv_cache_init`, `kv_cache_append`, `kv_cache_attention`."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from _helpers import assert_backend_array, assert_close
-from _reference import reference_attention
+from _helpers import assert_backend_array, randn
 from portable_attn import (
     KVCache,
     apply_rope,
@@ -14,13 +13,9 @@ from portable_attn import (
     kv_cache_append,
     kv_cache_attention,
     kv_cache_init,
-    multi_head_attention,
     scaled_dot_product_attention,
 )
-
-
-def randn(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape)
+from portable_attn._reference import reference_attention
 
 
 def empty_cache(backend, xp, capacity=12, batch=(2,), hkv=2, d=4, dv=3):
@@ -85,9 +80,8 @@ class TestKVCache:
         np.testing.assert_array_equal(backend.to_numpy(cache.keys), before)
         assert_backend_array(backend, new.keys, shape=(2, 2, 12, 4), dtype="float64")
 
+    @pytest.mark.skip_backends("dask", reason="a lazy Dask cache cannot check its lengths")
     def test_overflow_is_an_error(self, backend, xp):
-        if backend.family == "dask":
-            pytest.skip("a lazy Dask cache cannot check its lengths without computing")
         cache = empty_cache(backend, xp, capacity=4)
         cache = kv_cache_append(
             cache, backend.asarray(randn(2, 2, 3, 4)), backend.asarray(randn(2, 2, 3, 3))
@@ -106,9 +100,8 @@ class TestKVCache:
                 cache, backend.asarray(randn(2, 3, 1, 4)), backend.asarray(randn(2, 3, 1, 3))
             )
 
+    @pytest.mark.backends("jax", reason="jax.jit only")
     def test_one_jit_compilation_serves_every_step(self, backend, xp):
-        if backend.family != "jax":
-            pytest.skip("jax.jit only")
         import jax
 
         traces = []
@@ -131,98 +124,11 @@ class TestKVCache:
         )
 
 
-class TestMultiHeadAttention:
-    @pytest.mark.parametrize("hkv", [4, 2, 1])
-    def test_self_attention_matches_oracle(self, backend, xp, hkv):
-        x = randn(2, 5, 16)
-        params = init_mha_params(
-            xp, 16, 4, num_kv_heads=hkv, dtype=backend.dtype("float64"), device=backend.device
-        )
-        out = multi_head_attention(
-            backend.asarray(x), params=params, num_heads=4, num_kv_heads=hkv, is_causal=True
-        )
-        p = {n: backend.to_numpy(a) for n, a in params.items()}
-        split = lambda y, h: y.reshape(2, 5, h, -1).transpose(0, 2, 1, 3)  # noqa: E731
-        q, k, v = (
-            split(x @ p["wq"] + p["bq"], 4),
-            split(x @ p["wk"] + p["bk"], hkv),
-            split(x @ p["wv"] + p["bv"], hkv),
-        )
-        att = reference_attention(q, k, v, is_causal=True).transpose(0, 2, 1, 3).reshape(2, 5, -1)
-        assert_close(backend, out, att @ p["wo"] + p["bo"])
-
-    @pytest.mark.parametrize("cross", [False, True])
-    def test_against_torch_multihead_attention(self, backend, cross):
-        if backend.family != "torch":
-            pytest.skip("peer comparison with torch.nn.MultiheadAttention")
-        import torch
-
-        torch.manual_seed(0)
-        mha = torch.nn.MultiheadAttention(
-            12, 3, batch_first=True, kdim=8 if cross else None, vdim=8 if cross else None
-        )
-        x = torch.randn(2, 5, 12)
-        kv = torch.randn(2, 7, 8) if cross else x
-        padding = torch.zeros(2, kv.shape[1], dtype=torch.bool)
-        padding[1, -2:] = True  # PyTorch: True = ignore this key
-        with torch.no_grad():
-            expected, _ = mha(x, kv, kv, key_padding_mask=padding)
-            if cross:
-                wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
-            else:
-                wq, wk, wv = mha.in_proj_weight.chunk(3)
-            bq, bk, bv = mha.in_proj_bias.chunk(3)
-            params = {
-                "wq": wq.T,
-                "wk": wk.T,
-                "wv": wv.T,
-                "wo": mha.out_proj.weight.T,
-                "bq": bq,
-                "bk": bk,
-                "bv": bv,
-                "bo": mha.out_proj.bias,
-            }
-            ours = multi_head_attention(
-                x, kv, params=params, num_heads=3, mask=~padding[:, None, None, :]
-            )
-        torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
-
-    def test_gradients_flow_to_parameters(self, backend, xp):
-        if not backend.has_autodiff:
-            pytest.skip(f"{backend.kind} has no automatic differentiation")
-        params = init_mha_params(xp, 8, 2, dtype=backend.dtype("float64"), device=backend.device)
-        x = backend.asarray(randn(1, 4, 8))
-
-        def loss(wq, wo):
-            p = dict(params, wq=wq, wo=wo)
-            return xp.sum(multi_head_attention(x, params=p, num_heads=2, is_causal=True) ** 2)
-
-        gq, go = backend.grad(loss, params["wq"], params["wo"])
-        assert np.any(backend.to_numpy(gq) != 0)
-        assert np.any(backend.to_numpy(go) != 0)
-
-    def test_init_is_seeded_and_fan_in_scaled(self, backend, xp):
-        a = init_mha_params(xp, 64, 4, seed=3, device=backend.device)
-        b = init_mha_params(xp, 64, 4, seed=3, device=backend.device)
-        wq = backend.to_numpy(a["wq"])
-        np.testing.assert_array_equal(wq, backend.to_numpy(b["wq"]))
-        assert np.abs(wq).max() <= 1 / 8
-        assert np.abs(wq).max() > 0.1
-        assert a["wq"].dtype == xp.float32
-
-    def test_missing_weight(self, backend, xp):
-        with pytest.raises(KeyError, match="wo"):
-            multi_head_attention(
-                backend.asarray(randn(1, 3, 4)), params={"wq": 0, "wk": 0, "wv": 0}, num_heads=1
-            )
-
-
 class TestDecoderBlock:
     """RoPE + GQA + causal attention through a KV cache, token by token."""
 
+    @pytest.mark.backends("numpy", "torch", "jax", reason="the walkthrough's backends")
     def test_token_by_token_equals_full_sequence(self, backend, xp):
-        if backend.family not in ("numpy", "torch", "jax"):
-            pytest.skip("the decoder-block walkthrough runs on NumPy, torch and JAX")
         d_model, h, hkv, dh, length = 16, 4, 2, 4, 7
         params = init_mha_params(
             xp, d_model, h, num_kv_heads=hkv, dtype=backend.dtype("float64"), device=backend.device

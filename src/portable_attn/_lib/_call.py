@@ -1,0 +1,372 @@
+"""One attention call, validated and prepared once: :class:`AttentionCall` and :func:`prepare`.
+
+Every entry point (the two public functions, the partial attention behind
+sequence parallelism, ``jax_parallel``, ``diagnostics``, the KV cache through the
+public function) turns its arguments into an :class:`AttentionCall` with one
+:func:`prepare` call and hands that object on. The keyword list of the attention
+arguments is written here once, as the signature of :func:`prepare`; adding an
+argument touches the public signatures, :func:`prepare` and the code that uses
+it, nothing else.
+
+What :func:`prepare` does, in order: resolve the one namespace of all arrays,
+validate every argument (the checks and their messages are in
+:mod:`._validation`), decide the static facts (:class:`AttentionPlan`, cached by
+shapes, dtypes, device and scalar options), gather the score terms
+(:class:`ScoreTerms`), and bring Q, K, V and the bias to the compute dtype with
+an explicit head axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import _validation as v
+from ._compat import array_namespace, default_integer_dtype, device, on_device
+from ._masks import arange
+from ._scores import AttentionPlan, ScoreTerms
+
+__all__ = ["ATTENTION_KEYWORDS", "AttentionCall", "prepare", "signed_lengths"]
+
+Array = Any
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated attention call: the namespace, prepared arrays, plan and score terms.
+
+    Attributes
+    ----------
+    xp : namespace
+        The array-API namespace of every array argument.
+    query : array, shape (B..., Hq, Lq, Dk)
+        In the compute dtype, with an explicit head axis (a 2-D input gains one).
+    key : array, shape (B..., Hkv, Lk, Dk)
+    value : array, shape (B..., Hkv, Lk, Dv), or None
+        None for :func:`portable_attn.attention_weights` and the diagnostics.
+    bias : array broadcastable to (B..., Hq, Lq, Lk) with at least 2 dims, or None
+        In the compute dtype.
+    plan : AttentionPlan
+        The static facts: shapes, scale, softcap, causal/window, dtypes, device.
+    terms : ScoreTerms
+        Mask, lengths, ALiBi slopes, ``score_mod``, dropout keep-mask.
+    drop_head : bool
+        Every input was 2-D: the result loses its head axis again.
+    """
+
+    xp: Any
+    query: Array
+    key: Array
+    value: Array | None
+    bias: Array | None
+    plan: AttentionPlan
+    terms: ScoreTerms
+    drop_head: bool
+
+    @property
+    def is_empty(self) -> bool:
+        """No query or no key: the result is all zeros without computing anything."""
+        return self.plan.q_len == 0 or self.plan.kv_len == 0
+
+    def zeros(self, *shape: int) -> Array:
+        """Zeros of ``(*batch, Hq, *shape)`` in the compute dtype, on the inputs' device."""
+        plan = self.plan
+        full = (*plan.batch, plan.num_q_heads, *shape)
+        return self.xp.zeros(full, dtype=plan.compute_dtype, **on_device(plan.device))
+
+    def finish(self, out: Array) -> Array:
+        """Cast a result to the promoted input dtype and drop the head axis of 2-D calls."""
+        if out.dtype != self.plan.result_dtype:
+            out = self.xp.astype(out, self.plan.result_dtype)
+        return out[0, ...] if self.drop_head else out
+
+
+def prepare(
+    query: Array,
+    key: Array,
+    value: Array | None,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None,
+    score_mod: Callable[..., Array] | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Array | None = None,
+) -> AttentionCall:
+    """Validate the arguments of one attention call and prepare its arrays.
+
+    The arguments are those of :func:`portable_attn.scaled_dot_product_attention`
+    (without the path choices `block_size` and `implementation`); `value` is None
+    for the weights alone.
+
+    Returns
+    -------
+    AttentionCall
+
+    Raises
+    ------
+    TypeError, ValueError
+        As documented for :func:`portable_attn.scaled_dot_product_attention`.
+    """
+    xp = array_namespace(
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        bias=bias,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        alibi_slopes=alibi_slopes,
+        dropout_mask=dropout_mask,
+    )
+    plan = _cached_plan(
+        xp,
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+    plan, terms = _score_terms(
+        xp,
+        plan,
+        mask,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        alibi_slopes=alibi_slopes,
+        score_mod=score_mod,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
+    )
+    dt = plan.compute_dtype
+    return AttentionCall(
+        xp=xp,
+        query=_with_head_axis(xp, query, dt),
+        key=_with_head_axis(xp, key, dt),
+        value=None if value is None else _with_head_axis(xp, value, dt),
+        bias=None if bias is None else _at_least_2d(xp, xp.astype(bias, dt, copy=False)),
+        plan=plan,
+        terms=terms,
+        drop_head=query.ndim == key.ndim == 2 and (value is None or value.ndim == 2),
+    )
+
+
+#: The attention keyword arguments :func:`prepare` takes, in order (for callers that
+#: forward ``**kwargs`` and must name an unknown one, like the diagnostics).
+ATTENTION_KEYWORDS = tuple(
+    name
+    for name, p in inspect.signature(prepare).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+def signed_lengths(xp: Any, x: Array) -> Array:
+    """Lengths as a signed integer array, so ``kv_len - q_len`` can go below zero."""
+    if not xp.isdtype(x.dtype, "unsigned integer"):
+        return x
+    return xp.astype(x, default_integer_dtype(xp))
+
+
+# ---------------------------------------------------------------------------
+# the plan: static facts, cached by everything they depend on
+
+_PLAN_CACHE: dict[Any, AttentionPlan] = {}
+_PLAN_CACHE_SIZE = 256
+
+
+def _meta(x: Array | None) -> Any:
+    return None if x is None else (tuple(x.shape), x.dtype)
+
+
+def _cached_plan(
+    xp: Any,
+    query: Array,
+    key: Array,
+    value: Array | None,
+    mask: Array | None,
+    bias: Array | None,
+    **options: Any,
+) -> AttentionPlan:
+    """Validate and plan a call; calls with the same static facts reuse the plan.
+
+    Everything a plan depends on (shapes, dtypes, device and the scalar options)
+    is in the cache key, so a hit returns exactly what validation would build;
+    a call that fails validation is never cached.
+    """
+    try:
+        cache_key = (
+            id(xp),
+            _meta(query),
+            _meta(key),
+            _meta(value),
+            _meta(mask),
+            _meta(bias),
+            device(query),
+            tuple(sorted((n, repr(o)) for n, o in options.items())),
+        )
+        hash(cache_key)
+    except TypeError:  # an unhashable device (CuPy) or option: plan without the cache
+        return _build_plan(xp, query, key, value, mask, bias, **options)
+    plan = _PLAN_CACHE.get(cache_key)
+    if plan is None:
+        plan = _build_plan(xp, query, key, value, mask, bias, **options)
+        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.clear()
+        _PLAN_CACHE[cache_key] = plan
+    return plan
+
+
+def _build_plan(
+    xp: Any,
+    query: Array,
+    key: Array,
+    value: Array | None,
+    mask: Array | None,
+    bias: Array | None,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+) -> AttentionPlan:
+    """Validate Q, K, V, mask, bias and the scalar options; decide the static facts."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x is not None:
+            v.check_floating(xp, name, x)
+    q_shape, k_shape, v_shape = v.check_attention_arrays(query, key, value)
+    batch = v.broadcast_batch_shapes(
+        [("query", q_shape[:-3]), ("key", k_shape[:-3])]
+        + ([("value", v_shape[:-3])] if value is not None else [])
+    )
+    hq, lq, dk = q_shape[-3:]
+    hkv, lk = k_shape[-3], k_shape[-2]
+    qk_batch = v.broadcast_batch_shapes([("query", q_shape[:-3]), ("key", k_shape[:-3])])
+    logits_shape = (*qk_batch, hq, lq, lk)
+    if mask is not None:
+        v.check_mask_dtype(xp, "mask", mask)
+        v.check_broadcastable_to("mask", mask, logits_shape, "logits (..., Hq, Lq, Lk)")
+    if bias is not None:
+        v.check_floating(xp, "bias", bias)
+        v.check_broadcastable_to("bias", bias, logits_shape, "logits (..., Hq, Lq, Lk)")
+    v.check_is_causal(is_causal)
+    scale = 1.0 / math.sqrt(dk) if scale is None else v.check_positive_scalar("scale", scale)
+    if softcap is not None:
+        softcap = v.check_positive_scalar("softcap", softcap)
+    if window is not None:
+        window = v.check_window(window)
+    dtypes = [query.dtype, key.dtype] + ([value.dtype] if value is not None else [])
+    result_dtype = xp.result_type(*dtypes)
+    # float16/bfloat16 accumulate in float32; float32 and float64 stay as they are.
+    compute_dtype = xp.result_type(result_dtype, xp.float32)
+    return AttentionPlan(
+        batch=batch,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        q_len=lq,
+        kv_len=lk,
+        value_dim=v_shape[-1],
+        scale=scale,
+        softcap=softcap,
+        is_causal=is_causal,
+        window=window,
+        compute_dtype=compute_dtype,
+        result_dtype=result_dtype,
+        device=device(query),
+        key_dim=dk,
+    )
+
+
+# ---------------------------------------------------------------------------
+# the score terms: the model-building arguments, shaped to broadcast with a block
+
+
+def _score_terms(
+    xp: Any,
+    plan: AttentionPlan,
+    mask: Array | None,
+    *,
+    q_lengths: Array | None,
+    kv_lengths: Array | None,
+    alibi_slopes: Array | None,
+    score_mod: Callable[..., Array] | None,
+    dropout_p: float,
+    dropout_mask: Array | None,
+) -> tuple[AttentionPlan, ScoreTerms]:
+    """Validate the model-building arguments and gather them as score terms."""
+    mask = None if mask is None else _at_least_2d(xp, mask)
+    if (
+        type(dropout_p) in (float, int)
+        and dropout_p == 0
+        and q_lengths is None
+        and kv_lengths is None
+        and alibi_slopes is None
+        and score_mod is None
+        and dropout_mask is None
+    ):  # the common call: none of them given
+        return plan, ScoreTerms(mask=mask, offset=plan.offset)
+    logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
+    lengths = {}
+    for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
+        if x is not None:
+            v.check_lengths(xp, name, x, plan.batch)
+            x = signed_lengths(xp, x)
+            lengths[name] = xp.reshape(x, (*x.shape, 1, 1, 1))  # (*batch, 1, 1, 1)
+    offset: Any = plan.offset
+    if lengths:
+        q_len = lengths.get("q_lengths", plan.q_len)
+        kv_len = lengths.get("kv_lengths", plan.kv_len)
+        offset = kv_len - q_len  # i' = i + kv_len[b] - q_len[b]
+        plan = dataclasses.replace(plan, has_lengths=True)
+    slopes = alibi_slopes
+    if slopes is not None:
+        v.check_alibi_slopes(xp, slopes, plan.batch, plan.num_q_heads)
+        slopes = xp.reshape(xp.astype(slopes, plan.compute_dtype), (*slopes.shape, 1, 1))
+    v.check_score_mod(score_mod)
+    dropout_p = v.check_dropout(dropout_p, dropout_mask)
+    keep = dropout_mask
+    if keep is not None:
+        v.check_mask_dtype(xp, "dropout_mask", keep)
+        v.check_broadcastable_to("dropout_mask", keep, logits_shape, "weights (..., Hq, Lq, Lk)")
+        keep = _at_least_2d(xp, keep)
+    batch_index = None
+    if score_mod is not None:
+        n = math.prod(plan.batch)
+        batch_index = xp.reshape(arange(xp, 0, n, plan.device), (*plan.batch, 1, 1, 1))
+    terms = ScoreTerms(
+        mask=mask,
+        q_lengths=lengths.get("q_lengths"),
+        kv_lengths=lengths.get("kv_lengths"),
+        offset=offset,
+        alibi_slopes=slopes,
+        score_mod=score_mod,
+        batch_index=batch_index,
+        dropout_keep=keep,
+        dropout_scale=1.0 / (1.0 - dropout_p),
+    )
+    return plan, terms
+
+
+def _with_head_axis(xp: Any, x: Array, dtype: Any) -> Array:
+    """Give a 2-D input its head axis and cast it to the compute dtype (no copy if equal)."""
+    if x.ndim == 2:
+        x = xp.expand_dims(x, axis=0)  # (1, L, D)
+    return x if x.dtype == dtype else xp.astype(x, dtype)
+
+
+def _at_least_2d(xp: Any, x: Array) -> Array:
+    """Give a mask or bias of shape (Lk,) a query axis, so blocks can slice it."""
+    return xp.expand_dims(x, axis=0) if x.ndim < 2 else x

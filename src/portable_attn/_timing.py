@@ -1,0 +1,154 @@
+"""The one timer of the project: medians of wall time after warm-up calls.
+
+Every benchmark and ``portable-attn check`` time through here. A result is
+handed to `sync` (e.g. :meth:`portable_attn._backends.Backend.sync`) inside the
+timed region, so asynchronous device work and lazy Dask graphs are counted.
+Implementations that are compared run interleaved, round-robin in one process,
+so that drift of a shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Interleaved", "interleaved_seconds", "median_seconds"]
+
+
+def _no_sync(_: Any) -> None:
+    return None
+
+
+def _sample(fn: Callable[[], Any], sync: Callable[[Any], Any], number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        sync(fn())
+    return (time.perf_counter() - start) / number
+
+
+def median_seconds(
+    fn: Callable[[], Any],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    sync: Callable[[Any], Any] | None = None,
+    number: int = 1,
+) -> float:
+    """Return the median wall time of one call of `fn`, after warm-up calls.
+
+    Parameters
+    ----------
+    fn : callable
+        Called with no arguments; its result is passed to `sync`.
+    repeats : int
+        Timed samples (at least 1).
+    warmup : int, default 1
+        Untimed calls first (library loading, JIT compilation, caches).
+    sync : callable, optional
+        ``sync(fn())`` is what is timed: it waits for the result to be computed.
+        Default: nothing to wait for.
+    number : int, default 1
+        Calls per sample; a sample is their mean (for calls of microseconds).
+
+    Returns
+    -------
+    float
+        Seconds per call, the median over the `repeats` samples.
+    """
+    if repeats < 1:
+        msg = f"repeats must be at least 1, got {repeats}"
+        raise ValueError(msg)
+    sync = _no_sync if sync is None else sync
+    for _ in range(warmup):
+        sync(fn())
+    return statistics.median(_sample(fn, sync, number) for _ in range(repeats))
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """The samples of several callables timed round-robin.
+
+    Parameters
+    ----------
+    samples : dict of name to list of float
+        Seconds per call of each name (any hashable), one sample per round, in round order.
+    """
+
+    samples: dict[Any, list[float]]
+
+    @property
+    def medians(self) -> dict[Any, float]:
+        """Seconds per call of each name, the median over the rounds."""
+        return {name: statistics.median(s) for name, s in self.samples.items()}
+
+    def ratios(self, numerator: Any, denominator: Any) -> list[float]:
+        """Return the per-round time ratios ``numerator / denominator``.
+
+        Both were timed in the same round, next to each other, so the ratios
+        cancel the drift of the machine between rounds.
+
+        Parameters
+        ----------
+        numerator, denominator : hashable
+            Names of the timed callables.
+
+        Returns
+        -------
+        list of float
+            One ratio per round.
+        """
+        return [
+            a / b for a, b in zip(self.samples[numerator], self.samples[denominator], strict=True)
+        ]
+
+
+def interleaved_seconds(
+    fns: Mapping[Any, Callable[[], Any]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    sync: Callable[[Any], Any] | None = None,
+    number: int = 1,
+) -> Interleaved:
+    """Time several callables side by side, round-robin, in this process.
+
+    Each of the `repeats` rounds times every callable once (`number` calls),
+    starting from a different one each round (the order rotates: for two, it
+    alternates), so that neither always runs first.
+
+    Parameters
+    ----------
+    fns : mapping of name to callable
+        The callables by name (any hashable: a str, a bool...); each is called with no arguments.
+    repeats : int
+        Rounds (at least 1).
+    warmup : int, default 1
+        Untimed calls of each callable first.
+    sync : callable, optional
+        ``sync(fn())`` is what is timed (see :func:`median_seconds`).
+    number : int, default 1
+        Calls per sample.
+
+    Returns
+    -------
+    Interleaved
+        The samples; ``.medians`` gives seconds per call by name and
+        ``.ratios(a, b)`` the per-round ratios.
+    """
+    if repeats < 1:
+        msg = f"repeats must be at least 1, got {repeats}"
+        raise ValueError(msg)
+    sync = _no_sync if sync is None else sync
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            sync(fns[name]())
+    samples: dict[Any, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        shift = i % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_sample(fns[name], sync, number))
+    return Interleaved(samples)

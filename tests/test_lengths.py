@@ -1,0 +1,84 @@
+"""Per-sequence `q_lengths` / `kv_lengths`, in the dense and the tiled path."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+
+from _helpers import PATHS, check, qkv, run
+from portable_attn import scaled_dot_product_attention
+
+problem = partial(qkv, batch=(3,), lq=7, lk=9, dk=6, dv=6)  # one length per sequence of 3
+
+
+class TestLengths:
+    @pytest.mark.parametrize("block_size", PATHS)
+    @pytest.mark.parametrize(
+        "which", ["both", "q_only", "kv_only"], ids=["both", "q_lengths", "kv_lengths"]
+    )
+    def test_padding_and_causal_alignment(self, backend, block_size, which):
+        q, k, v = problem()
+        kw = {"is_causal": True}
+        if which in ("both", "q_only"):
+            kw["q_lengths"] = np.array([7, 3, 1])
+        if which in ("both", "kv_only"):
+            kw["kv_lengths"] = np.array([9, 5, 2])
+        out, _ = check(backend, q, k, v, block_size=block_size, **kw)
+        if "q_lengths" in kw:
+            out = backend.to_numpy(out)
+            assert np.all(out[1, :, 3:] == 0)
+            assert np.all(out[2, :, 1:] == 0)
+
+    @pytest.mark.parametrize("block_size", PATHS)
+    def test_window_aligned_on_valid_lengths(self, backend, block_size):
+        q, k, v = problem()
+        kw = {
+            "window": (2, 0),
+            "q_lengths": np.array([4, 7, 2]),
+            "kv_lengths": np.array([6, 9, 9]),
+        }
+        check(backend, q, k, v, block_size=block_size, **kw)
+
+    def test_padded_sequence_equals_the_unpadded_one(self, backend):
+        q, k, v = problem(batch=(1,), lq=4, lk=6)
+        qp, kp, vp = (np.pad(a, ((0, 0), (0, 0), (0, 3), (0, 0))) for a in (q, k, v))
+        short, _ = run(backend, q, k, v, is_causal=True)
+        padded, _ = run(
+            backend, qp, kp, vp, is_causal=True, q_lengths=np.array([4]), kv_lengths=np.array([6])
+        )
+        padded = backend.to_numpy(padded)
+        np.testing.assert_allclose(padded[:, :, :4], backend.to_numpy(short), atol=1e-13)
+        assert np.all(padded[:, :, 4:] == 0)
+
+    def test_lengths_must_be_integers(self, backend):
+        q, k, v = problem(backend=backend)
+        with pytest.raises(TypeError, match=r"`kv_lengths` must be an integer array.*float64"):
+            scaled_dot_product_attention(q, k, v, kv_lengths=backend.asarray(np.ones(3)))
+
+    def test_lengths_must_broadcast_to_batch(self, backend):
+        q, k, v = problem(backend=backend)
+        with pytest.raises(ValueError, match=r"`q_lengths` with shape \(2,\).*batch shape \(3,\)"):
+            scaled_dot_product_attention(q, k, v, q_lengths=backend.asarray(np.array([1, 2])))
+
+    @pytest.mark.backends("jax", reason="peer comparison with jax.nn.dot_product_attention")
+    def test_against_jax_dot_product_attention(self, backend):
+        import jax
+        import jax.numpy as jnp
+
+        q, k, v = problem(hq=2, hkv=2, lq=9, lk=9)
+        ql, kl = np.array([9, 6, 3]), np.array([9, 6, 3])
+        ours, _ = run(backend, q, k, v, q_lengths=ql, kv_lengths=kl)
+        t = lambda a: jnp.swapaxes(jnp.asarray(a), 1, 2)  # noqa: E731  (B, L, H, D) layout
+        theirs = jax.nn.dot_product_attention(
+            t(q),
+            t(k),
+            t(v),
+            query_seq_lengths=jnp.asarray(ql, dtype=jnp.int32),
+            key_value_seq_lengths=jnp.asarray(kl, dtype=jnp.int32),
+        )
+        theirs = np.swapaxes(np.asarray(theirs), 1, 2)
+        ours = backend.to_numpy(ours)
+        for b, n in enumerate(ql):  # jax leaves padded query rows unspecified; compare valid rows
+            np.testing.assert_allclose(ours[b, :, :n], theirs[b, :, :n], atol=1e-6)  # f32 softmax

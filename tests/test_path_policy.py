@@ -1,0 +1,193 @@
+"""Every routing decision of ``portable_attn._path_policy``, pinned (not its timing).
+
+Each test asks :func:`choose_path` which path a call takes, on every backend, and
+checks the values of the routed call against the float64 oracle where the
+decision matters for what is computed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import portable_attn._path_policy as policy
+from portable_attn import scaled_dot_product_attention
+from portable_attn._lib._call import prepare
+from portable_attn._path_policy import Path, choose_path, default_tiles
+from portable_attn._reference import reference_attention
+
+
+def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
+    rng = np.random.default_rng(seed)
+    data = [
+        rng.standard_normal((1, hq, lq, d)),
+        rng.standard_normal((1, hkv, lk, d)),
+        rng.standard_normal((1, hkv, lk, dv)),
+    ]
+    return data, [backend.asarray(a) for a in data]
+
+
+def _path(backend, *, block_size=None, implementation=None, shape=None, **kwargs):
+    _, (q, k, v) = _arrays(backend, **(shape or {}))
+    return choose_path(prepare(q, k, v, **kwargs), block_size, implementation)
+
+
+def _halves(n):
+    return ((n + 1) // 2, n // 2)  # the Dask test arrays' chunks along an axis of n
+
+
+def _portable(backend, lq=9, lk=9):
+    """The portable path of a call with block_size None: Dask follows its Lq/Lk chunks."""
+    return Path("tiled", (_halves(lq), _halves(lk))) if backend.family == "dask" else Path("dense")
+
+
+def _fused(backend):
+    return backend.family == "torch"  # the one library whose native kernel is fused by default
+
+
+class TestDefaultRoute:
+    def test_plain_and_square_causal_go_to_a_fused_native_kernel(self, backend):
+        expected = Path("native") if _fused(backend) else _portable(backend)
+        assert _path(backend) == expected
+        assert _path(backend, is_causal=True) == expected
+
+    def test_what_the_fused_kernels_cannot_take_stays_portable(self, backend):
+        bias = backend.asarray(np.zeros((9, 9)))
+        mask = backend.asarray(np.ones((9, 9), dtype=bool))
+        lengths = backend.asarray(np.array([5]))
+        assert _path(backend, bias=bias) == _portable(backend)
+        assert _path(backend, mask=mask) == _portable(backend)
+        assert _path(backend, kv_lengths=lengths) == _portable(backend)
+        assert _path(backend, window=(2, 0)) == _portable(backend)
+        assert _path(backend, softcap=5.0) == _portable(backend)
+        # top-left and bottom-right causal differ when Lq != Lk
+        assert _path(backend, is_causal=True, shape={"lq": 4}) == _portable(backend, lq=4)
+
+    def test_portable_never_routes(self, backend):
+        assert _path(backend, implementation="portable") == _portable(backend)
+
+    def test_an_explicit_block_size_is_the_tiled_path(self, backend):
+        assert _path(backend, block_size=4) == Path("tiled", (4, 4))
+        assert _path(backend, block_size=(2, 3)) == Path("tiled", (2, 3))
+        assert _path(backend, block_size=4, implementation="portable") == Path("tiled", (4, 4))
+
+    def test_no_query_or_no_key_is_empty(self, backend):
+        assert _path(backend, shape={"lq": 0}) == Path("empty")
+        assert _path(backend, shape={"lk": 0}, block_size=4) == Path("empty")
+
+
+class TestAuto:
+    def test_small_calls_stay_dense(self, backend):
+        mask = backend.asarray(np.ones((9, 9), dtype=bool))
+        assert _path(backend, block_size="auto", mask=mask) == _portable(backend)
+
+    def test_above_the_limit_tiles(self, backend, monkeypatch):
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        data, (q, k, v) = _arrays(backend)
+        mask_np = np.random.default_rng(1).random((9, 9)) < 0.7
+        mask = backend.asarray(mask_np)
+        path = choose_path(prepare(q, k, v, mask=mask), "auto", None)
+        if backend.family == "dask":  # chunk pairs of 5 x 5 scores, split at 128 x 256 as well
+            assert path == _portable(backend)
+        elif backend.family == "jax":
+            assert path == Path("tiled", default_tiles(True, 9, 9))
+        else:
+            assert path == Path("tiled", policy.EAGER_TILES)
+        out = scaled_dot_product_attention(q, k, v, mask=mask, block_size="auto")
+        expected = reference_attention(*data, mask=mask_np)
+        np.testing.assert_allclose(backend.to_numpy(out), expected, atol=1e-12, rtol=1e-10)
+
+    def test_the_multithreaded_limit_applies_to_torch_only(self, backend, monkeypatch):
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        mask = backend.asarray(np.ones((9, 9), dtype=bool))
+        path = _path(backend, block_size="auto", mask=mask)
+        if backend.family == "torch":
+            assert path == Path("tiled", policy.EAGER_TILES)
+        else:
+            assert path == _portable(backend)
+
+    def test_plain_auto_calls_still_take_the_fused_kernel(self, backend, monkeypatch):
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        path = _path(backend, block_size="auto", is_causal=True)
+        assert (path == Path("native")) == _fused(backend)
+
+
+class TestTracedTiles:
+    @pytest.mark.parametrize(
+        ("length", "block"),
+        [(9, 256), (2048, 256), (4096, 256), (8192, 512), (32768, 2048)],
+    )
+    def test_at_least_the_minimum_block_and_at_most_the_maximum_count(self, length, block):
+        bq, bk = default_tiles(True, length, length)
+        assert bq == bk == block
+        assert bq >= policy.TRACED_MIN_BLOCK
+        assert -(-length // bq) <= policy.TRACED_MAX_BLOCKS
+
+    def test_eager_libraries_get_the_eager_tiles(self):
+        assert default_tiles(False, 32768, 32768) == policy.EAGER_TILES
+
+
+class TestNative:
+    def test_native_is_taken_or_refused_with_the_reason(self, backend):
+        if backend.family in ("torch", "jax"):
+            assert _path(backend, implementation="native") == Path("native")
+            assert _path(backend, implementation="native", block_size="auto") == Path("native")
+            with pytest.raises(ValueError, match=r"block_size \(the portable tiled path\)"):
+                _path(backend, implementation="native", block_size=4)
+            with pytest.raises(ValueError, match="cannot express softcap"):
+                _path(backend, implementation="native", softcap=2.0)
+        else:
+            with pytest.raises(ValueError, match="no native attention kernel"):
+                _path(backend, implementation="native")
+
+    def test_native_takes_auto_block_size_above_the_limit(self, backend, monkeypatch):
+        """block_size="auto" leaves the choice to the library: "native" must not refuse it."""
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        data, args = _arrays(backend, dv=4)
+        if backend.family not in ("torch", "jax"):
+            with pytest.raises(ValueError, match="no native attention kernel"):
+                scaled_dot_product_attention(
+                    *args, is_causal=True, block_size="auto", implementation="native"
+                )
+            return
+        out = scaled_dot_product_attention(
+            *args, is_causal=True, block_size="auto", implementation="native"
+        )
+        expected = reference_attention(*data, is_causal=True)
+        np.testing.assert_allclose(backend.to_numpy(out), expected, atol=2e-6, rtol=1e-6)
+
+
+class TestBadChoices:
+    @pytest.mark.parametrize("block_size", [0, -1, (2, 0), "big", 1.5, True, (1, 2, 3)])
+    def test_block_size(self, backend, block_size):
+        with pytest.raises(ValueError, match="`block_size` must be None, a positive integer"):
+            _path(backend, block_size=block_size)
+
+    def test_implementation(self, backend):
+        with pytest.raises(ValueError, match="`implementation` must be None, 'portable'"):
+            _path(backend, implementation="fast")
+
+
+@pytest.mark.backends("dask", reason="chunked Dask arrays")
+class TestDaskChunkTiles:
+    def test_none_follows_the_chunks_and_auto_splits_large_chunk_pairs(self, backend, monkeypatch):
+        import dask.array as da
+
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "EAGER_TILES", (8, 16))
+        rng = np.random.default_rng(0)
+        data = [rng.standard_normal((1, 2, n, 4)) for n in (64, 96, 96)]
+        q, k, v = (
+            da.from_array(a, chunks=(1, 2, c, 4)) for a, c in zip(data, (16, 24, 24), strict=True)
+        )
+        call = prepare(q, k, v, is_causal=True)
+        assert choose_path(call, None, None) == Path("tiled", ((16,) * 4, (24,) * 4))
+        # each chunk split again, keeping the chunk boundaries
+        assert choose_path(call, "auto", None) == Path("tiled", ((8,) * 8, (16, 8) * 4))
+        expected = reference_attention(*data, is_causal=True)
+        for block_size in (None, "auto"):
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, block_size=block_size)
+            np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)

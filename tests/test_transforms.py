@@ -1,0 +1,84 @@
+"""Program transformations: jax.jit, jax.vmap and torch.compile give the eager result.
+
+Gradients, also under jax.jit, are in ``test_gradients.py``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+
+from _helpers import PATHS, qkv
+from portable_attn import attention_weights, get_alibi_slopes, scaled_dot_product_attention
+
+small = partial(qkv, lq=3, lk=6, dk=5, dv=3)  # GQA: Hq=4, Hkv=2; Lq=3 < Lk=6
+
+
+@pytest.mark.backends("jax", reason="jax.jit and jax.vmap")
+class TestJax:
+    def test_jit_equals_eager(self, backend):
+        import jax
+
+        q, k, v = small(backend=backend)
+        mask = backend.asarray(np.random.default_rng(4).random((3, 6)) < 0.7)
+
+        def f(q, k, v, mask):
+            return scaled_dot_product_attention(
+                q, k, v, mask=mask, is_causal=True, softcap=4.0, window=(2, None)
+            )
+
+        np.testing.assert_allclose(jax.jit(f)(q, k, v, mask), f(q, k, v, mask), atol=1e-13)
+        w = jax.jit(lambda q, k: attention_weights(q, k, is_causal=True))(q, k)
+        np.testing.assert_allclose(w, attention_weights(q, k, is_causal=True), atol=1e-13)
+
+    def test_vmap_equals_eager(self, backend):
+        import jax
+
+        q, k, v = small(backend=backend)
+        vmapped = jax.vmap(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True))
+        np.testing.assert_allclose(
+            vmapped(q, k, v), scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-13
+        )
+
+    @pytest.mark.parametrize("block_size", PATHS)
+    def test_all_model_arguments_under_jit(self, backend, block_size):
+        import jax
+
+        q, k, v = qkv(batch=(3,), lq=7, lk=9, dk=6, dv=6, backend=backend)
+        keep = backend.asarray(np.random.default_rng(1).random((3, 4, 7, 9)) > 0.3)
+        ql, kl = backend.asarray(np.array([7, 3, 1])), backend.asarray(np.array([9, 5, 2]))
+        slopes = backend.asarray(get_alibi_slopes(4))
+
+        def f(q, k, v, ql, kl, slopes, keep):
+            return scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                q_lengths=ql,
+                kv_lengths=kl,
+                alibi_slopes=slopes,
+                is_causal=True,
+                dropout_p=0.3,
+                dropout_mask=keep,
+                block_size=block_size,
+                score_mod=lambda s, b, h, i, j: s + 0.1 * h,
+            )
+
+        eager = f(q, k, v, ql, kl, slopes, keep)
+        np.testing.assert_allclose(jax.jit(f)(q, k, v, ql, kl, slopes, keep), eager, atol=1e-13)
+
+
+@pytest.mark.backends("torch", reason="torch.compile")
+class TestTorch:
+    def test_torch_compile(self, backend):
+        import torch
+
+        q, k, v = small(backend=backend)
+
+        def f(q, k, v):
+            return scaled_dot_product_attention(q, k, v, is_causal=True, softcap=3.0)
+
+        # the default (inductor) backend: what a user gets from a plain torch.compile
+        torch.testing.assert_close(torch.compile(f)(q, k, v), f(q, k, v))
