@@ -42,7 +42,7 @@ from portable_attn._timing import median_seconds
 table = make_backend(backend, exact=False)  # arrays and sync from the one backend table
 rng = np.random.default_rng(0)
 data = [rng.standard_normal((1, H, L, D)).astype(np.float32) for _ in range(3)]
-block = None if path == "dense" else (BQ, BK)
+block = "dense" if path == "dense" else (BQ, BK)
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:

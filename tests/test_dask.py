@@ -71,7 +71,8 @@ class TestChunkPairs:
         (q, k, v), _ = _problem(LQ, LK)
         watch = _LargestResult()
         with watch.callback:
-            scaled_dot_product_attention(q, k, v, is_causal=True).compute(scheduler="sync")
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, block_size="dense")
+            out.compute(scheduler="sync")
         assert watch.largest >= 1 * HQ * LQ * LK * 8
 
     def test_output_keeps_the_query_chunks(self, backend):

@@ -119,12 +119,15 @@ def test_two_worker_processes_match_numpy(client):
 
 
 def test_the_memory_cap_stops_a_whole_row_block(client):
-    """Control: unchunked along Lq and Lk, one task needs FULL_BLOCK and a worker dies."""
+    """Control: the dense path unchunked along Lq and Lk needs FULL_BLOCK; a worker dies.
+
+    (The default would tile such a call: its scores pass the dense memory limit.)
+    """
     import distributed
 
     assert FULL_BLOCK > WORKER_MEMORY // 2
     q, k, v = _inputs(L)
-    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, block_size="dense")
     with pytest.raises(distributed.scheduler.KilledWorker):
         client.compute(out.sum(), sync=True)
     client.wait_for_workers(2, timeout=60)

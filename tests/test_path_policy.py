@@ -51,20 +51,57 @@ class TestDefaultRoute:
         assert _path(backend) == expected
         assert _path(backend, is_causal=True) == expected
 
-    def test_what_the_fused_kernels_cannot_take_stays_portable(self, backend):
+    def test_masks_bias_lengths_and_windows_go_native_on_a_fused_kernel(self, backend):
         bias = backend.asarray(np.zeros((9, 9)))
         mask = backend.asarray(np.ones((9, 9), dtype=bool))
         lengths = backend.asarray(np.array([5]))
-        assert _path(backend, bias=bias) == _portable(backend)
-        assert _path(backend, mask=mask) == _portable(backend)
-        assert _path(backend, kv_lengths=lengths) == _portable(backend)
-        assert _path(backend, window=(2, 0)) == _portable(backend)
-        assert _path(backend, softcap=5.0) == _portable(backend)
-        # top-left and bottom-right causal differ when Lq != Lk
-        assert _path(backend, is_causal=True, shape={"lq": 4}) == _portable(backend, lq=4)
+        expected = Path("native") if _fused(backend) else _portable(backend)
+        assert _path(backend, bias=bias) == expected
+        assert _path(backend, mask=mask) == expected
+        assert _path(backend, kv_lengths=lengths) == expected
+        assert _path(backend, window=(2, 0)) == expected
+        # bottom-right causal with Lq != Lk goes to the kernel as a mask
+        lq4 = Path("native") if _fused(backend) else _portable(backend, lq=4)
+        assert _path(backend, is_causal=True, shape={"lq": 4}) == lq4
+
+    @pytest.mark.parametrize(
+        "kw",
+        [{"softcap": 5.0}, {"score_mod": lambda s, b, h, i, j: s}, {"alibi_slopes": [0.5, 0.25]}],
+        ids=["softcap", "score_mod", "alibi"],
+    )
+    def test_what_no_kernel_can_express_stays_portable(self, backend, kw):
+        kw = {
+            n: backend.asarray(np.asarray(x)) if isinstance(x, list) else x for n, x in kw.items()
+        }
+        assert _path(backend, **kw) == _portable(backend)
+
+    def test_a_narrow_window_over_a_long_sequence_takes_the_tiled_path(self, backend):
+        """88% of the block pairs are skipped: the tiled path beats a kernel that masks them."""
+        long = {"lq": 4096, "lk": 4096, "hq": 1, "hkv": 1}
+        path = _path(backend, shape=long, is_causal=True, window=(256, 0))
+        if _fused(backend):
+            assert path == Path("tiled", policy.EAGER_TILES)
+        # causal alone skips under half the pairs: the fused causal kernel stays
+        assert (_path(backend, shape=long, is_causal=True) == Path("native")) == _fused(backend)
+
+    def test_skipped_fraction(self, backend):
+        def frac(lq, **kw):
+            q = backend.asarray(np.zeros((1, 1, lq, 4)))
+            return policy.skipped_fraction(prepare(q, q, q, **kw).plan, 128, 256)
+
+        assert frac(4096, is_causal=True, window=(256, 0)) == 1 - 62 / 512
+        assert frac(1024, is_causal=True) == 0.375
+        assert frac(1024) == 0.0
+        assert frac(1024, is_causal=True, kv_lengths=backend.asarray(np.array([9]))) == 0.0
 
     def test_portable_never_routes(self, backend):
         assert _path(backend, implementation="portable") == _portable(backend)
+
+    def test_dense_forces_the_one_block_path(self, backend):
+        assert _path(backend, block_size="dense") == Path("dense")
+        assert _path(backend, block_size="dense", is_causal=True) == Path("dense")
+        with pytest.raises(ValueError, match="implementation='native'"):
+            _path(backend, block_size="dense", implementation="native")
 
     def test_an_explicit_block_size_is_the_tiled_path(self, backend):
         assert _path(backend, block_size=4) == Path("tiled", (4, 4))
@@ -77,9 +114,12 @@ class TestDefaultRoute:
 
 
 class TestAuto:
-    def test_small_calls_stay_dense(self, backend):
-        mask = backend.asarray(np.ones((9, 9), dtype=bool))
-        assert _path(backend, block_size="auto", mask=mask) == _portable(backend)
+    def test_none_and_auto_are_the_same_choice(self, backend):
+        for kw in ({}, {"is_causal": True}, {"softcap": 5.0}):
+            assert _path(backend, block_size="auto", **kw) == _path(backend, **kw)
+
+    def test_small_portable_calls_stay_dense(self, backend):
+        assert _path(backend, softcap=5.0) == _portable(backend)
 
     def test_above_the_limit_tiles(self, backend, monkeypatch):
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
@@ -87,21 +127,20 @@ class TestAuto:
         data, (q, k, v) = _arrays(backend)
         mask_np = np.random.default_rng(1).random((9, 9)) < 0.7
         mask = backend.asarray(mask_np)
-        path = choose_path(prepare(q, k, v, mask=mask), "auto", None)
+        path = choose_path(prepare(q, k, v, mask=mask, softcap=5.0), None, None)
         if backend.family == "dask":  # chunk pairs of 5 x 5 scores, split at 128 x 256 as well
             assert path == _portable(backend)
         elif backend.family == "jax":
             assert path == Path("tiled", default_tiles(True, 9, 9))
         else:
             assert path == Path("tiled", policy.EAGER_TILES)
-        out = scaled_dot_product_attention(q, k, v, mask=mask, block_size="auto")
-        expected = reference_attention(*data, mask=mask_np)
+        out = scaled_dot_product_attention(q, k, v, mask=mask, softcap=5.0)
+        expected = reference_attention(*data, mask=mask_np, softcap=5.0)
         np.testing.assert_allclose(backend.to_numpy(out), expected, atol=1e-12, rtol=1e-10)
 
     def test_the_multithreaded_limit_applies_to_torch_only(self, backend, monkeypatch):
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
-        mask = backend.asarray(np.ones((9, 9), dtype=bool))
-        path = _path(backend, block_size="auto", mask=mask)
+        path = _path(backend, softcap=5.0)
         if backend.family == "torch":
             assert path == Path("tiled", policy.EAGER_TILES)
         else:
@@ -134,7 +173,7 @@ class TestNative:
         if backend.family in ("torch", "jax"):
             assert _path(backend, implementation="native") == Path("native")
             assert _path(backend, implementation="native", block_size="auto") == Path("native")
-            with pytest.raises(ValueError, match=r"block_size \(the portable tiled path\)"):
+            with pytest.raises(ValueError, match=r"explicit block_size \(a portable path\)"):
                 _path(backend, implementation="native", block_size=4)
             with pytest.raises(ValueError, match="cannot express softcap"):
                 _path(backend, implementation="native", softcap=2.0)
@@ -163,7 +202,9 @@ class TestNative:
 class TestBadChoices:
     @pytest.mark.parametrize("block_size", [0, -1, (2, 0), "big", 1.5, True, (1, 2, 3)])
     def test_block_size(self, backend, block_size):
-        with pytest.raises(ValueError, match="`block_size` must be None, a positive integer"):
+        with pytest.raises(
+            ValueError, match=r"`block_size` must be None, 'auto', 'dense', a positive integer"
+        ):
             _path(backend, block_size=block_size)
 
     def test_implementation(self, backend):
@@ -173,11 +214,9 @@ class TestBadChoices:
 
 @pytest.mark.backends("dask", reason="chunked Dask arrays")
 class TestDaskChunkTiles:
-    def test_none_follows_the_chunks_and_auto_splits_large_chunk_pairs(self, backend, monkeypatch):
+    def test_the_tiles_follow_the_chunks_and_split_large_chunk_pairs(self, backend, monkeypatch):
         import dask.array as da
 
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(policy, "EAGER_TILES", (8, 16))
         rng = np.random.default_rng(0)
         data = [rng.standard_normal((1, 2, n, 4)) for n in (64, 96, 96)]
         q, k, v = (
@@ -185,7 +224,10 @@ class TestDaskChunkTiles:
         )
         call = prepare(q, k, v, is_causal=True)
         assert choose_path(call, None, None) == Path("tiled", ((16,) * 4, (24,) * 4))
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "EAGER_TILES", (8, 16))
         # each chunk split again, keeping the chunk boundaries
+        assert choose_path(call, None, None) == Path("tiled", ((8,) * 8, (16, 8) * 4))
         assert choose_path(call, "auto", None) == Path("tiled", ((8,) * 8, (16, 8) * 4))
         expected = reference_attention(*data, is_causal=True)
         for block_size in (None, "auto"):

@@ -168,5 +168,7 @@ class TestErrors:
     @pytest.mark.parametrize("block_size", [0, -4, 2.5, "big", True, (4, 0), (4,), (2, 3, 4)])
     def test_bad_block_size(self, backend, block_size):
         q, k, v = problem(backend=backend)
-        with pytest.raises(ValueError, match=r"`block_size` must be None, a positive integer"):
+        with pytest.raises(
+            ValueError, match=r"`block_size` must be None, 'auto', 'dense', a positive"
+        ):
             scaled_dot_product_attention(q, k, v, block_size=block_size)

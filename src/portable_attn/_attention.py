@@ -32,7 +32,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
-    block_size: int | tuple[int, int] | Literal["auto"] | None = None,
+    block_size: int | tuple[int, int] | Literal["auto", "dense"] | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
     alibi_slopes: Array | None = None,
@@ -77,20 +77,22 @@ def scaled_dot_product_attention(
         side means unbounded. Combines with `is_causal` and `mask` by AND.
     softcap : float, optional
         Soft-capping of the logits, ``softcap · tanh(logits / softcap)``.
-    block_size : int, (int, int) or "auto", optional
-        None (default): the dense path, which builds the (Lq, Lk) scores once
-        (unless `implementation` routes the call to a native kernel).
+    block_size : int, (int, int), "auto" or "dense", optional
+        None (default) or its alias ``"auto"``: the library picks the fastest
+        exact path measured for the backend, shape and arguments -- the dense
+        path (the (Lq, Lk) scores built once) for small calls, the tiled path
+        above a memory limit, the framework's fused kernel where it takes the
+        call (torch), and for Dask arrays chunked along ``Lq`` or ``Lk`` one
+        tile per (query chunk, key chunk) pair, so no task holds more than one
+        chunk pair of scores. The rules and their measured thresholds are in
+        one place, ``portable_attn._path_policy``.
+        ``"dense"``: always the dense path.
         An int (or a pair ``(block_q, block_k)``): the tiled path, exact online
         softmax over query and key blocks of this size; memory O(Lq + Lk) per
         head instead of O(Lq · Lk), and key blocks that causal/window structure
-        hides entirely are not computed.
-        Its backward (torch autograd, ``jax.grad``) recomputes blocks instead of
-        storing them, so training memory stays O(L) as well.
-        ``"auto"``: dense while the dense logits are small, tiled above; Dask
-        arrays chunked along ``Lq`` or ``Lk`` take the tiled path with None or
-        "auto" too, one block per (query chunk, key chunk) pair, so no task holds
-        more than one chunk pair of scores. The rules and their measured
-        thresholds are in one place, ``portable_attn._path_policy``.
+        hides entirely are not computed. Its backward (torch autograd,
+        ``jax.grad``) recomputes blocks instead of storing them, so training
+        memory stays O(L) as well.
     q_lengths, kv_lengths : integer array, broadcastable to the batch dims, optional
         Valid prefix length of each sequence, e.g. shape (B,). Keys at or past
         ``kv_lengths`` are masked, query rows at or past ``q_lengths`` are zero.
@@ -116,12 +118,13 @@ def scaled_dot_product_attention(
         ``"portable"``: always the array-API implementation. ``"native"``: the
         framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
         with our masks, alignment and empty-row handling; a call it cannot
-        express (softcap, score_mod, ALiBi, dropout, an int or pair block_size,
-        JAX with Dv != Dk, other libraries) raises ValueError; "auto" is
-        allowed. None: the native kernel only where it is expressible, honours
-        the contract and is measured faster (torch's fused kernels: no mask,
-        bias, lengths or window, causal only with Lq == Lk); the portable path
-        otherwise (rules in ``portable_attn._path_policy``).
+        express (softcap, score_mod, ALiBi, dropout, an int, pair or "dense"
+        block_size, JAX with Dv != Dk, other libraries) raises ValueError;
+        "auto" is allowed. None: the native kernel only where it is
+        expressible, honours the contract and is measured faster (torch's
+        fused kernels, unless causal/window structure lets the tiled path skip
+        most blocks); the portable path otherwise (rules in
+        ``portable_attn._path_policy``).
 
     Returns
     -------
@@ -137,8 +140,8 @@ def scaled_dot_product_attention(
     ValueError
         Shapes that do not agree (each message names the argument, the axis and
         both shapes), a non-positive or non-finite `scale` or `softcap`, a
-        negative `window` entry, a `block_size` that is not a positive integer
-        or "auto".
+        negative `window` entry, a `block_size` that is not None, "auto",
+        "dense", a positive integer or a pair of them.
 
     Notes
     -----

@@ -29,10 +29,10 @@ from ._lib._tiled import block_visibility
 __all__ = ["native_attention", "unsupported_reason"]
 
 
-def unsupported_reason(call: AttentionCall, *, explicit_tiles: bool = False) -> str | None:
+def unsupported_reason(call: AttentionCall, *, explicit_block_size: bool = False) -> str | None:
     """Why `call` cannot go to its library's native kernel, or None when it can.
 
-    `explicit_tiles` is an int or pair `block_size`: a request for the portable
+    `explicit_block_size` is an int, a pair or "dense": a request for a portable
     tiled path.
     """
     plan, terms = call.plan, call.terms
@@ -46,7 +46,7 @@ def unsupported_reason(call: AttentionCall, *, explicit_tiles: bool = False) -> 
             ("score_mod", terms.score_mod is not None),
             ("alibi_slopes", terms.alibi_slopes is not None),
             ("dropout_mask", terms.dropout_keep is not None),
-            ("block_size (the portable tiled path)", explicit_tiles),
+            ("an explicit block_size (a portable path)", explicit_block_size),
         )
         if used
     ]

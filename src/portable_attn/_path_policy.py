@@ -14,25 +14,32 @@ native   the framework's kernel with our masks and empty-row contract (``_native
 
 How the path is chosen (`block_size`, `implementation`):
 
-- ``implementation="portable"`` never routes to a native kernel;
-  ``implementation="native"`` always does, or raises when the kernel cannot
-  express the call (an int or pair `block_size` asks for the portable tiled path
-  and so cannot be native; ``"auto"`` can).
-- ``implementation=None`` routes to the native kernel only where it is fused by
-  default (torch SDPA) and the call has nothing the fused kernels cannot take
-  (no mask, bias, lengths or window; causal only with ``Lq == Lk``, where the
-  kernel's top-left causal flag agrees with our bottom-right one), and only with
-  `block_size` None or ``"auto"``.
-- Dask arrays split along ``Lq`` or ``Lk`` take the tiled path with `block_size`
-  None or ``"auto"``: one block per (query chunk, key chunk) pair, so no task
-  holds more than one chunk pair of scores; ``"auto"`` also splits a chunk pair
-  whose scores would pass :data:`AUTO_DENSE_LIMIT_BYTES`.
-- ``block_size="auto"`` stays dense while the dense logits fit in
-  :data:`AUTO_DENSE_LIMIT_BYTES` (:data:`AUTO_DENSE_LIMIT_BYTES_MULTITHREADED` for
-  libraries with multi-threaded elementwise kernels) and tiles above, with
-  :data:`EAGER_TILES`, or for traced libraries (JAX) blocks of at least
-  :data:`TRACED_MIN_BLOCK` and at most :data:`TRACED_MAX_BLOCKS` per axis.
-- ``block_size=None`` is the dense path; an int or a pair is the tiled path.
+- An int or a pair `block_size` is the tiled path with those blocks, ``"dense"``
+  the dense path: the caller's choice, never routed to a native kernel.
+- ``implementation="native"`` always routes to the native kernel, or raises when
+  the kernel cannot express the call (an int, pair or ``"dense"`` `block_size`
+  asks for a portable path, so it cannot be native).
+- ``block_size=None`` (the default) and its alias ``"auto"`` leave the path to
+  this table, which picks the fastest exact path measured for the library, the
+  shape and the arguments:
+
+  1. ``implementation=None`` on a library whose native kernel is fused
+     (:func:`~._lib._compat.fused_native_kernel`: torch SDPA) and a call the
+     kernel can express (no softcap, ``score_mod``, ALiBi or dropout): the
+     native kernel, with every mask in its own broadcast shape -- except where
+     causal/window structure lets the tiled path skip at least
+     :data:`SKIP_FRACTION_FOR_TILED` of the (query block, key block) pairs
+     of :data:`EAGER_TILES` (a narrow sliding window over a long sequence):
+     the kernel computes every masked block, the tiled path skips them.
+  2. Dask arrays split along ``Lq`` or ``Lk``: one block per (query chunk, key
+     chunk) pair, so no task holds more than one chunk pair of scores; a chunk
+     pair whose scores would pass :data:`AUTO_DENSE_LIMIT_BYTES` is split into
+     :data:`EAGER_TILES` within it.
+  3. Otherwise dense while the dense logits fit in :data:`AUTO_DENSE_LIMIT_BYTES`
+     (:data:`AUTO_DENSE_LIMIT_BYTES_MULTITHREADED` for libraries with
+     multi-threaded elementwise kernels), tiled above with :data:`EAGER_TILES`,
+     or, for traced libraries (JAX), blocks of at least :data:`TRACED_MIN_BLOCK`
+     and at most :data:`TRACED_MAX_BLOCKS` per axis.
 
 The thresholds below are the only copies; each cites the measurement behind it.
 """
@@ -51,13 +58,15 @@ from ._lib._compat import (
     multithreaded_elementwise,
     traces_python_loops,
 )
-from ._lib._tiled import Blocks
+from ._lib._scores import AttentionPlan
+from ._lib._tiled import Blocks, block_ranges, block_visibility
 from ._native import unsupported_reason
 
 __all__ = [
     "AUTO_DENSE_LIMIT_BYTES",
     "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED",
     "EAGER_TILES",
+    "SKIP_FRACTION_FOR_TILED",
     "TRACED_MAX_BLOCKS",
     "TRACED_MIN_BLOCK",
     "Path",
@@ -80,6 +89,12 @@ AUTO_DENSE_LIMIT_BYTES_MULTITHREADED = 4 * 2**20
 #: ``(block_q, block_k)`` of ``"auto"`` for eagerly executed libraries: two
 #: (H, 128, 256) float32 score blocks (1 MiB each for H = 8) stay cache-friendly.
 EAGER_TILES = (128, 256)
+#: The default routes a call the fused native kernel could take to the tiled path
+#: instead when causal/window structure hides at least this fraction of the
+#: (query block, key block) pairs of EAGER_TILES: torch, window (256, 0) + causal
+#: at L = 4096 skips 88% of the pairs (see benchmarks/results/cases-torch.json);
+#: causal alone skips 38-47% (L = 1024-4096), where the kernel stays faster.
+SKIP_FRACTION_FOR_TILED = 0.75
 #: Traced libraries unroll the block loops into the program: blocks of at least
 #: this size ...
 TRACED_MIN_BLOCK = 256
@@ -105,56 +120,64 @@ def choose_path(call: AttentionCall, block_size: Any, implementation: Any) -> Pa
         values, or ``implementation="native"`` for a call the kernel cannot express.
     """
     v.check_implementation(implementation)
-    sizes = v.check_block_size(block_size)
-    tiles = _tiles(call, sizes)
+    sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
     if implementation == "native":
-        explicit = isinstance(sizes, tuple)  # "auto" leaves the path to the library
-        v.check_native_route(unsupported_reason(call, explicit_tiles=explicit))
+        explicit = sizes != "auto"  # the caller asked for a portable path
+        v.check_native_route(unsupported_reason(call, explicit_block_size=explicit))
     if call.is_empty:
         return Path("empty")
-    if implementation == "native" or (
-        implementation is None and sizes in (None, "auto") and _prefer_native(call)
-    ):
+    if implementation == "native":
         return Path("native")
+    if sizes == "dense":
+        return Path("dense")
+    if isinstance(sizes, tuple):
+        return Path("tiled", sizes)
+    if implementation is None and _prefer_native(call):
+        return Path("native")
+    tiles = _auto_tiles(call)
     return Path("dense") if tiles is None else Path("tiled", tiles)
 
 
 def _prefer_native(call: AttentionCall) -> bool:
-    """Decide the default route: native only where its fused kernels take the call as is."""
-    plan, terms = call.plan, call.terms
+    """Rule 1: the fused native kernel, unless block skipping saves most of the work."""
     if not fused_native_kernel(call.query) or unsupported_reason(call) is not None:
         return False
-    plain = terms.mask is None and call.bias is None and not plan.has_lengths
-    return plain and plan.window is None and (not plan.is_causal or plan.q_len == plan.kv_len)
+    return skipped_fraction(call.plan, *EAGER_TILES) < SKIP_FRACTION_FOR_TILED
 
 
-def _tiles(call: AttentionCall, sizes: Any) -> tuple[Blocks, Blocks] | None:
-    """(block_q, block_k) of the tiled path, or None for the dense path."""
+def skipped_fraction(plan: AttentionPlan, block_q: int, block_k: int) -> float:
+    """Return the fraction of (query block, key block) pairs that causal/window structure hides."""
+    if plan.has_lengths or (not plan.is_causal and plan.window is None):
+        return 0.0  # nothing is static enough to skip
+    q_blocks, k_blocks = block_ranges(plan.q_len, block_q), block_ranges(plan.kv_len, block_k)
+    skipped = sum(
+        block_visibility(plan, q_range, k_range) == "skip"
+        for q_range in q_blocks
+        for k_range in k_blocks
+    )
+    return skipped / max(1, len(q_blocks) * len(k_blocks))
+
+
+def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
+    """Rules 2 and 3: (block_q, block_k) of the tiled path, or None for the dense path."""
     plan = call.plan
-    if sizes is None or sizes == "auto":
-        q_chunks, k_chunks = chunk_sizes(call.query, -2), chunk_sizes(call.key, -2)
-        if q_chunks is not None or k_chunks is not None:
-            q_sizes, k_sizes = q_chunks or (plan.q_len,), k_chunks or (plan.kv_len,)
-            if (
-                sizes == "auto"
-                and _chunk_pair_bytes(call, max(q_sizes), max(k_sizes)) > AUTO_DENSE_LIMIT_BYTES
-            ):  # chunks too large for one block: tile within them
-                q_sizes = _subdivide(q_sizes, EAGER_TILES[0])
-                k_sizes = _subdivide(k_sizes, EAGER_TILES[1])
-            return q_sizes, k_sizes
-    if sizes is None:
+    q_chunks, k_chunks = chunk_sizes(call.query, -2), chunk_sizes(call.key, -2)
+    if q_chunks is not None or k_chunks is not None:
+        q_sizes, k_sizes = q_chunks or (plan.q_len,), k_chunks or (plan.kv_len,)
+        if _chunk_pair_bytes(call, max(q_sizes), max(k_sizes)) > AUTO_DENSE_LIMIT_BYTES:
+            # chunks too large for one block: tile within them
+            q_sizes = _subdivide(q_sizes, EAGER_TILES[0])
+            k_sizes = _subdivide(k_sizes, EAGER_TILES[1])
+        return q_sizes, k_sizes
+    rows = math.prod(plan.batch) * plan.num_q_heads * plan.q_len
+    limit = (
+        AUTO_DENSE_LIMIT_BYTES_MULTITHREADED
+        if multithreaded_elementwise(call.query)
+        else AUTO_DENSE_LIMIT_BYTES
+    )
+    if rows * plan.kv_len * _itemsize(call) <= limit:
         return None
-    if sizes == "auto":
-        rows = math.prod(plan.batch) * plan.num_q_heads * plan.q_len
-        limit = (
-            AUTO_DENSE_LIMIT_BYTES_MULTITHREADED
-            if multithreaded_elementwise(call.query)
-            else AUTO_DENSE_LIMIT_BYTES
-        )
-        if rows * plan.kv_len * _itemsize(call) <= limit:
-            return None
-        return default_tiles(traces_python_loops(call.query), plan.q_len, plan.kv_len)
-    return sizes
+    return default_tiles(traces_python_loops(call.query), plan.q_len, plan.kv_len)
 
 
 def default_tiles(traced: bool, q_len: int, kv_len: int) -> tuple[int, int]:

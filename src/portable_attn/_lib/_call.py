@@ -186,6 +186,8 @@ def signed_lengths(xp: Any, x: Array) -> Array:
 
 _PLAN_CACHE: dict[Any, AttentionPlan] = {}
 _PLAN_CACHE_SIZE = 256
+#: ScoreTerms hold no array when no model-building argument is given: one per offset
+_PLAIN_TERMS: dict[int, ScoreTerms] = {}
 
 
 def _meta(x: Array | None) -> Any:
@@ -216,7 +218,7 @@ def _cached_plan(
             _meta(mask),
             _meta(bias),
             device(query),
-            tuple(sorted((n, repr(o)) for n, o in options.items())),
+            *((type(o), o) for o in options.values()),  # options come in one order
         )
         hash(cache_key)
     except TypeError:  # an unhashable device (CuPy) or option: plan without the cache
@@ -317,7 +319,15 @@ def _score_terms(
         and score_mod is None
         and dropout_mask is None
     ):  # the common call: none of them given
-        return plan, ScoreTerms(mask=mask, offset=plan.offset)
+        if mask is not None:
+            return plan, ScoreTerms(mask=mask, offset=plan.offset)
+        terms = _PLAIN_TERMS.get(plan.offset)
+        if terms is None:
+            terms = ScoreTerms(offset=plan.offset)
+            if len(_PLAIN_TERMS) >= _PLAN_CACHE_SIZE:
+                _PLAIN_TERMS.clear()
+            _PLAIN_TERMS[plan.offset] = terms
+        return plan, terms
     logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
     lengths = {}
     for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):

@@ -39,12 +39,18 @@ __all__ = [
 ]
 
 _NAMESPACE_BY_TYPE: dict[type, Any] = {}
+_LIBRARY_BY_TYPE: dict[type, str] = {}
 
 
 def library_name(x: Any) -> str:
     """Return the name of the library that owns array `x` (``"numpy"``, ``"torch"``, ...)."""
-    name = type(x).__module__.split(".", 1)[0]
-    return "jax" if name == "jaxlib" else name  # concrete JAX arrays live in jaxlib
+    cls = type(x)
+    name = _LIBRARY_BY_TYPE.get(cls)
+    if name is None:
+        name = cls.__module__.split(".", 1)[0]
+        name = "jax" if name == "jaxlib" else name  # concrete JAX arrays live in jaxlib
+        _LIBRARY_BY_TYPE[cls] = name
+    return name
 
 
 def chunk_sizes(x: Any, axis: int) -> tuple[int, ...] | None:

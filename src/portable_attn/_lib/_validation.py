@@ -265,16 +265,18 @@ def check_dropout(dropout_p: Any, dropout_mask: Any | None) -> float:
     return float(dropout_p)
 
 
-def check_block_size(block_size: Any) -> str | tuple[int, int] | None:
-    """`block_size`: None, "auto", a positive int or a pair of them; a pair is returned."""
-    if block_size is None or (isinstance(block_size, str) and block_size == "auto"):
+def check_block_size(block_size: Any) -> str | tuple[int, int]:
+    """Check `block_size`: None or "auto" give "auto", "dense" stays, an int gives a pair."""
+    if block_size is None:
+        return "auto"
+    if isinstance(block_size, str) and block_size in ("auto", "dense"):
         return block_size
     sizes = block_size if isinstance(block_size, tuple) and len(block_size) == 2 else None
     sizes = sizes or (block_size, block_size)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
         msg = (
-            "`block_size` must be None, a positive integer, a pair (block_q, block_k) of "
-            f"positive integers or 'auto', but got {block_size!r}"
+            "`block_size` must be None, 'auto', 'dense', a positive integer or a pair "
+            f"(block_q, block_k) of positive integers, but got {block_size!r}"
         )
         raise ValueError(msg)
     return sizes[0], sizes[1]
