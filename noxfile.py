@@ -172,18 +172,21 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=ML_PYTHON, default=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (not part of plain nox): side-by-side tables and JSON in benchmarks/results."""
+    """Benchmarks (not part of plain nox): the case table with ratios, JSON in benchmarks/results.
+
+    ``nox -s bench -- --quick`` for a short run (small sizes; not for publishing).
+    """
     session.install(TORCH_SPEC)
     session.install(JAX_SPEC, "threadpoolctl", "matplotlib")
     session.install(".")
-    for backend in ("numpy", "torch", "jax"):
-        session.run(
-            "python", "benchmarks/bench.py", "--backend", backend, "--plot", *session.posargs
-        )
+    for backend in ("numpy", "torch", "jax"):  # each in its own process
+        session.run("python", "benchmarks/bench.py", "--backend", backend, *session.posargs)
     session.run("python", "benchmarks/tiled.py", *session.posargs)
     session.run("python", "benchmarks/causal.py")
     session.install(DASK_SPEC)
     session.run("python", "benchmarks/scale.py", *session.posargs)
+    # last, so that it is what the session ends with: every backend's case table and the plot
+    session.run("python", "benchmarks/report.py", "--plot")
 
 
 @nox.session(python=ML_PYTHON)
