@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -63,3 +64,162 @@ def test_explain_plot_needs_matplotlib_or_writes_png(backend, tmp_path, capsys):
         return
     assert main(["explain", "--plot", str(target)]) == 0
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- bad arguments: argparse-style one-line errors, exit 2 ----------------------------
+
+BACKEND_NAMES = ("numpy", "array_api_strict", "torch", "jax", "cupy", "dask")
+
+
+def _usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize("names", ["typo", "torch,typo", "numpy,typo,cupy"])
+def test_check_names_an_unknown_backend(names, capsys):
+    err = _usage_error(["check", "--backend", names], capsys)
+    assert "argument --backend: unknown backend 'typo'" in err
+    assert "choose from " + ", ".join(BACKEND_NAMES) in err
+
+
+def test_check_names_every_unknown_backend(capsys):
+    err = _usage_error(["check", "--backend", "typo,jaxx"], capsys)
+    assert "unknown backends 'typo', 'jaxx'" in err
+
+
+def test_check_rejects_a_list_of_no_names(capsys):
+    assert "no backend named in ','" in _usage_error(["check", "--backend", ","], capsys)
+
+
+@pytest.mark.parametrize("repeats", ["0", "-1", "x", "1.5"])
+def test_check_repeats_must_be_positive(repeats, capsys):
+    err = _usage_error(["check", "--repeats", repeats], capsys)
+    assert f"argument --repeats: expected an integer >= 1, got '{repeats}'" in err
+
+
+@pytest.mark.parametrize("d_k", ["0", "-3", "x", "65537"])
+def test_explain_d_k_must_be_positive(d_k, capsys):
+    err = _usage_error(["explain", "--d-k", d_k], capsys)
+    assert f"argument --d-k: expected an integer from 1 to 65536, got '{d_k}'" in err
+
+
+@pytest.mark.parametrize("name", ["typo", "torch,jax"])
+def test_explain_takes_one_known_backend(name, capsys):
+    err = _usage_error(["explain", "--backend", name], capsys)
+    assert "argument --backend:" in err
+    assert ", ".join(BACKEND_NAMES) in err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["check", "--help"], ["explain", "--help"]])
+def test_help_lists_the_backend_names(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert ", ".join(BACKEND_NAMES) in out
+
+
+def test_library_functions_reject_bad_counts():
+    from portable_attn._check import run_checks
+    from portable_attn._explain import explain_table
+
+    with pytest.raises(ValueError, match="`repeats` must be an integer >= 1"):
+        run_checks(["numpy"], repeats=0)
+    with pytest.raises(ValueError, match="`d_k` must be an integer >= 1"):
+        explain_table(0)
+    with pytest.raises(ValueError, match="unknown backend 'typo'"):
+        run_checks(["typo"])
+
+
+# --- backends that cannot run here ------------------------------------------------------
+
+_NO_GPU = "cudaErrorInsufficientDriver: CUDA driver version is insufficient"
+
+
+@pytest.fixture
+def cupy_without_gpu(monkeypatch):
+    """CuPy importable, its runtime raising as it does on a machine with no usable GPU."""
+    import importlib.machinery
+    import types
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def no_device() -> int:
+        raise CUDARuntimeError(_NO_GPU)
+
+    fake = types.ModuleType("cupy")
+    fake.__spec__ = importlib.machinery.ModuleSpec("cupy", None)  # found: "installed"
+    fake.__version__ = "13.9.9"
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=no_device))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return f"cupy: no usable CUDA device (CUDARuntimeError: {_NO_GPU})"
+
+
+def test_unavailable_reason_of_cupy_without_gpu(cupy_without_gpu):
+    from portable_attn._backends import family_installed, unavailable_reason
+
+    assert family_installed("cupy")
+    assert unavailable_reason("cupy") == cupy_without_gpu
+
+
+@pytest.mark.kinds("numpy", reason="one run with a real backend is enough")
+def test_check_lists_cupy_without_gpu_with_the_reason(backend, cupy_without_gpu, capsys):
+    assert main(["check", "--backend", "numpy,cupy", "--repeats", "1"]) == 0
+    captured = capsys.readouterr()
+    row = next(ln for ln in captured.out.splitlines() if ln.startswith("cupy "))
+    assert "13.9.9" in row
+    assert row.endswith(f"not run: {cupy_without_gpu}")
+    assert "FAIL" not in captured.out + captured.err
+    assert next(ln for ln in captured.out.splitlines() if ln.startswith("numpy ")).endswith("ok")
+
+
+def test_check_of_only_unavailable_backends_says_which_and_why(cupy_without_gpu, capsys):
+    assert main(["check", "--backend", "cupy", "--repeats", "1"]) == 1
+    captured = capsys.readouterr()
+    assert f"not run: {cupy_without_gpu}" in captured.out
+    assert f"no backend could be checked: {cupy_without_gpu}" in captured.err
+
+
+def test_check_of_only_missing_backends_says_which(monkeypatch, capsys):
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check, "family_installed", lambda f: False)
+    assert main(["check", "--backend", "torch,dask"]) == 1
+    captured = capsys.readouterr()
+    assert "not installed: torch\nnot installed: dask" in captured.out
+    assert "no backend could be checked: torch is not installed; dask is not installed" in (
+        captured.err
+    )
+    assert "backend  version" not in captured.out  # no empty table
+
+
+def test_a_backend_that_breaks_while_being_set_up_gets_a_row(monkeypatch, capsys):
+    from portable_attn import _check
+
+    def broken(kind: str, **kw):
+        raise ImportError("libcudart.so.12: cannot open shared object file")
+
+    monkeypatch.setattr(_check, "unavailable_reason", broken)
+    assert main(["check", "--backend", "numpy", "--repeats", "1"]) == 1
+    captured = capsys.readouterr()
+    assert "not run: numpy: ImportError: libcudart.so.12" in captured.out
+    assert "no backend could be checked: numpy: ImportError" in captured.err
+
+
+def test_explain_says_why_a_backend_cannot_run(cupy_without_gpu):
+    with pytest.raises(SystemExit, match=re.escape(f"'cupy' cannot run here: {cupy_without_gpu}")):
+        main(["explain", "--backend", "cupy"])
+
+
+def test_explain_says_a_backend_is_not_installed(monkeypatch):
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check, "family_installed", lambda f: False)
+    with pytest.raises(SystemExit, match="backend 'jax' is not installed"):
+        main(["explain", "--backend", "jax"])

@@ -75,7 +75,7 @@ class TestMultiHeadAttention:
         assert a["wq"].dtype == xp.float32
 
     def test_missing_weight(self, backend, xp):
-        with pytest.raises(KeyError, match="wo"):
+        with pytest.raises(ValueError, match=r"`params` is missing \['wo'\]"):
             multi_head_attention(
                 backend.asarray(randn(1, 3, 4)), params={"wq": 0, "wk": 0, "wv": 0}, num_heads=1
             )

@@ -35,6 +35,19 @@ class TestL2Normalize:
         sharp = backend.to_numpy(attention_weights(qn, kn, scale=20.0))
         assert sharp.max() > 2 * w.max()
 
+    @pytest.mark.autodiff
+    def test_a_zero_vector_has_finite_zero_gradients(self, backend, xp):
+        """A zero padding token under QK-norm: sqrt is never differentiated at 0."""
+        x = backend.asarray(np.array([[0.0, 0.0, 0.0], [1.0, 2.0, 2.0]]))
+        w = backend.asarray(np.array([[0.3, -0.1, 0.7], [0.2, 0.5, -0.4]]))
+        (g,) = backend.grad(lambda x: xp.sum(l2_normalize(x) * w), x)
+        g = backend.to_numpy(g)
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g[0], np.asarray([0.3, -0.1, 0.7]) / 1e-6, rtol=1e-9)
+        u = np.array([1.0, 2.0, 2.0]) / 3.0  # d(x/|x|) = (I - u u^T) / |x|
+        expected = (np.eye(3) - np.outer(u, u)) @ np.array([0.2, 0.5, -0.4]) / 3.0
+        np.testing.assert_allclose(g[1], expected, rtol=1e-9, atol=1e-12)
+
 
 class TestRmsNorm:
     def test_matches_formula(self, backend):

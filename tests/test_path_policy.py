@@ -200,10 +200,21 @@ class TestNative:
 
 
 class TestBadChoices:
-    @pytest.mark.parametrize("block_size", [0, -1, (2, 0), "big", 1.5, True, (1, 2, 3)])
-    def test_block_size(self, backend, block_size):
+    @pytest.mark.parametrize(
+        ("block_size", "error"),
+        [
+            (0, ValueError),
+            (-1, ValueError),
+            ((2, 0), ValueError),
+            ("big", TypeError),
+            (1.5, TypeError),
+            (True, TypeError),
+            ((1, 2, 3), TypeError),
+        ],
+    )
+    def test_block_size(self, backend, block_size, error):
         with pytest.raises(
-            ValueError, match=r"`block_size` must be None, 'auto', 'dense', a positive integer"
+            error, match=r"`block_size` must be None, 'auto', 'dense', a positive integer"
         ):
             _path(backend, block_size=block_size)
 

@@ -165,10 +165,20 @@ class TestMemory:
 
 
 class TestErrors:
-    @pytest.mark.parametrize("block_size", [0, -4, 2.5, "big", True, (4, 0), (4,), (2, 3, 4)])
-    def test_bad_block_size(self, backend, block_size):
+    @pytest.mark.parametrize(
+        ("block_size", "error"),
+        [
+            (0, ValueError),
+            (-4, ValueError),
+            ((4, 0), ValueError),
+            (2.5, TypeError),
+            ("big", TypeError),
+            (True, TypeError),
+            ((4,), TypeError),
+            ((2, 3, 4), TypeError),
+        ],
+    )
+    def test_bad_block_size(self, backend, block_size, error):
         q, k, v = problem(backend=backend)
-        with pytest.raises(
-            ValueError, match=r"`block_size` must be None, 'auto', 'dense', a positive"
-        ):
+        with pytest.raises(error, match=r"`block_size` must be None, 'auto', 'dense', a positive"):
             scaled_dot_product_attention(q, k, v, block_size=block_size)

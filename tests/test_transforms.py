@@ -82,3 +82,45 @@ class TestTorch:
 
         # the default (inductor) backend: what a user gets from a plain torch.compile
         torch.testing.assert_close(torch.compile(f)(q, k, v), f(q, k, v))
+
+
+@pytest.mark.backends("torch", reason="torch.func")
+class TestTorchFunc:
+    """The tiled path's autograd.Function works under torch.func transforms."""
+
+    def test_grad_jacrev_and_vmap_of_grad_match_the_dense_path(self, backend):
+        import torch
+
+        q, k, v = small(backend=backend)
+        mask = backend.asarray(np.random.default_rng(4).random((3, 6)) < 0.7)
+
+        def f(block_size):
+            def attend(q):
+                return scaled_dot_product_attention(
+                    q, k, v, mask=mask, is_causal=True, block_size=block_size
+                )
+
+            return attend
+
+        tiled, dense = f(2), f("dense")
+        grad = torch.func.grad(lambda q: tiled(q).sum())(q)
+        np.testing.assert_allclose(grad, torch.func.grad(lambda q: dense(q).sum())(q), atol=1e-12)
+        jac = torch.func.jacrev(tiled)(q)
+        np.testing.assert_allclose(jac, torch.func.jacrev(dense)(q), atol=1e-12)
+        batch = torch.stack([q, 2 * q, -q])
+        vg = torch.func.vmap(torch.func.grad(lambda q: tiled(q).sum()))(batch)
+        vd = torch.func.vmap(torch.func.grad(lambda q: dense(q).sum()))(batch)
+        np.testing.assert_allclose(vg, vd, atol=1e-12)
+
+
+@pytest.mark.backends("jax", reason="jax.jacfwd")
+def test_forward_mode_on_the_tiled_path_is_refused_clearly(backend):
+    """The tiled path's custom VJP has no forward mode: JAX says so; dense supports it."""
+    import jax
+
+    q, k, v = small(backend=backend)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jacfwd(lambda q: scaled_dot_product_attention(q, k, v, block_size=2))(q)
+    jac = jax.jacfwd(lambda q: scaled_dot_product_attention(q, k, v, block_size="dense"))(q)
+    rev = jax.jacrev(lambda q: scaled_dot_product_attention(q, k, v, block_size=2))(q)
+    np.testing.assert_allclose(np.asarray(jac), np.asarray(rev), atol=1e-12)

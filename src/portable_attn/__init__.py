@@ -4,8 +4,6 @@ Write it once against the Python array API standard, run it unchanged on NumPy,
 PyTorch, JAX, CuPy, array-api-strict and Dask.
 """
 
-from __future__ import annotations
-
 from ._attention import attention_weights, scaled_dot_product_attention
 from ._causal import causal_mask
 from .alibi import get_alibi_slopes
@@ -32,3 +30,9 @@ __all__ = [
     "rms_norm",
     "scaled_dot_product_attention",
 ]
+
+
+def __dir__() -> list[str]:
+    # The public namespace is __all__: the submodules imported above (rope, mha...)
+    # stay attributes, for `import portable_attn.rope`, but are not listed.
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

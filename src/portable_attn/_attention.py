@@ -271,7 +271,7 @@ def attention_weights(
         dropout_p=dropout_p,
         dropout_mask=dropout_mask,
     )
-    if call.plan.kv_len == 0:
-        return call.finish(call.zeros(call.plan.q_len, 0))
+    if call.is_empty:
+        return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))
     w = dense_weights(call.xp, call.query, call.key, call.bias, call.terms, call.plan)
     return call.finish(w)

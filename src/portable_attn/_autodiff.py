@@ -43,7 +43,7 @@ def tiled_attention(call: AttentionCall, block_q: Blocks, block_k: Blocks) -> An
             arrays = {f: getattr(terms, f) for f in _ARRAY_FIELDS}
             return _torch_function().apply(
                 q, k, v, bias, terms.alibi_slopes, arrays, terms, static
-            )
+            )[0]
     elif terms.score_mod is None and lib == "jax":
         arrays = {
             f: getattr(terms, f) for f in _ARRAY_FIELDS if not isinstance(getattr(terms, f), int)
@@ -86,9 +86,12 @@ def _torch_function() -> Any:
     import torch
 
     class TiledAttention(torch.autograd.Function):
+        # forward / setup_context / backward are written separately and the vmap rule
+        # is generated, so torch.func.grad, jacrev and vmap can transform it too
+        generate_vmap_rule = True
+
         @staticmethod
         def forward(
-            ctx: Any,
             q: Any,
             k: Any,
             v: Any,
@@ -99,13 +102,18 @@ def _torch_function() -> Any:
             static: Any,
         ) -> Any:
             xp, plan, block_q, block_k = static
-            out, lse = tiled_forward(xp, q, k, v, bias, terms, plan, block_q, block_k)
-            ctx.save_for_backward(q, k, v, bias, out, lse)
-            ctx.terms, ctx.static = terms, static
-            return out
+            return tiled_forward(xp, q, k, v, bias, terms, plan, block_q, block_k)
 
         @staticmethod
-        def backward(ctx: Any, dout: Any) -> Any:
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            q, k, v, bias, _, _, terms, static = inputs
+            out, lse = output
+            ctx.mark_non_differentiable(lse)
+            ctx.save_for_backward(q, k, v, bias, out, lse)
+            ctx.terms, ctx.static = terms, static
+
+        @staticmethod
+        def backward(ctx: Any, dout: Any, _dlse: Any) -> Any:
             need_bias, need_slopes = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
             dq, dk, dv, dbias, dslopes = _backward(
                 ctx.static, ctx.terms, ctx.saved_tensors, dout, need_bias, need_slopes

@@ -10,17 +10,27 @@ always the portable implementation.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._attention import attention_weights, scaled_dot_product_attention
-from ._backends import FAMILIES, Backend, family_installed, make_backend, unavailable_reason
+from ._backends import (
+    _GPU_KINDS,
+    FAMILIES,
+    MODULES,
+    Backend,
+    family_installed,
+    family_of,
+    make_backend,
+    unavailable_reason,
+)
 from ._reference import central_differences, reference_attention
 from ._timing import median_seconds
 
-__all__ = ["CheckResult", "Target", "available_targets", "run_checks"]
+__all__ = ["CheckResult", "Target", "available_targets", "Unavailable", "run_checks", "survey"]
 
 # Max abs error allowed against the float64 oracle on unit-scale data, per dtype.
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
@@ -87,6 +97,84 @@ class Target:
         return self.backend.grad(fn, *args)
 
 
+@dataclass(frozen=True)
+class Unavailable:
+    """A kind of an installed family that cannot run here, and why.
+
+    Parameters
+    ----------
+    kind : str
+        The backend kind, e.g. ``"cupy"``.
+    reason : str
+        Why, e.g. ``"cupy: no usable CUDA device (CUDARuntimeError: ...)"``.
+    """
+
+    kind: str
+    reason: str
+
+
+def _installed_version(family: str) -> str:
+    try:
+        module = importlib.import_module(MODULES[family].split(".")[0])
+    except Exception:  # installed but broken: the reason says so
+        return "?"
+    return str(getattr(module, "__version__", "?"))
+
+
+def survey(
+    only: list[str] | None = None,
+) -> tuple[list[Target], list[Unavailable], list[str]]:
+    """Sort the backends into those that run here, those that cannot and those not installed.
+
+    Parameters
+    ----------
+    only : list of str, optional
+        Families to consider (default: all of them); each a key of
+        :data:`~portable_attn._backends.FAMILIES`.
+
+    Returns
+    -------
+    targets : list of Target
+        Every kind of the installed families that can run (GPU kinds only with
+        their device), in the order of :data:`~portable_attn._backends.FAMILIES`.
+    unavailable : list of Unavailable
+        The kinds of an installed family of which *no* kind can run (CuPy
+        without a usable GPU), with the reason; a family with a running kind
+        (torch on the CPU of a machine without CUDA) does not list its GPU kind.
+    missing : list of str
+        The families asked for (or all) that are not installed.
+    """
+    unknown = [f for f in only or () if f not in FAMILIES]
+    if unknown:
+        msg = f"unknown backend {', '.join(map(repr, unknown))}; choose from {', '.join(FAMILIES)}"
+        raise ValueError(msg)
+    targets: list[Target] = []
+    unavailable: list[Unavailable] = []
+    missing: list[str] = []
+    for family, kinds in FAMILIES.items():
+        if only and family not in only:
+            continue
+        if not family_installed(family):
+            missing.append(family)
+            continue
+        runs, cannot = [], []
+        for kind in kinds:
+            if kind in _TEST_ONLY_KINDS:
+                continue
+            try:
+                reason = unavailable_reason(kind)
+                if reason is None:
+                    runs.append(Target(make_backend(kind)))
+                    continue
+            except Exception as exc:  # a broken installation: say so, check the others
+                reason = f"{kind}: {type(exc).__name__}: {exc}"
+            cannot.append(Unavailable(kind, reason))
+        targets += runs
+        if not runs:
+            unavailable += cannot
+    return targets, unavailable, missing
+
+
 def available_targets(only: list[str] | None = None) -> tuple[list[Target], list[str]]:
     """Return the backends that can run here and the families not installed.
 
@@ -98,21 +186,11 @@ def available_targets(only: list[str] | None = None) -> tuple[list[Target], list
     Returns
     -------
     targets : list of Target
-        Every kind of the installed families that can run (GPU kinds only with
-        their device), in the order of :data:`~portable_attn._backends.FAMILIES`.
+        Every kind of the installed families that can run, as :func:`survey`.
     missing : list of str
         The families asked for (or all) that are not installed.
     """
-    targets, missing = [], []
-    for family, kinds in FAMILIES.items():
-        if only and family not in only:
-            continue
-        if not family_installed(family):
-            missing.append(family)
-            continue
-        for kind in kinds:
-            if kind not in _TEST_ONLY_KINDS and unavailable_reason(kind) is None:
-                targets.append(Target(make_backend(kind)))
+    targets, _, missing = survey(only)
     return targets, missing
 
 
@@ -154,9 +232,12 @@ class CheckResult:
     gradients: str = "n/a"
     time_ms: float = float("nan")
     failures: list[str] = field(default_factory=list)
+    unavailable: str | None = None
+    """Why the backend could not run here (then nothing was checked); None when it ran."""
 
     @property
     def ok(self) -> bool:
+        """Whether nothing failed (a backend that could not run has not failed)."""
         return not self.failures
 
 
@@ -245,16 +326,26 @@ def run_checks(
     only : list of str, optional
         Families to check (default: all installed).
     repeats : int, default 10
-        Timed calls per backend (after two warm-up calls).
+        Timed calls per backend (after two warm-up calls); at least 1.
 
     Returns
     -------
     results : list of CheckResult
         One per backend checked; a backend that raises is reported as failed.
+        Then one per kind that cannot run here (see :func:`survey`), with
+        :attr:`CheckResult.unavailable` set and no failure.
     missing : list of str
         The families not installed.
+
+    Raises
+    ------
+    ValueError
+        For an unknown family or `repeats` < 1.
     """
-    targets, missing = available_targets(only)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        msg = f"`repeats` must be an integer >= 1, got {repeats!r}"
+        raise ValueError(msg)
+    targets, unavailable, missing = survey(only)
     results = []
     for t in targets:
         rng = np.random.default_rng(0)
@@ -266,4 +357,8 @@ def run_checks(
         except Exception as exc:  # report the backend as broken, keep checking the others
             res.failures.append(f"raised {type(exc).__name__}: {exc}")
         results.append(res)
+    for u in unavailable:
+        version = _installed_version(family_of(u.kind))
+        device = _GPU_KINDS.get(u.kind, "cpu")
+        results.append(CheckResult(u.kind, version, device, unavailable=u.reason))
     return results, missing

@@ -4,61 +4,105 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from . import __version__
+from ._backends import FAMILIES
 
 __all__ = ["main"]
+
+if TYPE_CHECKING:
+    from ._check import CheckResult
+
+_BACKENDS = ", ".join(FAMILIES)
+_DTYPE_COLUMNS = ("float64", "float32", "float16", "bfloat16")
+MAX_D_K = 65536
+
+
+def _backend_names(text: str) -> list[str]:
+    """Parse ``--backend a,b``: known family names, deduplicated; ``""`` is every one."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        msg = f"unknown backend{plural} {', '.join(map(repr, unknown))}; choose from {_BACKENDS}"
+        raise argparse.ArgumentTypeError(msg)
+    if text.strip() and not names:
+        msg = f"no backend named in {text!r}; choose from {_BACKENDS}"
+        raise argparse.ArgumentTypeError(msg)
+    return names
+
+
+def _backend_name(text: str) -> str:
+    """Parse the one backend of ``explain --backend``."""
+    names = _backend_names(text)
+    if len(names) != 1:
+        msg = f"expected one backend, got {text!r}; choose from {_BACKENDS}"
+        raise argparse.ArgumentTypeError(msg)
+    return names[0]
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """Return an argparse type: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"from {low} to {high}"
+            msg = f"expected an integer {bound}, got {text!r}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    return parse
 
 
 def _fmt_err(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1e}"
 
 
+def _row(r: CheckResult) -> tuple[str, ...]:
+    if r.unavailable is not None:  # it keeps its row, with the reason as its status
+        return (r.target, r.version, r.device, *("-",) * 6, f"not run: {r.unavailable}")
+    return (
+        r.target,
+        r.version,
+        r.device,
+        *(_fmt_err(r.errors.get(d)) for d in _DTYPE_COLUMNS),
+        r.gradients,
+        f"{r.time_ms:.2f}",
+        "ok" if r.ok else "FAIL",
+    )
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from ._check import TOLERANCE, run_checks
 
-    only = [b.strip() for b in args.backend.split(",")] if args.backend else None
+    only = args.backend or None
     print(f"portable_attn {__version__}: max abs error against a float64 NumPy oracle")
     print("cases: plain, mask+bias, causal Lq<Lk and Lq>Lk, GQA+window+softcap, fully masked row")
     print("tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
     results, missing = run_checks(only, repeats=args.repeats)
-    cols = (
-        "backend",
-        "version",
-        "device",
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "gradients",
-        "ms/call",
-        "status",
-    )
-    rows = [
-        (
-            r.target,
-            r.version,
-            r.device,
-            *(_fmt_err(r.errors.get(d)) for d in cols[3:7]),
-            r.gradients,
-            f"{r.time_ms:.2f}",
-            "ok" if r.ok else "FAIL",
-        )
-        for r in results
-    ]
-    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows, strict=True)]
-    for row in (cols, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
-    print("ms/call: median, float32 causal attention, B=1 H=8 L=256 D=64")
+    cols = ("backend", "version", "device", *_DTYPE_COLUMNS, "gradients", "ms/call", "status")
+    rows = [_row(r) for r in results]
+    if rows:
+        widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows, strict=True)]
+        for row in (cols, *rows):
+            print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+        print("ms/call: median, float32 causal attention, B=1 H=8 L=256 D=64")
     for name in missing:
         print(f"not installed: {name}")
     failed = [r for r in results if not r.ok]
     for r in failed:
         for f in r.failures:
             print(f"FAIL {r.target}: {f}", file=sys.stderr)
-    if not results:
-        print("no backend could be checked", file=sys.stderr)
+    if all(r.unavailable is not None for r in results):
+        why = [f"{name} is not installed" for name in missing]
+        why += [str(r.unavailable) for r in results]
+        print("no backend could be checked: " + "; ".join(why), file=sys.stderr)
         return 1
     return 1 if failed else 0
 
@@ -78,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="portable-attn",
         description="Scaled dot-product attention for every array-API library.",
+        epilog=f"backends: {_BACKENDS}",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,10 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every installed backend against the float64 oracle",
         description="For every installed backend and device: the max abs error against a "
         "float64 NumPy oracle, whether gradients work, and the time per call. Exits 1 if "
-        "any backend is wrong.",
+        "any backend is wrong (a backend that cannot run here, such as CuPy without a GPU, "
+        "is listed with the reason and is not a failure) or if none could be checked.",
     )
-    check.add_argument("--backend", default="", help="comma-separated backends (default: all)")
-    check.add_argument("--repeats", type=int, default=10, help="timed calls per backend")
+    check.add_argument(
+        "--backend",
+        type=_backend_names,
+        default="",
+        metavar="NAMES",
+        help=f"comma-separated backends, from: {_BACKENDS} (default: every installed one)",
+    )
+    check.add_argument(
+        "--repeats",
+        type=_int_in(1),
+        default=10,
+        metavar="N",
+        help="timed calls per backend, at least 1 (default 10)",
+    )
     check.set_defaults(func=_cmd_check)
     explain = sub.add_parser(
         "explain",
@@ -97,8 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Logit spread before and after scaling, the softmax of [8, 0, -8] vs "
         "[1, 0, -1], p(1-p), and attention entropy under no scaling, 1/sqrt(d_k) and 1/d_k.",
     )
-    explain.add_argument("--d-k", type=int, default=64, help="key dimension (default 64)")
-    explain.add_argument("--backend", default="numpy", help="array library to compute with")
+    explain.add_argument(
+        "--d-k",
+        type=_int_in(1, MAX_D_K),
+        default=64,
+        metavar="N",
+        help=f"key dimension, from 1 to {MAX_D_K} (default 64)",
+    )
+    explain.add_argument(
+        "--backend",
+        type=_backend_name,
+        default="numpy",
+        metavar="NAME",
+        help=f"array library to compute with, one of: {_BACKENDS} (default numpy)",
+    )
     explain.add_argument("--plot", metavar="PNG", help="also write the entropy-vs-d_k plot")
     explain.set_defaults(func=_cmd_explain)
     return parser

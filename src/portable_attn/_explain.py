@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from ._attention import attention_weights
-from ._check import available_targets
+from ._backends import FAMILIES
+from ._check import survey
 from .diagnostics import attention_entropy, logit_stats, softmax_sensitivity
 
 __all__ = ["entropy_curves", "explain_table"]
@@ -21,15 +22,24 @@ SCALINGS = {
 
 
 def _target(backend: str) -> Any:
-    targets, missing = available_targets([backend])
-    if not targets:
-        why = "not installed" if backend in missing else "unknown"
-        msg = (
-            f"backend {backend!r} is {why}; "
-            "choose numpy, array_api_strict, torch, jax, cupy or dask"
-        )
+    """Return the first kind of `backend` that runs here; exit naming why there is none."""
+    if backend not in FAMILIES:
+        msg = f"unknown backend {backend!r}; choose from {', '.join(FAMILIES)}"
         raise SystemExit(msg)
-    return targets[0]
+    targets, unavailable, missing = survey([backend])
+    if targets:
+        return targets[0]
+    if missing:
+        msg = f"backend {backend!r} is not installed"
+    else:
+        msg = f"backend {backend!r} cannot run here: {'; '.join(u.reason for u in unavailable)}"
+    raise SystemExit(msg)
+
+
+def _check_d_k(d_k: int) -> None:
+    if isinstance(d_k, bool) or not isinstance(d_k, int) or d_k < 1:
+        msg = f"`d_k` must be an integer >= 1, got {d_k!r}"
+        raise ValueError(msg)
 
 
 def _unit_qk(t: Any, d_k: int, n: int = 256, seed: int = 0) -> tuple[Any, Any]:
@@ -45,6 +55,7 @@ def _mean_entropy(t: Any, q: Any, k: Any, scale: float) -> float:
 
 def explain_table(d_k: int = 64, backend: str = "numpy") -> str:
     """Return the table of ``portable-attn explain``, computed on `backend`."""
+    _check_d_k(d_k)
     t = _target(backend)
     q, k = _unit_qk(t, d_k)
     lines = [f"Why divide by sqrt(d_k)? d_k = {d_k}, backend {t.name}, unit-variance q and k", ""]
@@ -81,6 +92,8 @@ def entropy_curves(
     backend: str = "numpy", dims: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
 ) -> dict[str, list[float]]:
     """Mean normalised entropy against d_k for the three scalings."""
+    for d in dims:
+        _check_d_k(d)
     t = _target(backend)
     curves: dict[str, list[float]] = {name: [] for name in SCALINGS}
     for d in dims:

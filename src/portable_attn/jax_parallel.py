@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._lib._call import prepare
+from ._lib._compat import library_name
 from ._lib._merge import merge_partials
 from ._partial import partial_attention
 
@@ -93,6 +94,13 @@ def sequence_parallel_attention(
         ``Lk`` not a multiple of the size of `axis_name`, an unknown axis name,
         or any error :func:`portable_attn.scaled_dot_product_attention` raises.
     """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if library_name(x) != "jax":
+            msg = (
+                f"sequence_parallel_attention needs JAX arrays, but `{name}` is a "
+                f"{library_name(x)} array; use scaled_dot_product_attention for it"
+            )
+            raise TypeError(msg)
     import jax
     import jax.numpy as jnp
     from jax import lax

@@ -109,14 +109,15 @@ def kv_cache_init(
     KVCache
     """
     xp = namespace_or_numpy(xp, caller="kv_cache_init", positional=_xp)
-    for name, n in (
-        ("num_kv_heads", num_kv_heads),
-        ("capacity", capacity),
-        ("head_dim", head_dim),
-    ):
-        check_count(name, n, minimum=1)
+    num_kv_heads = check_count("num_kv_heads", num_kv_heads, minimum=1)
+    capacity = check_count("capacity", capacity, minimum=1)
+    head_dim = check_count("head_dim", head_dim, minimum=1)
+    if not isinstance(batch_shape, tuple):
+        msg = f"`batch_shape` must be a tuple of sizes, but got {batch_shape!r}"
+        raise TypeError(msg)
+    batch_shape = tuple(check_count("batch_shape entry", n, minimum=0) for n in batch_shape)
+    value_dim = head_dim if value_dim is None else check_count("value_dim", value_dim, minimum=1)
     dtype = xp.float32 if dtype is None else dtype
-    value_dim = head_dim if value_dim is None else value_dim
     kw = on_device(device)
     shape = (*batch_shape, num_kv_heads, capacity)
     return KVCache(
@@ -183,6 +184,8 @@ def kv_cache_append(cache: KVCache, key: Any, value: Any) -> KVCache:
         )
         raise ValueError(msg)
     t = int(key.shape[-2])
+    if t == 0:  # nothing to append: the same cache
+        return cache
     _check_capacity(xp, cache, t)
     keys = _write(xp, cache.keys, xp.astype(key, cache.keys.dtype), cache.lengths, t)
     values = _write(xp, cache.values, xp.astype(value, cache.values.dtype), cache.lengths, t)

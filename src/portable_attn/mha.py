@@ -9,6 +9,7 @@ import numpy as np
 
 from ._attention import scaled_dot_product_attention
 from ._lib._compat import array_namespace, namespace_or_numpy, on_device
+from ._lib._validation import check_count
 
 __all__ = ["init_mha_params", "multi_head_attention"]
 
@@ -62,8 +63,17 @@ def init_mha_params(
     if len(args) not in (2, 3):
         msg = f"init_mha_params() takes d_model and num_heads, but got {len(args)} positional"
         raise TypeError(msg)
-    d_model, num_heads = args[-2:]
+    d_model = check_count("d_model", args[-2], minimum=1)
+    num_heads = check_count("num_heads", args[-1], minimum=1)
     xp = namespace_or_numpy(xp, caller="init_mha_params", positional=legacy)
+    if num_kv_heads is not None:
+        num_kv_heads = check_count("num_kv_heads", num_kv_heads, minimum=1)
+    if head_dim is None and d_model % num_heads:
+        msg = (
+            f"`num_heads` ({num_heads}) must divide `d_model` ({d_model}) when `head_dim` "
+            "is not given"
+        )
+        raise ValueError(msg)
     hkv = num_heads if num_kv_heads is None else num_kv_heads
     dh = d_model // num_heads if head_dim is None else head_dim
     d_kv = d_model if kv_input_dim is None else kv_input_dim
@@ -88,6 +98,22 @@ def init_mha_params(
         }
     dtype = xp.float32 if dtype is None else dtype
     return {name: xp.asarray(a, dtype=dtype, **on_device(device)) for name, a in params.items()}
+
+
+def _check_projection(name: str, x: Any, w_name: str, w: Any, heads: int) -> None:
+    """`x` (..., L, d) fits `w` (d, heads * D), whose width splits into `heads` heads."""
+    if x.ndim < 2 or x.shape[-1] != w.shape[0]:
+        msg = (
+            f"`{name}` axis -1 must match `params['{w_name}']` axis 0, but got {name} shape "
+            f"{tuple(x.shape)} and {w_name} shape {tuple(w.shape)}"
+        )
+        raise ValueError(msg)
+    if w.shape[-1] % heads:
+        msg = (
+            f"`params['{w_name}']` width {w.shape[-1]} (axis -1, shape {tuple(w.shape)}) "
+            f"does not split into {heads} heads"
+        )
+        raise ValueError(msg)
 
 
 def _project(xp: Any, x: Any, w: Any, b: Any | None, heads: int) -> Any:
@@ -144,11 +170,20 @@ def multi_head_attention(
     key_input = query_input if key_input is None else key_input
     value_input = key_input if value_input is None else value_input
     xp = array_namespace(query_input=query_input, key_input=key_input, value_input=value_input)
-    hkv = num_heads if num_kv_heads is None else num_kv_heads
+    num_heads = check_count("num_heads", num_heads, minimum=1)
+    hkv = (
+        num_heads if num_kv_heads is None else check_count("num_kv_heads", num_kv_heads, minimum=1)
+    )
+    if not isinstance(params, dict):
+        msg = f"`params` must be a dict of arrays (see init_mha_params), but got {type(params)}"
+        raise TypeError(msg)
     missing = [n for n in ("wq", "wk", "wv", "wo") if n not in params]
     if missing:
         msg = f"`params` is missing {missing}; make it with init_mha_params"
-        raise KeyError(msg)
+        raise ValueError(msg)
+    _check_projection("query_input", query_input, "wq", params["wq"], num_heads)
+    _check_projection("key_input", key_input, "wk", params["wk"], hkv)
+    _check_projection("value_input", value_input, "wv", params["wv"], hkv)
     q = _project(xp, query_input, params["wq"], params.get("bq"), num_heads)  # (..., H, Lq, Dk)
     k = _project(xp, key_input, params["wk"], params.get("bk"), hkv)  # (..., Hkv, Lk, Dk)
     v = _project(xp, value_input, params["wv"], params.get("bv"), hkv)  # (..., Hkv, Lk, Dv)

@@ -53,8 +53,11 @@ def l2_normalize(x: Any, axis: int = -1, eps: float = 1e-6) -> Any:
     xp = array_namespace(x=x)
     _check(xp, x, axis, eps)
     xc = xp.astype(x, xp.result_type(x.dtype, xp.float32), copy=False)
-    norm = xp.sqrt(xp.sum(xc * xc, axis=axis, keepdims=True))
-    return xp.astype(xc / xp.maximum(norm, eps), x.dtype, copy=False)
+    # max(||x||, eps) as sqrt(max(||x||², eps²)): sqrt is never differentiated at 0,
+    # so an all-zero vector (a padding token) has finite, zero gradients
+    squared = xp.sum(xc * xc, axis=axis, keepdims=True)
+    norm = xp.sqrt(xp.maximum(squared, eps * eps))
+    return xp.astype(xc / norm, x.dtype, copy=False)
 
 
 def rms_norm(x: Any, weight: Any | None = None, *, axis: int = -1, eps: float = 1e-6) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._lib._compat import array_namespace, device, on_device
+from ._lib._validation import check_positive_scalar
 
 __all__ = ["apply_rope"]
 
@@ -71,9 +72,12 @@ def apply_rope(
     (1, 3, 4)
     """
     xp = array_namespace(x=x, positions=positions)
-    if x.ndim < 2 or x.shape[-1] % 2:
-        msg = f"`x` must have shape (..., L, D) with an even D, but got shape {tuple(x.shape)}"
+    if x.ndim < 2 or x.shape[-1] % 2 or x.shape[-1] == 0:
+        msg = (
+            f"`x` must have shape (..., L, D) with an even D >= 2, but got shape {tuple(x.shape)}"
+        )
         raise ValueError(msg)
+    check_positive_scalar("base", base)
     if not xp.isdtype(x.dtype, "real floating"):
         msg = f"`x` must have a real floating dtype, but got dtype {x.dtype}"
         raise TypeError(msg)
@@ -85,6 +89,12 @@ def apply_rope(
         )
         raise ValueError(msg)
     kind = _check_scaling(scaling)
+    if kind is not None and kind[0] == "ntk" and dim == 2:
+        msg = (
+            "NTK-aware `scaling` needs D > 2 (it raises `base` to the power D / (D - 2)), "
+            f"but `x` has shape {tuple(x.shape)}"
+        )
+        raise ValueError(msg)
     compute = xp.result_type(x.dtype, xp.float32)
     if kind is not None and kind[0] == "ntk":
         base = base * kind[1] ** (dim / (dim - 2))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _validation as v
-from ._compat import array_namespace, default_integer_dtype, device, on_device
+from ._compat import array_namespace, default_integer_dtype, device, on_device, pins_devices
 from ._masks import arange
 from ._scores import AttentionPlan, ScoreTerms
 
@@ -69,8 +69,9 @@ class AttentionCall:
 
     @property
     def is_empty(self) -> bool:
-        """No query or no key: the result is all zeros without computing anything."""
-        return self.plan.q_len == 0 or self.plan.kv_len == 0
+        """No query, key or query head: the result is zeros, nothing is computed."""
+        plan = self.plan
+        return plan.q_len == 0 or plan.kv_len == 0 or plan.num_q_heads == 0
 
     def zeros(self, *shape: int) -> Array:
         """Zeros of ``(*batch, Hq, *shape)`` in the compute dtype, on the inputs' device."""
@@ -118,17 +119,23 @@ def prepare(
     TypeError, ValueError
         As documented for :func:`portable_attn.scaled_dot_product_attention`.
     """
-    xp = array_namespace(
-        query=query,
-        key=key,
-        value=value,
-        mask=mask,
-        bias=bias,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        alibi_slopes=alibi_slopes,
-        dropout_mask=dropout_mask,
-    )
+    arrays = {
+        "query": query,
+        "key": key,
+        "value": value,
+        "mask": mask,
+        "bias": bias,
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+        "alibi_slopes": alibi_slopes,
+        "dropout_mask": dropout_mask,
+    }
+    xp = array_namespace(**arrays)
+    for name, x in arrays.items():
+        if x is not None:
+            v.check_supported_array(name, x)
+    if pins_devices(query):
+        v.check_same_device(arrays, "query", device(query), device)
     plan = _cached_plan(
         xp,
         query,
@@ -264,16 +271,24 @@ def _build_plan(
     if bias is not None:
         v.check_floating(xp, "bias", bias)
         v.check_broadcastable_to("bias", bias, logits_shape, "logits (..., Hq, Lq, Lk)")
-    v.check_is_causal(is_causal)
-    scale = 1.0 / math.sqrt(dk) if scale is None else v.check_positive_scalar("scale", scale)
-    if softcap is not None:
-        softcap = v.check_positive_scalar("softcap", softcap)
-    if window is not None:
-        window = v.check_window(window)
+    is_causal = v.check_is_causal(is_causal)
     dtypes = [query.dtype, key.dtype] + ([value.dtype] if value is not None else [])
     result_dtype = xp.result_type(*dtypes)
     # float16/bfloat16 accumulate in float32; float32 and float64 stay as they are.
     compute_dtype = xp.result_type(result_dtype, xp.float32)
+    finfo = xp.finfo(compute_dtype)
+    if scale is None:
+        scale = 1.0 / math.sqrt(dk)
+    else:
+        scale = v.check_positive_scalar("scale", scale, finfo)
+    if softcap is not None:
+        softcap = v.check_positive_scalar("softcap", softcap, finfo)
+    if window is not None:
+        # a side of Lq + Lk or more restricts nothing, whatever the lengths' offsets
+        window = tuple(
+            None if w is not None and w >= lq + lk else w for w in v.check_window(window)
+        )
+        window = None if window == (None, None) else window
     return AttentionPlan(
         batch=batch,
         num_q_heads=hq,
@@ -346,6 +361,8 @@ def _score_terms(
         v.check_alibi_slopes(xp, slopes, plan.batch, plan.num_q_heads)
         slopes = xp.reshape(xp.astype(slopes, plan.compute_dtype), (*slopes.shape, 1, 1))
     v.check_score_mod(score_mod)
+    if score_mod is not None:
+        score_mod = _checked_score_mod(xp, score_mod)
     dropout_p = v.check_dropout(dropout_p, dropout_mask)
     keep = dropout_mask
     if keep is not None:
@@ -378,5 +395,18 @@ def _with_head_axis(xp: Any, x: Array, dtype: Any) -> Array:
 
 
 def _at_least_2d(xp: Any, x: Array) -> Array:
-    """Give a mask or bias of shape (Lk,) a query axis, so blocks can slice it."""
-    return xp.expand_dims(x, axis=0) if x.ndim < 2 else x
+    """Give a 0-d or (Lk,) mask or bias its query (and key) axes, so blocks can slice it."""
+    if x.ndim >= 2:
+        return x
+    return xp.reshape(x, (1, 1)) if x.ndim == 0 else xp.expand_dims(x, axis=0)
+
+
+def _checked_score_mod(xp: Any, score_mod: Callable[..., Array]) -> Callable[..., Array]:
+    """`score_mod`, with its result checked (static metadata only, so jit-safe)."""
+
+    def checked(scores: Array, *index: Array) -> Array:
+        result = score_mod(scores, *index)
+        v.check_score_mod_result(xp, result, scores)
+        return result
+
+    return checked

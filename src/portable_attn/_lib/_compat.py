@@ -34,6 +34,7 @@ __all__ = [
     "namespace_or_numpy",
     "numpy_namespace",
     "on_device",
+    "pins_devices",
     "size",
     "traces_python_loops",
 ]
@@ -75,6 +76,15 @@ def on_device(dev: Any) -> dict[str, Any]:
     choose (JAX places the new array with the traced computation).
     """
     return {} if dev is None else {"device": dev}
+
+
+def pins_devices(x: Any) -> bool:
+    """Whether mixing devices among the arguments is an error to catch (torch, CuPy).
+
+    JAX places (and shards) arrays itself: a device of a JAX array may be a
+    sharding over several devices, which is not to be compared with another's.
+    """
+    return library_name(x) in ("torch", "cupy")
 
 
 def is_traced(x: Any) -> bool:

@@ -14,6 +14,8 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "broadcast_batch_shapes",
     "check_alibi_slopes",
@@ -30,13 +32,20 @@ __all__ = [
     "check_mask_dtype",
     "check_native_route",
     "check_positive_scalar",
+    "check_same_device",
     "check_score_mod",
+    "check_score_mod_result",
+    "check_supported_array",
     "check_window",
 ]
 
 Shape = tuple[int, ...]
 
 _AXIS_NAMES = {-1: "the feature axis", -2: "the sequence axis", -3: "the head axis"}
+
+#: A `window` side of this many positions or more is unbounded (positions are
+#: computed in 32-bit integers on JAX without x64; no sequence is that long).
+UNBOUNDED_WINDOW = 2**31 - 1
 
 
 def _shape(x: Any) -> Shape:
@@ -45,10 +54,17 @@ def _shape(x: Any) -> Shape:
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
     """Raise TypeError unless `x` has a real floating dtype."""
-    if not xp.isdtype(x.dtype, "real floating"):
+    ml_dtype = isinstance(x, np.ndarray) and x.dtype.kind == "V"  # ml_dtypes' bfloat16, float8
+    if ml_dtype or not xp.isdtype(x.dtype, "real floating"):
+        hint = ""
+        if ml_dtype:
+            hint = (
+                f"; NumPy has no array-API {x.dtype} (an ml_dtypes type, e.g. from "
+                f"np.asarray of a JAX array): pass {name}.astype(np.float32)"
+            )
         msg = (
             f"`{name}` must have a real floating dtype (float16, bfloat16, float32 or "
-            f"float64), but got dtype {x.dtype}"
+            f"float64), but got dtype {x.dtype}{hint}"
         )
         raise TypeError(msg)
 
@@ -142,15 +158,26 @@ def check_broadcastable_to(name: str, x: Any, target: Shape, target_desc: str) -
         raise ValueError(msg)
 
 
-def check_positive_scalar(name: str, value: Any) -> float:
-    """Return `value` as a float, raising unless it is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+def check_positive_scalar(name: str, value: Any, finfo: Any = None) -> float:
+    """Return `value` as a float, raising unless it is a finite number > 0.
+
+    With `finfo` (of the compute dtype), the number must also be a normal
+    number of that dtype: ``1e308`` is finite in float64 but overflows float32.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         kind = type(value).__name__
         msg = f"`{name}` must be a positive real number, but got {value!r} of type {kind}"
         raise TypeError(msg)
     value = float(value)
     if not math.isfinite(value) or value <= 0:
         msg = f"`{name}` must be a finite number > 0, but got {value!r}"
+        raise ValueError(msg)
+    if finfo is not None and not float(finfo.smallest_normal) <= value <= float(finfo.max):
+        msg = (
+            f"`{name}` = {value!r} is outside the normal range "
+            f"[{float(finfo.smallest_normal):.3g}, {float(finfo.max):.3g}] of the compute dtype "
+            f"{finfo.dtype}: it would overflow or underflow there"
+        )
         raise ValueError(msg)
     return value
 
@@ -168,13 +195,14 @@ def check_window(window: Any) -> tuple[int | None, int | None]:
         if w is None:
             out.append(None)
             continue
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
             msg = f"`window` {side} entry must be an integer or None, but got {w!r}"
             raise TypeError(msg)
         if w < 0:
             msg = f"`window` {side} entry must be >= 0, but got {w!r}"
             raise ValueError(msg)
-        out.append(int(w))
+        # a side at least as long as any sequence restricts nothing: unbounded
+        out.append(None if w >= UNBOUNDED_WINDOW else int(w))
     return out[0], out[1]
 
 
@@ -200,6 +228,12 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
         v = _shape(value) if value.ndim > 2 else (1, *_shape(value))
         _check_same(-2, "key", _shape(key), "value", _shape(value), "Lk")
         _check_same(-3, "key", k, "value", v, "Hkv")
+    if q[-1] == 0:
+        msg = (
+            "`query` and `key` must have at least one feature on axis -1 (Dk), but got "
+            f"query shape {_shape(query)} and key shape {_shape(key)}"
+        )
+        raise ValueError(msg)
     hq, hkv = q[-3], k[-3]
     if hkv == 0 or hq % hkv:
         msg = (
@@ -212,11 +246,11 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
 
 
 def check_is_causal(is_causal: Any) -> bool:
-    """Raise TypeError unless `is_causal` is a bool."""
-    if not isinstance(is_causal, bool):
+    """Return `is_causal` as a bool (a NumPy bool too); TypeError for anything else."""
+    if not isinstance(is_causal, (bool, np.bool_)):
         msg = f"`is_causal` must be True or False, but got {is_causal!r}"
         raise TypeError(msg)
-    return is_causal
+    return bool(is_causal)
 
 
 def check_lengths(xp: Any, name: str, x: Any, batch: Shape) -> None:
@@ -248,7 +282,7 @@ def check_score_mod(score_mod: Any) -> None:
 
 def check_dropout(dropout_p: Any, dropout_mask: Any | None) -> float:
     """`dropout_p` in [0, 1), given together with a `dropout_mask` exactly when > 0."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         msg = f"`dropout_p` must be a float in [0, 1), but got {dropout_p!r}"
         raise TypeError(msg)
     if not 0.0 <= dropout_p < 1.0:
@@ -273,13 +307,20 @@ def check_block_size(block_size: Any) -> str | tuple[int, int]:
         return block_size
     sizes = block_size if isinstance(block_size, tuple) and len(block_size) == 2 else None
     sizes = sizes or (block_size, block_size)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
-        msg = (
-            "`block_size` must be None, 'auto', 'dense', a positive integer or a pair "
-            f"(block_q, block_k) of positive integers, but got {block_size!r}"
-        )
+    msg = (
+        "`block_size` must be None, 'auto', 'dense', a positive integer or a pair "
+        f"(block_q, block_k) of positive integers, but got {block_size!r}"
+    )
+    if not all(_is_int(n) for n in sizes):
+        raise TypeError(msg)
+    if not all(n >= 1 for n in sizes):
         raise ValueError(msg)
-    return sizes[0], sizes[1]
+    return int(sizes[0]), int(sizes[1])
+
+
+def _is_int(n: Any) -> bool:
+    """Tell whether `n` is a Python or NumPy integer (not a bool)."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, (bool, np.bool_))
 
 
 def check_implementation(implementation: Any) -> None:
@@ -308,9 +349,75 @@ def check_keywords(caller: str, given: Any, known: Sequence[str]) -> None:
 
 
 def check_count(name: str, n: Any, *, minimum: int) -> int:
-    """Check that `n` is a whole number (a size or a count) of at least `minimum`."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < minimum:
-        kind = "non-negative" if minimum == 0 else "positive"
+    """Check that `n` is a whole number (a size or a count) of at least `minimum`.
+
+    A Python or NumPy integer; a wrong type is a TypeError, a wrong value a ValueError.
+    """
+    kind = "non-negative" if minimum == 0 else ("positive" if minimum == 1 else f">= {minimum}")
+    if not _is_int(n):
+        msg = f"`{name}` must be a {kind} integer, but got {n!r} of type {type(n).__name__}"
+        raise TypeError(msg)
+    if n < minimum:
         msg = f"`{name}` must be a {kind} integer, but got {n!r}"
         raise ValueError(msg)
-    return n
+    return int(n)
+
+
+def check_supported_array(name: str, x: Any) -> None:
+    """Reject array kinds the computation would silently misread.
+
+    NumPy masked arrays (their mask would be ignored: pass it as `mask=`),
+    sparse torch tensors, and Dask arrays of unknown (NaN) sizes.
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        msg = (
+            f"`{name}` is a NumPy masked array, whose mask attention would ignore: pass "
+            f"np.ma.getdata({name}) and the positions to attend as a boolean `mask=`"
+        )
+        raise TypeError(msg)
+    if getattr(x, "is_sparse", False) or str(getattr(x, "layout", "")).startswith("torch.sparse"):
+        msg = f"`{name}` is a sparse tensor ({x.layout}); pass a dense (strided) one"
+        raise TypeError(msg)
+    if any(not isinstance(n, int) for n in x.shape):  # Dask: NaN for unknown chunk sizes
+        msg = (
+            f"`{name}` has unknown sizes {tuple(x.shape)} (a Dask array whose chunk sizes "
+            "are not known): call `.compute_chunk_sizes()` on it first"
+        )
+        raise ValueError(msg)
+
+
+def check_same_device(named: Any, reference: str, ref_device: Any, device_of: Any) -> None:
+    """Check that every array of `named` (name -> array or None) is on `ref_device`."""
+    for name, x in named.items():
+        if x is None or name == reference:
+            continue
+        dev = device_of(x)
+        if dev is not None and dev != ref_device:
+            msg = (
+                f"`{name}` is on device {dev} but `{reference}` is on device {ref_device}; "
+                "move them to one device first"
+            )
+            raise ValueError(msg)
+
+
+def check_score_mod_result(xp: Any, result: Any, scores: Any) -> None:
+    """Check what `score_mod` returned: a floating array of exactly the scores' shape."""
+    if not hasattr(result, "shape") or not hasattr(result, "dtype"):
+        msg = (
+            "`score_mod` must return an array shaped like its `scores` argument "
+            f"{tuple(scores.shape)}, but returned {type(result).__name__} {result!r}"
+        )
+        raise TypeError(msg)
+    if not xp.isdtype(result.dtype, "real floating"):
+        msg = (
+            "`score_mod` must return floating scores, but returned dtype "
+            f"{result.dtype} (a boolean would be used as 0/1 scores: mask with `mask=` "
+            "or return `where(keep, scores, -inf)`)"
+        )
+        raise TypeError(msg)
+    if tuple(result.shape) != tuple(scores.shape):
+        msg = (
+            f"`score_mod` must return the shape of its `scores` argument {tuple(scores.shape)}, "
+            f"but returned shape {tuple(result.shape)}"
+        )
+        raise ValueError(msg)
