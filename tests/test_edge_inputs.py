@@ -45,7 +45,7 @@ class TestDegenerateInputsWork:
         assert tuple(scaled_dot_product_attention(q, k, v).shape) == (1, 0, 6, 4)
         assert tuple(attention_weights(q, k).shape) == (1, 0, 6, 3)
 
-    @pytest.mark.parametrize("left", [10**20, 2**31 - 1, 9])
+    @pytest.mark.parametrize("left", [10**20, 2**31 - 1])
     def test_a_window_longer_than_any_sequence_is_unbounded(self, backend, data, left):
         q, k, v = (backend.asarray(a) for a in data)
         out = scaled_dot_product_attention(q, k, v, window=(left, 0))

@@ -284,11 +284,7 @@ def _build_plan(
     if softcap is not None:
         softcap = v.check_positive_scalar("softcap", softcap, finfo)
     if window is not None:
-        # a side of Lq + Lk or more restricts nothing, whatever the lengths' offsets
-        window = tuple(
-            None if w is not None and w >= lq + lk else w for w in v.check_window(window)
-        )
-        window = None if window == (None, None) else window
+        window = v.check_window(window)
     return AttentionPlan(
         batch=batch,
         num_q_heads=hq,
