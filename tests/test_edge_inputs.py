@@ -224,5 +224,7 @@ def test_sequence_parallel_needs_jax_arrays(backend, data):
     from portable_attn.jax_parallel import sequence_parallel_attention
 
     q, k, v = (backend.asarray(a) for a in data)
-    with pytest.raises(TypeError, match="needs JAX arrays, but `query` is a torch array"):
+    with pytest.raises(
+        TypeError, match=r"needs JAX \(or NumPy\) arrays, but `query` is a torch array"
+    ):
         sequence_parallel_attention(q, k, v, mesh=None, axis_name="seq")

@@ -95,9 +95,9 @@ def sequence_parallel_attention(
         or any error :func:`portable_attn.scaled_dot_product_attention` raises.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if library_name(x) != "jax":
+        if library_name(x) not in ("jax", "numpy"):  # host NumPy arrays are placed by JAX
             msg = (
-                f"sequence_parallel_attention needs JAX arrays, but `{name}` is a "
+                f"sequence_parallel_attention needs JAX (or NumPy) arrays, but `{name}` is a "
                 f"{library_name(x)} array; use scaled_dot_product_attention for it"
             )
             raise TypeError(msg)
