@@ -244,3 +244,15 @@ class TestDaskChunkTiles:
         for block_size in (None, "auto"):
             out = scaled_dot_product_attention(q, k, v, is_causal=True, block_size=block_size)
             np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)
+
+
+class TestThreads:
+    def test_numpy_runs_large_tiled_calls_in_threads(self, backend):
+        from portable_attn._threads import available_workers, can_limit_blas
+
+        big = {"lq": 2048, "lk": 2048, "hq": 8, "hkv": 8, "d": 2, "dv": 2}
+        path = _path(backend, shape=big, softcap=5.0)  # 128 MiB of float64 scores
+        threads = backend.family == "numpy" and can_limit_blas() and available_workers() > 1
+        assert path.workers == (available_workers() if threads else 1)
+        small = _path(backend, shape={**big, "hq": 1, "hkv": 1}, softcap=5.0)
+        assert small.workers == 1  # under THREADS_MIN_SCORE_BYTES

@@ -15,6 +15,7 @@ from ._lib._call import prepare
 from ._lib._dense import dense_attention, dense_weights
 from ._native import native_attention
 from ._path_policy import choose_path
+from ._threads import threaded_attention
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
@@ -189,6 +190,8 @@ def scaled_dot_product_attention(
         out = dense_attention(
             call.xp, call.query, call.key, call.value, call.bias, call.terms, call.plan
         )
+    elif path.workers > 1:
+        out = threaded_attention(call, *path.tiles, path.workers)
     else:
         out = tiled_attention(call, *path.tiles)
     return call.finish(out)

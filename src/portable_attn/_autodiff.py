@@ -50,7 +50,18 @@ def tiled_attention(call: AttentionCall, block_q: Blocks, block_k: Blocks) -> An
         }
         attend = _jax_function(static, terms)
         return attend(q, k, v, bias, terms.alibi_slopes, arrays)
-    return tiled_forward(xp, q, k, v, bias, terms, plan, block_q, block_k)[0]
+    stop = None  # plain autodiff through the loop (score_mod): the max shift needs none
+    if lib == "jax":
+        import jax
+
+        stop = jax.lax.stop_gradient
+    elif lib == "torch":
+        stop = _detach
+    return tiled_forward(xp, q, k, v, bias, terms, plan, block_q, block_k, stop_gradient=stop)[0]
+
+
+def _detach(x: Any) -> Any:
+    return x.detach()
 
 
 def _backward(

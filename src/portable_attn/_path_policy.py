@@ -40,6 +40,11 @@ How the path is chosen (`block_size`, `implementation`):
      multi-threaded elementwise kernels), tiled above with :data:`EAGER_TILES`,
      or, for traced libraries (JAX), blocks of at least :data:`TRACED_MIN_BLOCK`
      and at most :data:`TRACED_MAX_BLOCKS` per axis.
+  4. On the tiled path, libraries whose elementwise ops run on one core and
+     release the GIL (:func:`~._lib._compat.parallel_query_blocks`: NumPy) run
+     their query blocks in one thread per core once the dense scores would pass
+     :data:`THREADS_MIN_SCORE_BYTES`, when BLAS threads can be limited meanwhile
+     (threadpoolctl), so that the threads do not oversubscribe the cores.
 
 The thresholds below are the only copies; each cites the measurement behind it.
 """
@@ -56,17 +61,20 @@ from ._lib._compat import (
     chunk_sizes,
     fused_native_kernel,
     multithreaded_elementwise,
+    parallel_query_blocks,
     traces_python_loops,
 )
 from ._lib._scores import AttentionPlan
 from ._lib._tiled import Blocks, block_ranges, block_visibility
 from ._native import unsupported_reason
+from ._threads import available_workers, can_limit_blas
 
 __all__ = [
     "AUTO_DENSE_LIMIT_BYTES",
     "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED",
     "EAGER_TILES",
     "SKIP_FRACTION_FOR_TILED",
+    "THREADS_MIN_SCORE_BYTES",
     "TRACED_MAX_BLOCKS",
     "TRACED_MIN_BLOCK",
     "Path",
@@ -95,6 +103,11 @@ EAGER_TILES = (128, 256)
 #: at L = 4096 skips 88% of the pairs (see benchmarks/results/cases-torch.json);
 #: causal alone skips 38-47% (L = 1024-4096), where the kernel stays faster.
 SKIP_FRACTION_FOR_TILED = 0.75
+#: NumPy's tiled path runs its query blocks in threads from this many bytes of dense
+#: scores (B x Hq x Lq x Lk x itemsize): on 2 cores, 2 threads with BLAS limited to
+#: one thread each took 0.57 (plain) / 0.65 (causal) of the single-threaded time at
+#: L = 4096 and 0.59 / 0.83 at L = 2048 (128 MiB, H = 8), but 1.08 / 1.32 at L = 1024.
+THREADS_MIN_SCORE_BYTES = 128 * 2**20
 #: Traced libraries unroll the block loops into the program: blocks of at least
 #: this size ...
 TRACED_MIN_BLOCK = 256
@@ -108,6 +121,7 @@ class Path:
 
     kind: Literal["empty", "dense", "tiled", "native"]
     tiles: tuple[Blocks, Blocks] | None = None
+    workers: int = 1  # threads over query blocks (tiled path, rule 4)
 
 
 def choose_path(call: AttentionCall, block_size: Any, implementation: Any) -> Path:
@@ -135,7 +149,24 @@ def choose_path(call: AttentionCall, block_size: Any, implementation: Any) -> Pa
     if implementation is None and _prefer_native(call):
         return Path("native")
     tiles = _auto_tiles(call)
-    return Path("dense") if tiles is None else Path("tiled", tiles)
+    if tiles is None:
+        return Path("dense")
+    return Path("tiled", tiles, _workers(call))
+
+
+def _workers(call: AttentionCall) -> int:
+    """Rule 4: threads for the query blocks of the tiled path."""
+    if not parallel_query_blocks(call.query):
+        return 1
+    if _score_bytes(call) < THREADS_MIN_SCORE_BYTES or not can_limit_blas():
+        return 1
+    return available_workers()
+
+
+def _score_bytes(call: AttentionCall) -> int:
+    """Bytes of the dense scores B x Hq x Lq x Lk of the call."""
+    plan = call.plan
+    return math.prod(plan.batch) * plan.num_q_heads * plan.q_len * plan.kv_len * _itemsize(call)
 
 
 def _prefer_native(call: AttentionCall) -> bool:
@@ -169,13 +200,12 @@ def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
             q_sizes = _subdivide(q_sizes, EAGER_TILES[0])
             k_sizes = _subdivide(k_sizes, EAGER_TILES[1])
         return q_sizes, k_sizes
-    rows = math.prod(plan.batch) * plan.num_q_heads * plan.q_len
     limit = (
         AUTO_DENSE_LIMIT_BYTES_MULTITHREADED
         if multithreaded_elementwise(call.query)
         else AUTO_DENSE_LIMIT_BYTES
     )
-    if rows * plan.kv_len * _itemsize(call) <= limit:
+    if _score_bytes(call) <= limit:
         return None
     return default_tiles(traces_python_loops(call.query), plan.q_len, plan.kv_len)
 

@@ -34,6 +34,7 @@ __all__ = [
     "namespace_or_numpy",
     "numpy_namespace",
     "on_device",
+    "parallel_query_blocks",
     "pins_devices",
     "size",
     "traces_python_loops",
@@ -136,6 +137,15 @@ def multithreaded_elementwise(x: Any) -> bool:
     and the per-chunk NumPy of Dask run on one thread.
     """
     return library_name(x) == "torch"
+
+
+def parallel_query_blocks(x: Any) -> bool:
+    """Whether query blocks may run in threads (NumPy; see ``portable_attn._threads``).
+
+    True for eager libraries whose elementwise ops run on one core and release
+    the GIL, with no autodiff to record the threads' work.
+    """
+    return library_name(x) == "numpy"
 
 
 def default_integer_dtype(xp: Any) -> Any:

@@ -8,11 +8,13 @@ from ._scores import (
     AttentionPlan,
     ScoreTerms,
     allowed_block,
+    fold_row_sums,
     heads_to_rows,
     logits_block,
     rows_to_heads,
     scaled_query_rows,
     scores_block,
+    with_ones_column,
 )
 from ._softmax import masked_exp, safe_denominator
 
@@ -33,15 +35,25 @@ def _rows_may_be_empty(bias: Any | None, terms: ScoreTerms, allowed: Any | None)
 
 
 def _exp_logits(
-    xp: Any, q: Any, k: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
-) -> tuple[Any, Any, bool]:
-    """Unnormalised weights, their row sums, and whether a row may be empty."""
+    xp: Any,
+    q: Any,
+    k: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    *,
+    row_sum: bool = True,
+) -> tuple[Any, Any | None, bool]:
+    """Unnormalised weights, their row sums (None unless `row_sum`), whether a row may be empty."""
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
     capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
     scores = scores_block(xp, capped, bias, terms, plan, whole_q, whole_k)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
     may_be_empty = _rows_may_be_empty(bias, terms, allowed)
-    return (*masked_exp(xp, scores, allowed, rows_may_be_empty=may_be_empty), may_be_empty)
+    exp_logits, sums = masked_exp(
+        xp, scores, allowed, rows_may_be_empty=may_be_empty, row_sum=row_sum
+    )
+    return exp_logits, sums, may_be_empty
 
 
 def _normalise(xp: Any, x: Any, row_sum: Any, may_be_empty: bool) -> Any:
@@ -63,13 +75,21 @@ def dense_attention(
 
     The normalisation is applied after the second matmul: dividing the
     ``(Lq, Dv)`` output is cheaper than dividing the ``(Lq, Lk)`` weights.
+    Where :func:`fold_row_sums` says so, the row sums come from the same
+    matmul, with a column of ones appended to V (``[P V | P 1]``), instead of
+    another pass over the ``(Lq, Lk)`` weights.
     """
-    # exp_logits (..., Hq, Lq, Lk), row_sum (..., Hq, Lq, 1)
-    exp_logits, row_sum, may_be_empty = _exp_logits(xp, q, k, bias, terms, plan)
+    fold = fold_row_sums(q, terms)
+    # exp_logits (..., Hq, Lq, Lk), row_sum (..., Hq, Lq, 1) or None
+    exp_logits, row_sum, may_be_empty = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold)
     exp_logits = heads_to_rows(xp, _dropout(xp, exp_logits, terms), plan.num_kv_heads)
-    out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
-    out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
-    if terms.dropout_keep is not None:
+    if fold:
+        out = exp_logits @ with_ones_column(xp, v, plan)  # (..., Hkv, G*Lq, Dv+1)
+        out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv+1)
+        out, row_sum = out[..., : plan.value_dim], out[..., plan.value_dim :]
+    else:
+        out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
+        out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
         out = out * terms.dropout_scale
     return _normalise(xp, out, row_sum, may_be_empty)
 

@@ -16,8 +16,13 @@ __all__ = ["masked_exp", "safe_denominator"]
 
 
 def masked_exp(
-    xp: Any, logits: Any, allowed: Any | None, *, rows_may_be_empty: bool = True
-) -> tuple[Any, Any]:
+    xp: Any,
+    logits: Any,
+    allowed: Any | None,
+    *,
+    rows_may_be_empty: bool = True,
+    row_sum: bool = True,
+) -> tuple[Any, Any | None]:
     """Return the unnormalised weights ``exp(logits - rowmax)`` and their row sums.
 
     Parameters
@@ -32,13 +37,16 @@ def masked_exp(
         False when nothing can hide a whole row (no mask, bias, ``score_mod``
         or ALiBi): the guard for an all ``-inf`` row is then skipped, which
         only matters for non-finite inputs, and those propagate anyway.
+    row_sum : bool, default True
+        False skips the pass for the row sums (a caller that gets them from
+        ``exp_logits @ [V | 1]``) and returns None for them.
 
     Returns
     -------
     exp_logits : array, shape (..., Lq, Lk)
         ``exp(logits - m)`` with masked entries 0, where ``m`` is the row max
         over visible keys (0 for a row with no visible key).
-    row_sum : array, shape (..., Lq, 1)
+    row_sum : array, shape (..., Lq, 1), or None
         Sum of `exp_logits` over keys; 0 exactly for a row with no visible key.
     """
     if allowed is not None:
@@ -47,6 +55,8 @@ def masked_exp(
     if rows_may_be_empty or allowed is not None:
         row_max = xp.where(row_max == -xp.inf, 0.0, row_max)  # empty rows: exp(-inf) = 0
     exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)
+    if not row_sum:
+        return exp_logits, None
     return exp_logits, xp.sum(exp_logits, axis=-1, keepdims=True)
 
 

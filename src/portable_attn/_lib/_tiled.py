@@ -26,12 +26,14 @@ from ._scores import (
     ScoreTerms,
     alibi_distance,
     allowed_block,
+    fold_row_sums,
     heads_to_rows,
     logits_block,
     rows_to_heads,
     scaled_query_rows,
     scores_block,
     slice_block,
+    with_ones_column,
 )
 from ._softmax import safe_denominator
 
@@ -131,6 +133,22 @@ def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
     return xp.zeros(shape, dtype=plan.compute_dtype, **on_device(plan.device))
 
 
+def _may_hide_rows(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) -> bool:
+    """Whether a row can be all ``-inf`` in a block that causal/window mark "full".
+
+    A mask or lengths hide entries; a bias, ``score_mod`` or ALiBi can give
+    ``-inf`` too. Without any of them only the causal/window structure hides
+    entries, and only in "partial" blocks.
+    """
+    return (
+        terms.mask is not None
+        or plan.has_lengths
+        or bias is not None
+        or terms.score_mod is not None
+        or terms.alibi_slopes is not None
+    )
+
+
 def tiled_forward(
     xp: Any,
     q: Any,
@@ -141,18 +159,52 @@ def tiled_forward(
     plan: AttentionPlan,
     block_q: Blocks,
     block_k: Blocks,
+    *,
+    q_ranges: list[Range] | None = None,
+    v_ones: Any | None = None,
+    stop_gradient: Any | None = None,
 ) -> tuple[Any, Any]:
     """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
 
     ``lse`` is ``+inf`` for rows with no visible key, so that recomputed
     probabilities ``exp(s - lse)`` are 0 there.
+
+    Per visible block: one score matmul, a row max, ``exp(s - m)`` (the max
+    subtracted in place) and, where :func:`fold_row_sums` says so, one matmul
+    with ``[V | 1]``, which gives the weighted sum and the row sums of the
+    weights together (no separate pass for the sum); the running sum then rides
+    along as the last column of the accumulator, so one rescale ``alpha * acc``
+    covers both. The ``where`` that keeps an all-hidden row's max at 0 is left
+    out once a block has shown every row a finite score.
+
+    `q_ranges` (keyword-only) computes only those query ranges (by default the
+    blocks of `block_q`), concatenated along the query axis: a caller can split
+    the query blocks between workers. `v_ones` is a precomputed
+    :func:`with_ones_column` of `v` (shared by such calls). `stop_gradient`
+    (the library's, given when plain autodiff differentiates this loop) is
+    applied to the running max: the shift cancels exactly, so its gradient is
+    zero, and leaving it out of the graph avoids a NaN that XLA's optimised
+    program produced for it (GQA, 2x2 tiles, a position-dependent score_mod).
     """
     hkv, hq = plan.num_kv_heads, plan.num_q_heads
+    dv = plan.value_dim
     k_blocks = block_ranges(plan.kv_len, block_k)
+    fold = fold_row_sums(q, terms)  # the row sums ride along as a last column of P V
+    if fold and v_ones is None:
+        v_ones = with_ones_column(xp, v, plan)
+    hide_rows = _may_hide_rows(bias, terms, plan)
+    # Without a score_mod the block scores are always a fresh array of ours (a
+    # matmul, softcap, bias, ALiBi or where result) that autodiff has not saved:
+    # subtracting the max in place is safe. (JAX arrays rebind on ``-=``; the
+    # torch backward is the custom one, which runs this forward without grad.)
+    owned = terms.score_mod is None
+    if q_ranges is None:
+        q_ranges = block_ranges(plan.q_len, block_q)
     outs, lses = [], []
-    for q_range in block_ranges(plan.q_len, block_q):
+    for q_range in q_ranges:
         q_rows = scaled_query_rows(xp, q[..., q_range[0] : q_range[1], :], plan)
         m = l_sum = acc = None  # running max, denominator, weighted sum
+        rows_seen = False  # some earlier block showed every row a finite score
         for k_range in k_blocks:
             vis = block_visibility(plan, q_range, k_range)
             if vis == "skip":
@@ -163,29 +215,48 @@ def tiled_forward(
             )
             m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
             m_new = m_blk if m is None else xp.maximum(m, m_blk)
-            m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)  # a fully hidden block stays 0
-            p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
-            del s  # keep at most two (bq, bk) blocks alive
-            kept = heads_to_rows(xp, _keep(xp, p, terms, q_range, k_range), hkv)
-            pv = kept @ v[..., ks:ke, :]  # (..., Hkv, G*bq, Dv)
-            pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv)
-            p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
-            if m is None:
-                l_sum, acc = p_sum, pv
+            if stop_gradient is not None:
+                m_new = stop_gradient(m_new)
+            if rows_seen:  # m_new is finite in every row already
+                m_safe = m_new
+            else:  # a row hidden in every block so far keeps max 0: exp(-inf) = 0
+                m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)
+                rows_seen = not hide_rows and vis == "full"
+            if owned:
+                s -= m_safe  # saves allocating (and faulting in) a third (bq, bk) block
+                p = xp.exp(s)  # (..., Hq, bq, bk)
             else:
-                alpha = xp.exp(m - m_safe)  # rescale what was summed under the old max
-                l_sum, acc = alpha * l_sum + p_sum, alpha * acc + pv
+                p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
+            del s  # keep at most two (bq, bk) blocks alive
+            if fold:
+                pv = heads_to_rows(xp, p, hkv) @ v_ones[..., ks:ke, :]  # (..., Hkv, G*bq, Dv+1)
+                pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv+1): [P V | rowsum P]
+                acc = pv if m is None else xp.exp(m - m_safe) * acc + pv
+            else:
+                kept = heads_to_rows(xp, _keep(xp, p, terms, q_range, k_range), hkv)
+                pv = rows_to_heads(xp, kept @ v[..., ks:ke, :], hq)  # (..., Hq, bq, Dv)
+                p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
+                if m is None:
+                    l_sum, acc = p_sum, pv
+                else:
+                    alpha = xp.exp(m - m_safe)  # rescale what was summed under the old max
+                    l_sum, acc = alpha * l_sum + p_sum, alpha * acc + pv
             m = m_new
         bq = q_range[1] - q_range[0]
         if m is None:  # every key block hidden for this query block: zero rows
             shape = (*plan.batch, hq, bq, 1)
             m, l_sum = _zeros(xp, shape, plan), _zeros(xp, shape, plan)
-            acc = _zeros(xp, (*plan.batch, hq, bq, plan.value_dim), plan)
+            acc = _zeros(xp, (*plan.batch, hq, bq, dv), plan)
+        elif fold:
+            acc, l_sum = acc[..., :dv], acc[..., dv:]
         if terms.dropout_keep is not None:
             acc = acc * terms.dropout_scale
-        outs.append(acc / safe_denominator(xp, l_sum))
-        m_safe = xp.where(m == -xp.inf, 0.0, m)
-        lse = xp.where(l_sum == 0.0, xp.inf, m_safe + xp.log(safe_denominator(xp, l_sum)))
+        denominator = safe_denominator(xp, l_sum)
+        outs.append(acc / denominator)
+        m_safe = m if rows_seen else xp.where(m == -xp.inf, 0.0, m)
+        lse = m_safe + xp.log(denominator)
+        if not rows_seen:
+            lse = xp.where(l_sum == 0.0, xp.inf, lse)
         lses.append(xp.broadcast_to(lse, (*plan.batch, hq, bq, 1)))
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)

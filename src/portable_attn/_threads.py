@@ -1,0 +1,146 @@
+"""Query blocks of the tiled path computed in parallel threads (eager CPU libraries: NumPy).
+
+NumPy runs each elementwise op (``max``, ``-``, ``exp``) on one core, while its
+BLAS runs the two matmuls of a block on all of them. The query blocks of the
+tiled path are independent (each has its own running max, sum and output), so
+:func:`threaded_attention` hands them to a pool of threads: NumPy releases the
+GIL inside ufuncs and BLAS calls, so the elementwise passes of different blocks
+run on different cores at the same time. Each block is computed by the portable
+:func:`portable_attn._lib._tiled.tiled_forward` itself (``q_ranges=``), so the
+result is the tiled path's, block for block.
+
+To keep ``workers`` threads from each starting a full set of BLAS threads
+(oversubscription), the BLAS pools are limited to one thread for the duration of
+the call when :mod:`threadpoolctl` is installed (an optional dependency; the
+limit is process-wide while the call runs and restored afterwards).
+
+This is the one backend-specific module for it: it is only called for NumPy
+arrays without autodiff (no backward is needed or provided).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ._lib._call import AttentionCall
+from ._lib._scores import fold_row_sums, with_ones_column
+from ._lib._tiled import Blocks, block_ranges, block_visibility, tiled_forward
+
+__all__ = ["available_workers", "can_limit_blas", "threaded_attention"]
+
+
+def available_workers() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+@functools.cache
+def _controller() -> Any | None:
+    """Return a cached ``threadpoolctl.ThreadpoolController``, or None without threadpoolctl."""
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    return threadpoolctl.ThreadpoolController()
+
+
+def can_limit_blas() -> bool:
+    """Whether BLAS threads can be limited during a call (threadpoolctl is importable)."""
+    return _controller() is not None
+
+
+@contextlib.contextmanager
+def _blas_limited(limit: bool) -> Iterator[None]:
+    """Limit BLAS to one thread per calling thread inside the block (if threadpoolctl is there)."""
+    controller = _controller() if limit else None
+    if controller is None:
+        yield
+        return
+    with controller.limit(limits=1, user_api="blas"):
+        yield
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Return the process-wide pool for `workers` threads (started once, not per call)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="portable_attn")
+
+
+def _balanced_chunks(call: AttentionCall, q_ranges: list[Any], block_k: Blocks, n: int) -> list:
+    """Split the query blocks into `n` contiguous runs of about equal work.
+
+    The work of a query block is its number of visible key blocks (causal and
+    window structure make it uneven); a run is a contiguous slice, so the
+    outputs concatenate back in order.
+    """
+    k_blocks = block_ranges(call.plan.kv_len, block_k)
+    costs = [
+        1 + sum(block_visibility(call.plan, qr, kr) != "skip" for kr in k_blocks)
+        for qr in q_ranges
+    ]
+    total, runs, start, done = sum(costs), [], 0, 0
+    for i, cost in enumerate(costs):
+        done += cost
+        if done * n >= total * (len(runs) + 1) and len(runs) < n - 1:
+            runs.append(q_ranges[start : i + 1])
+            start = i + 1
+    runs.append(q_ranges[start:])
+    return [run for run in runs if run]
+
+
+def threaded_attention(
+    call: AttentionCall,
+    block_q: Blocks,
+    block_k: Blocks,
+    workers: int,
+    *,
+    limit_blas: bool = True,
+    tasks_per_worker: int = 1,
+) -> Any:
+    """Compute the tiled path's output (..., Hq, Lq, Dv), its query blocks in `workers` threads.
+
+    Computes exactly ``tiled_forward(call.xp, call.query, call.key, call.value,
+    call.bias, call.terms, call.plan, block_q, block_k)[0]``.
+
+    Parameters
+    ----------
+    call : AttentionCall
+        A prepared call with NumPy arrays and a value (no autodiff).
+    block_q, block_k : int or tuple of int
+        The tiles, as for the tiled path.
+    workers : int
+        Threads; 1 (or a single query block) computes in the calling thread.
+        :func:`available_workers` gives the cores this process may use.
+    limit_blas : bool, default True
+        Limit BLAS to one thread per worker during the call (needs threadpoolctl;
+        without it the BLAS threads are left as they are).
+    tasks_per_worker : int, default 1
+        Runs of query blocks per worker (balanced by their visible key blocks);
+        more runs balance better on a machine with other load.
+    """
+    xp, plan, terms = call.xp, call.plan, call.terms
+    q_ranges = block_ranges(plan.q_len, block_q)
+    n_runs = min(len(q_ranges), max(1, workers) * max(1, tasks_per_worker))
+    workers = min(workers, n_runs)
+    args = (xp, call.query, call.key, call.value, call.bias, terms, plan, block_q, block_k)
+    if workers <= 1:
+        return tiled_forward(*args)[0]
+    # the [V | 1] of the tiled path, built once and shared by every run
+    fold = fold_row_sums(call.query, terms)
+    v_ones = with_ones_column(xp, call.value, plan) if fold else None
+
+    def run(ranges: list[Any]) -> Any:
+        return tiled_forward(*args, q_ranges=ranges, v_ones=v_ones)[0]
+
+    runs = _balanced_chunks(call, q_ranges, block_k, n_runs)
+    with _blas_limited(limit_blas):
+        outs = list(_pool(workers).map(run, runs))
+    return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)

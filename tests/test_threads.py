@@ -1,0 +1,139 @@
+"""Query blocks in threads (``portable_attn._threads``): the tiled path's result, exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import assert_close, on_backend, qkv, randn
+from portable_attn._lib._call import prepare
+from portable_attn._lib._tiled import tiled_forward
+from portable_attn._reference import reference_attention
+from portable_attn._threads import available_workers, threaded_attention
+
+pytestmark = pytest.mark.backends("numpy", reason="threads for NumPy's one-core ufuncs")
+
+SIZES = [(29, 23), (23, 29)]  # Lq > Lk and Lq < Lk; no block size below divides them
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _rel_mod(scores, b, h, i, j):
+    return scores - 0.1 * (h + 1) * np.abs(i - j) + 0.01 * b
+
+
+#: keyword arguments of each case for (Lq, Lk); batch 2, 4 query heads, 2 key/value heads
+CASES = {
+    "plain": lambda lq, lk: {},
+    "mask": lambda lq, lk: {"mask": _rng(7).random((2, 1, lq, lk)) < 0.7},
+    "bias": lambda lq, lk: {"bias": _rng(8).standard_normal((4, lq, lk))},
+    "neg_inf_bias": lambda lq, lk: {"bias": np.where(_rng(9).random((lq, lk)) < 0.5, -np.inf, 0)},
+    "causal": lambda lq, lk: {"is_causal": True},
+    "window": lambda lq, lk: {"window": (4, 2)},
+    "causal_window_softcap": lambda lq, lk: {
+        "is_causal": True,
+        "window": (5, None),
+        "softcap": 1.5,
+    },
+    "lengths": lambda lq, lk: {
+        "q_lengths": np.array([lq, lq // 2]),
+        "kv_lengths": np.array([lk - 6, lk]),
+        "is_causal": True,
+    },
+    "alibi": lambda lq, lk: {
+        "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+        "is_causal": True,
+    },
+    "score_mod": lambda lq, lk: {"score_mod": _rel_mod},
+    "dropout": lambda lq, lk: {
+        "dropout_p": 0.3,
+        "dropout_mask": _rng(10).random((2, 4, lq, lk)) > 0.3,
+    },
+    "scale_key_mask": lambda lq, lk: {"scale": 0.3, "mask": _rng(11).random(lk) < 0.8},
+}
+
+
+def _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, dtype="float64", **kw):
+    arrays = [backend.asarray(a, dtype) for a in (q, k, v)]
+    call = prepare(*arrays, **on_backend(backend, kw))
+    threaded = threaded_attention(call, block_q, block_k, workers)
+    tiled = tiled_forward(
+        call.xp,
+        call.query,
+        call.key,
+        call.value,
+        call.bias,
+        call.terms,
+        call.plan,
+        block_q,
+        block_k,
+    )[0]
+    return call.finish(threaded), call.finish(tiled)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(("lq", "lk"), SIZES)
+@pytest.mark.parametrize(("block_q", "block_k", "workers"), [(4, 5, 2), (3, 7, 3), (8, 64, 2)])
+def test_equals_tiled_path_and_oracle(backend, name, lq, lk, block_q, block_k, workers):
+    kw = CASES[name](lq, lk)
+    q, k, v = qkv(lq=lq, lk=lk)  # GQA: 4 query heads over 2 key/value heads
+    threaded, tiled = _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, **kw)
+    np.testing.assert_array_equal(backend.to_numpy(threaded), backend.to_numpy(tiled))
+    assert_close(backend, threaded, reference_attention(q, k, v, **kw))
+
+
+def test_causal_more_queries_than_keys_has_zero_rows(backend):
+    q, k, v = qkv(lq=20, lk=6)
+    threaded, _ = _threaded_and_tiled(backend, q, k, v, 3, 4, 2, is_causal=True)
+    out = backend.to_numpy(threaded)
+    assert np.all(out[..., :14, :] == 0)
+    assert_close(backend, threaded, reference_attention(q, k, v, is_causal=True))
+
+
+def test_fully_masked_rows_and_query_blocks_are_zero(backend):
+    q, k, v = qkv(lq=12, lk=12)
+    mask = np.ones((12, 12), dtype=bool)
+    mask[:4] = False  # the first query block (and worker run) sees nothing
+    mask[[6, 9]] = False
+    threaded, _ = _threaded_and_tiled(backend, q, k, v, 4, 4, 2, mask=mask)
+    out = backend.to_numpy(threaded)
+    assert np.all(out[..., :4, :] == 0)
+    assert np.all(out[..., [6, 9], :] == 0)
+    assert_close(backend, threaded, reference_attention(q, k, v, mask=mask))
+
+
+@pytest.mark.parametrize("limit_blas", [True, False])
+@pytest.mark.parametrize("tasks_per_worker", [1, 3])
+def test_float32_equals_tiled_path(backend, limit_blas, tasks_per_worker):
+    q, k, v = (randn(1, 4, 300, 32, seed=s, dtype=np.float32) for s in range(3))
+    call = prepare(q, k, v, is_causal=True)
+    threaded = threaded_attention(
+        call, 64, 128, 2, limit_blas=limit_blas, tasks_per_worker=tasks_per_worker
+    )
+    tiled = tiled_forward(call.xp, q, k, v, None, call.terms, call.plan, 64, 128)[0]
+    assert threaded.dtype == np.float32
+    np.testing.assert_allclose(threaded, tiled, rtol=1e-6, atol=1e-7)
+    expected = reference_attention(q, k, v, is_causal=True)
+    assert np.abs(threaded - expected).max() < 2e-6
+
+
+def test_one_worker_or_one_block_runs_inline(backend):
+    q, k, v = qkv()
+    for block_q, workers in ((2, 1), (64, 4)):
+        threaded, tiled = _threaded_and_tiled(backend, q, k, v, block_q, 3, workers)
+        np.testing.assert_array_equal(backend.to_numpy(threaded), backend.to_numpy(tiled))
+
+
+def test_available_workers_is_positive():
+    assert available_workers() >= 1
+
+
+def test_without_threadpoolctl(backend, monkeypatch):
+    import portable_attn._threads as threads
+
+    monkeypatch.setattr(threads, "_controller", lambda: None)  # as if it were not installed
+    q, k, v = qkv(lq=17, lk=19)
+    threaded, tiled = _threaded_and_tiled(backend, q, k, v, 4, 5, 2, is_causal=True)
+    np.testing.assert_array_equal(backend.to_numpy(threaded), backend.to_numpy(tiled))
