@@ -134,7 +134,7 @@ def threaded_attention(
     if workers <= 1:
         return tiled_forward(*args)[0]
     # the [V | 1] of the tiled path, built once and shared by every run
-    fold = fold_row_sums(call.query, terms)
+    fold = fold_row_sums(call.query, terms, plan)
     v_ones = with_ones_column(xp, call.value, plan) if fold else None
 
     def run(ranges: list[Any]) -> Any:

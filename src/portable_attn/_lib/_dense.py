@@ -79,7 +79,7 @@ def dense_attention(
     matmul, with a column of ones appended to V (``[P V | P 1]``), instead of
     another pass over the ``(Lq, Lk)`` weights.
     """
-    fold = fold_row_sums(q, terms)
+    fold = fold_row_sums(q, terms, plan)
     # exp_logits (..., Hq, Lq, Lk), row_sum (..., Hq, Lq, 1) or None
     exp_logits, row_sum, may_be_empty = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold)
     exp_logits = heads_to_rows(xp, _dropout(xp, exp_logits, terms), plan.num_kv_heads)

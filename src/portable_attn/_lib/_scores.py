@@ -116,15 +116,18 @@ def scaled_query_rows(xp: Any, q: Any, plan: AttentionPlan) -> Any:
     return heads_to_rows(xp, q * plan.scale, plan.num_kv_heads)
 
 
-def fold_row_sums(q: Any, terms: ScoreTerms) -> bool:
+def fold_row_sums(q: Any, terms: ScoreTerms, plan: AttentionPlan) -> bool:
     """Whether to take the row sums of P from ``P @ [V | 1]`` instead of a pass over P.
 
     Not with dropout (it drops weights from ``P V`` but not from the sums), and
     not for traced libraries (JAX): XLA fuses the sum into the ``exp`` pass
     already, and the wider matmul measured 4-11% slower under ``jax.jit``.
-    Eager libraries save one pass over every (bq, bk) block (NumPy: 3-7%).
+    Eager libraries save one pass over every (bq, bk) block (NumPy: 3-7%), but
+    building ``[V | 1]`` copies V: it pays only when each K/V head has more query
+    rows (G * Lq) than V has columns (decoding, Lq = 1, copied V for nothing).
     """
-    return terms.dropout_keep is None and not traces_python_loops(q)
+    rows = plan.groups * plan.q_len
+    return terms.dropout_keep is None and not traces_python_loops(q) and rows > plan.value_dim
 
 
 def with_ones_column(xp: Any, v: Any, plan: AttentionPlan) -> Any:

@@ -189,7 +189,7 @@ def tiled_forward(
     hkv, hq = plan.num_kv_heads, plan.num_q_heads
     dv = plan.value_dim
     k_blocks = block_ranges(plan.kv_len, block_k)
-    fold = fold_row_sums(q, terms)  # the row sums ride along as a last column of P V
+    fold = fold_row_sums(q, terms, plan)  # the row sums ride along as a last column of P V
     if fold and v_ones is None:
         v_ones = with_ones_column(xp, v, plan)
     hide_rows = _may_hide_rows(bias, terms, plan)
