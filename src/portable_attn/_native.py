@@ -23,6 +23,7 @@ from typing import Any
 
 from ._lib._call import AttentionCall
 from ._lib._compat import has_native_kernel, library_name
+from ._lib._masks import arange
 from ._lib._scores import AttentionPlan, allowed_block
 from ._lib._tiled import block_visibility
 
@@ -82,6 +83,30 @@ def _visible_rows(
     return xp.any(ok, axis=-1, keepdims=True)  # (..., Lq|1, 1)
 
 
+def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any | None:
+    """Visible rows from a key-only mask (..., 1, Lk) and the band's right edge alone.
+
+    With no bias, no lengths and no left window edge, query ``i`` (aligned at
+    ``i' = i + Lk - Lq``) sees the keys ``j <= i' + right`` that the mask allows, so
+    it sees one iff the mask's first allowed key is at most ``i' + right``: decided
+    from (..., 1, 1) and (Lq, 1) arrays instead of an ``any`` over (..., Lq, Lk).
+    None when this shortcut does not apply.
+    """
+    mask = terms.mask
+    left = None if plan.window is None else plan.window[0]
+    if mask is None or mask.shape[-2] != 1 or plan.has_lengths or left is not None:
+        return None
+    right = None if plan.window is None else plan.window[1]
+    if plan.is_causal:
+        right = 0 if right is None else min(right, 0)
+    any_key = xp.any(mask, axis=-1, keepdims=True)  # (..., 1, 1)
+    if right is None:
+        return any_key
+    first = xp.argmax(xp.astype(mask, xp.int8), axis=-1, keepdims=True)  # (..., 1, 1)
+    last_seen = arange(xp, 0, plan.q_len, plan.device)[:, None] + (plan.offset + right)
+    return xp.logical_and(any_key, first <= last_seen)  # (..., Lq, 1)
+
+
 def native_attention(call: AttentionCall) -> Any:
     """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the compute dtype.
 
@@ -99,10 +124,16 @@ def native_attention(call: AttentionCall) -> Any:
     square = plan.q_len == plan.kv_len
     kernel_causal = plan.is_causal and plan.window is None and square and plain
     hides_nothing = block_visibility(plan, whole_q, whole_k) == "full"
-    structural = not (kernel_causal or hides_nothing)
+    # one query, causal, kv_lengths alone: j <= kv_len - 1 is what the padding says
+    decoding = (
+        plan.q_len == 1 and plan.is_causal and plan.window is None and terms.q_lengths is None
+    )
+    structural = not (kernel_causal or hides_nothing or decoding)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
     structure_only = terms.mask is None and not plan.has_lengths
-    visible = _visible_rows(xp, allowed, bias, plan, structure_only=structure_only)
+    visible = None if bias is not None else _visible_rows_of_key_mask(xp, terms, plan)
+    if visible is None:
+        visible = _visible_rows(xp, allowed, bias, plan, structure_only=structure_only)
     if visible is not None:  # give empty rows something finite to chew on, zero them later
         if allowed is not None:
             allowed = xp.logical_or(allowed, xp.logical_not(visible))

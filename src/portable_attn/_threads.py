@@ -137,10 +137,16 @@ def threaded_attention(
     fold = fold_row_sums(call.query, terms, plan)
     v_ones = with_ones_column(xp, call.value, plan) if fold else None
 
-    def run(ranges: list[Any]) -> Any:
-        return tiled_forward(*args, q_ranges=ranges, v_ones=v_ones)[0]
+    # One output array of ours, each query block written into its rows as it is done
+    # (NumPy only: no concatenation holding every block twice).
+    out = call.zeros(plan.q_len, plan.value_dim)
+
+    def run(ranges: list[Any]) -> None:
+        for q_range in ranges:
+            block = tiled_forward(*args, q_ranges=[q_range], v_ones=v_ones)[0]
+            out[..., q_range[0] : q_range[1], :] = block
 
     runs = _balanced_chunks(call, q_ranges, block_k, n_runs)
     with _blas_limited(limit_blas):
-        outs = list(_pool(workers).map(run, runs))
-    return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+        list(_pool(workers).map(run, runs))
+    return out
