@@ -9,6 +9,7 @@ import pytest
 
 from _helpers import qkv as _qkv
 from portable_attn import scaled_dot_product_attention
+from portable_attn._reference import reference_attention
 
 qkv = partial(_qkv, lq=6, lk=9, dk=8, dv=8)
 
@@ -96,3 +97,22 @@ def test_bad_implementation(backend):
     args = [backend.asarray(a) for a in qkv()]
     with pytest.raises(ValueError, match="`implementation` must be None, 'portable' or 'native'"):
         scaled_dot_product_attention(*args, implementation="fast")
+
+
+@pytest.mark.backends("torch", "jax", reason="native kernels: torch and JAX")
+@pytest.mark.parametrize(
+    "kw", [{"is_causal": True}, {"window": (None, 1)}, {}], ids=["causal", "right-edge", "none"]
+)
+def test_rows_emptied_by_a_key_only_mask_are_zero(backend, kw):
+    """The first allowed key decides which rows see nothing (no any over the scores)."""
+    q, k, v = qkv()
+    mask = np.ones((2, 1, 1, 9), dtype=bool)
+    mask[0, ..., :4] = False  # causal: the first rows of batch 0 see no key
+    mask[1] = False  # batch 1 sees nothing at all
+    args = [backend.asarray(a) for a in (q, k, v)]
+    native = scaled_dot_product_attention(
+        *args, mask=backend.asarray(mask), implementation="native", **kw
+    )
+    expected = reference_attention(q, k, v, mask=mask, **kw)
+    np.testing.assert_allclose(backend.to_numpy(native), expected, atol=2e-6)
+    assert np.all(backend.to_numpy(native)[1] == 0)
