@@ -237,9 +237,9 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
     hq, hkv = q[-3], k[-3]
     if hkv == 0 or hq % hkv:
         msg = (
-            f"the number of query heads must be a multiple of the number of key/value heads "
-            f"(axis -3): got Hq={hq} from query shape {_shape(query)} and Hkv={hkv} from "
-            f"key shape {_shape(key)}"
+            f"the number of `query` heads must be a multiple of the number of `key`/`value` "
+            f"heads (axis -3): got Hq={hq} from query shape {_shape(query)} and Hkv={hkv} "
+            f"from key shape {_shape(key)}"
         )
         raise ValueError(msg)
     return q, k, v
