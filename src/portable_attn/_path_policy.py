@@ -86,12 +86,13 @@ __all__ = [
 #: this many bytes (batch x Hq x Lq x Lk x 4, or x 8 for float64), and tiles above.
 #: NumPy: dense and tiled are within a factor of 1.7 either way at L = 1024-8192
 #: without causal masking, while the tiled path's memory is O(L)
-#: (benchmarks/results/tiled.json, bench-numpy.json).
+#: (benchmarks/results/history/tiled.json and bench-numpy.json, measured at 529c890
+#: and 5bf34e7).
 AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
 #: The same limit for libraries whose eager elementwise kernels are multi-threaded
 #: (torch): its dense path measured 1.7-2.6x (non-causal) and 2.8-6.1x (causal)
 #: slower than its tiled path at L = 512-8192 (B=1, H=8, D=64:
-#: benchmarks/results/bench-torch.json), while at L = 128 (0.5 MiB of logits)
+#: benchmarks/results/history/bench-torch.json, at 5bf34e7), while at L = 128 (0.5 MiB)
 #: dense is the faster of the two.
 AUTO_DENSE_LIMIT_BYTES_MULTITHREADED = 4 * 2**20
 #: ``(block_q, block_k)`` of ``"auto"`` for eagerly executed libraries: two
