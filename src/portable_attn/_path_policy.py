@@ -106,8 +106,9 @@ EAGER_TILES = (128, 256)
 SKIP_FRACTION_FOR_TILED = 0.75
 #: NumPy's tiled path runs its query blocks in threads from this many bytes of dense
 #: scores (B x Hq x Lq x Lk x itemsize): on 2 cores, 2 threads with BLAS limited to
-#: one thread each took 0.57 (plain) / 0.65 (causal) of the single-threaded time at
-#: L = 4096 and 0.59 / 0.83 at L = 2048 (128 MiB, H = 8), but 1.08 / 1.32 at L = 1024.
+#: one thread each took 0.71 (plain) / 0.77 (causal) of the single-threaded time at
+#: L = 4096 and 0.91 / 0.97 at L = 2048 (128 MiB, H = 8), but 1.07 / 1.13 at L = 1024
+#: (benchmarks/results/threads.json, benchmarks/threads.py).
 THREADS_MIN_SCORE_BYTES = 128 * 2**20
 #: Traced libraries unroll the block loops into the program: blocks of at least
 #: this size ...
