@@ -208,6 +208,24 @@ class TestTorchTensorKinds:
             scaled_dot_product_attention(q.to_sparse(), k, v)
 
 
+@pytest.mark.backends("torch", "jax", reason="libraries with float8 dtypes")
+def test_float8_inputs_are_refused(backend, xp, data):
+    q, k, v = (backend.asarray(a) for a in data)
+    q8 = _to_float8(backend, q)
+    with pytest.raises(TypeError, match=r"`query` must have a real floating dtype.*float16 or"):
+        scaled_dot_product_attention(q8, k, v)
+
+
+def _to_float8(backend, x):
+    if backend.family == "torch":
+        import torch
+
+        return x.to(torch.float8_e4m3fn)
+    import jax.numpy as jnp
+
+    return x.astype(jnp.float8_e4m3fn)
+
+
 @pytest.mark.backends("dask", reason="Dask chunk sizes")
 def test_dask_arrays_of_unknown_size_are_refused(backend, data):
     import dask.array as da

@@ -8,6 +8,7 @@ from ._attention import attention_weights, scaled_dot_product_attention
 from ._causal import causal_mask
 from .alibi import get_alibi_slopes
 from .kv_cache import KVCache, kv_cache_append, kv_cache_attention, kv_cache_init
+from .merge import merge_attention
 from .mha import init_mha_params, multi_head_attention
 from .norms import l2_normalize, rms_norm
 from .rope import apply_rope
@@ -26,6 +27,7 @@ __all__ = [
     "kv_cache_attention",
     "kv_cache_init",
     "l2_normalize",
+    "merge_attention",
     "multi_head_attention",
     "rms_norm",
     "scaled_dot_product_attention",

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from ._autodiff import tiled_attention
 from ._lib._call import prepare
 from ._lib._dense import dense_attention, dense_weights
+from ._lib._validation import check_is_flag
 from ._native import native_attention
 from ._path_policy import choose_path
 from ._threads import threaded_attention
@@ -30,9 +31,9 @@ def scaled_dot_product_attention(
     mask: Array | None = None,
     bias: Array | None = None,
     is_causal: bool = False,
-    scale: float | None = None,
+    scale: float | Array | None = None,
     window: tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
+    softcap: float | Array | None = None,
     block_size: int | tuple[int, int] | Literal["auto", "dense"] | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
@@ -40,8 +41,12 @@ def scaled_dot_product_attention(
     score_mod: Callable[..., Array] | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Array | None = None,
+    sinks: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
     implementation: Literal["portable", "native"] | None = None,
-) -> Array:
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
     r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
 
     Dimensions: ``B...`` batch (any number, broadcast), ``Hq`` query heads,
@@ -70,14 +75,18 @@ def scaled_dot_product_attention(
         Bottom-right aligned causal mask: query ``i`` may see key ``j`` iff
         ``j <= i + (Lk - Lq)``. (PyTorch's and JAX's ``is_causal`` are top-left
         aligned; use :func:`causal_mask` with ``align="top-left"`` for that.)
-    scale : float, optional
+    scale : float or 0-d floating array, optional
         Factor applied to the queries before the product; default ``1 / sqrt(Dk)``.
+        A 0-d array of the inputs' library (or a traced value under ``jax.jit``)
+        is a learned temperature: gradients flow to it on every path. A concrete
+        value must be finite, > 0 and a normal number of the compute dtype.
     window : (int or None, int or None), optional
         Sliding window ``(left, right)``: query ``i`` may see key ``j`` iff
         ``i' - left <= j <= i' + right`` with ``i' = i + (Lk - Lq)``. None on a
         side means unbounded. Combines with `is_causal` and `mask` by AND.
-    softcap : float, optional
-        Soft-capping of the logits, ``softcap · tanh(logits / softcap)``.
+    softcap : float or 0-d floating array, optional
+        Soft-capping of the logits, ``softcap · tanh(logits / softcap)``; an
+        array receives gradients, like `scale`.
     block_size : int, (int, int), "auto" or "dense", optional
         None (default) or its alias ``"auto"``: the library picks the fastest
         exact path measured for the backend, shape and arguments -- the dense
@@ -115,6 +124,18 @@ def scaled_dot_product_attention(
         Keep-mask drawn by the caller's own random generator (True = keep); kept
         weights are scaled by ``1 / (1 - dropout_p)``. The array API has no random
         generator, so the library never draws one itself.
+    sinks : floating array, broadcastable to (B..., Hq), optional
+        Attention sinks: one extra logit per head that joins every row's softmax
+        denominator and contributes no value,
+        ``w_ij = exp(s_ij) / (exp(sink_h) + Σ_j exp(s_ij))``. Not scaled, capped,
+        biased or masked; a row with no visible key returns zeros. Gradients
+        flow to it (torch autograd, ``jax.grad``) on the dense and tiled paths.
+    q_segment_ids, kv_segment_ids : integer array, shape (B..., Lq) and (B..., Lk), optional
+        Packed sequences: query ``i`` may see key ``j`` only if their ids are
+        equal, AND-ed with every other mask. Given only one, the other is the
+        same array (self-attention, ``Lq == Lk``). On the tiled path the mask is
+        built per block; with NumPy ids, block pairs whose id ranges do not
+        overlap are skipped (never by value under ``jax.jit``).
     implementation : {None, "portable", "native"}, default None
         ``"portable"``: always the array-API implementation. ``"native"``: the
         framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
@@ -126,12 +147,22 @@ def scaled_dot_product_attention(
         fused kernels, unless causal/window structure lets the tiled path skip
         most blocks); the portable path otherwise (rules in
         ``portable_attn._path_policy``).
+    return_lse : bool, default False
+        Also return the row log-sum-exp ``log(exp(sink_h) + Σ_j exp(s_ij))`` over
+        the visible keys (the sink term only with `sinks`), for
+        :func:`merge_attention`. The output is the same as without it (bit for
+        bit on the same path; no native kernel returns the lse, so torch's
+        default moves such a call from SDPA to the portable path).
 
     Returns
     -------
-    array, shape (B..., Hq, Lq, Dv), or (Lq, Dv) when all inputs are 2-D
+    out : array, shape (B..., Hq, Lq, Dv), or (Lq, Dv) when all inputs are 2-D
         In the namespace, on the device and with the promoted floating dtype of
         `query`, `key` and `value`.
+    lse : array, shape (B..., Hq, Lq), or (Lq,) when all inputs are 2-D
+        Only with ``return_lse=True``: in the compute dtype (float32 for half
+        inputs); ``-inf`` for a row with no visible key and no sink (the sink's
+        logit with one). Differentiable: its cotangent flows back.
 
     Raises
     ------
@@ -180,21 +211,36 @@ def scaled_dot_product_attention(
         score_mod=score_mod,
         dropout_p=dropout_p,
         dropout_mask=dropout_mask,
+        sinks=sinks,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
     )
-    path = choose_path(call, block_size, implementation)
+    return_lse = check_is_flag("return_lse", return_lse)
+    path = choose_path(call, block_size, implementation, return_lse=return_lse)
+    lse = None
     if path.kind == "empty":
         out = call.zeros(call.plan.q_len, call.plan.value_dim)
+        lse = call.empty_lse()
     elif path.kind == "native":
         out = native_attention(call)
     elif path.kind == "dense":
         out = dense_attention(
-            call.xp, call.query, call.key, call.value, call.bias, call.terms, call.plan
+            call.xp,
+            call.query,
+            call.key,
+            call.value,
+            call.bias,
+            call.terms,
+            call.plan,
+            with_lse=return_lse,
         )
     elif path.workers > 1:
-        out = threaded_attention(call, *path.tiles, path.workers)
+        out = threaded_attention(call, *path.tiles, path.workers, with_lse=return_lse)
     else:
-        out = tiled_attention(call, *path.tiles)
-    return call.finish(out)
+        out = tiled_attention(call, *path.tiles, with_lse=return_lse)
+    if return_lse and lse is None:
+        out, lse = out
+    return (call.finish(out), call.finish_lse(lse)) if return_lse else call.finish(out)
 
 
 def attention_weights(
@@ -204,15 +250,18 @@ def attention_weights(
     mask: Array | None = None,
     bias: Array | None = None,
     is_causal: bool = False,
-    scale: float | None = None,
+    scale: float | Array | None = None,
     window: tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
+    softcap: float | Array | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
     alibi_slopes: Array | None = None,
     score_mod: Callable[..., Array] | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Array | None = None,
+    sinks: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
 ) -> Array:
     """Attention weights ``softmax(Q Kᵀ · scale)`` of :func:`scaled_dot_product_attention`.
 
@@ -231,21 +280,24 @@ def attention_weights(
         Additive bias after `softcap`; ``-inf`` masks.
     is_causal : bool, default False
         Bottom-right aligned causal mask (``j <= i + Lk - Lq``).
-    scale : float, optional
-        Default ``1 / sqrt(Dk)``.
+    scale : float or 0-d floating array, optional
+        Default ``1 / sqrt(Dk)``; an array is a learned temperature.
     window : (int or None, int or None), optional
         Sliding window ``(left, right)`` around ``i' = i + Lk - Lq``.
-    softcap : float, optional
+    softcap : float or 0-d floating array, optional
         ``softcap · tanh(logits / softcap)``.
     q_lengths, kv_lengths, alibi_slopes, score_mod, dropout_p, dropout_mask
         As in :func:`scaled_dot_product_attention`; the dropout mask is applied
         to the returned weights.
+    sinks, q_segment_ids, kv_segment_ids
+        As in :func:`scaled_dot_product_attention`; with `sinks` the rows sum
+        to less than one (the sink takes the rest).
 
     Returns
     -------
     array, shape (B..., Hq, Lq, Lk), or (Lq, Lk) when both inputs are 2-D
-        Each row sums to 1 over its visible keys, or is all zeros when no key
-        is visible. Dtype: the promoted dtype of `query` and `key`.
+        Each row sums to 1 over its visible keys (less with `sinks`), or is all
+        zeros when no key is visible. Dtype: the promoted dtype of `query` and `key`.
 
     Examples
     --------
@@ -273,6 +325,9 @@ def attention_weights(
         score_mod=score_mod,
         dropout_p=dropout_p,
         dropout_mask=dropout_mask,
+        sinks=sinks,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
     )
     if call.is_empty:
         return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))

@@ -18,6 +18,7 @@ here is decided in ``portable_attn._path_policy``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -26,15 +27,18 @@ from ._lib._compat import has_native_kernel, library_name
 from ._lib._masks import arange
 from ._lib._scores import AttentionPlan, allowed_block
 from ._lib._tiled import block_visibility
+from ._lib._validation import array_or_none
 
 __all__ = ["native_attention", "unsupported_reason"]
 
 
-def unsupported_reason(call: AttentionCall, *, explicit_block_size: bool = False) -> str | None:
+def unsupported_reason(
+    call: AttentionCall, *, explicit_block_size: bool = False, return_lse: bool = False
+) -> str | None:
     """Why `call` cannot go to its library's native kernel, or None when it can.
 
     `explicit_block_size` is an int, a pair or "dense": a request for a portable
-    tiled path.
+    tiled path. `return_lse`: neither kernel returns the log-sum-exp publicly.
     """
     plan, terms = call.plan, call.terms
     if not has_native_kernel(call.query):
@@ -47,6 +51,8 @@ def unsupported_reason(call: AttentionCall, *, explicit_block_size: bool = False
             ("score_mod", terms.score_mod is not None),
             ("alibi_slopes", terms.alibi_slopes is not None),
             ("dropout_mask", terms.dropout_keep is not None),
+            ("sinks", terms.sinks is not None),
+            ("return_lse", return_lse),
             ("an explicit block_size (a portable path)", explicit_block_size),
         )
         if used
@@ -96,6 +102,8 @@ def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any |
     left = None if plan.window is None else plan.window[0]
     if mask is None or mask.shape[-2] != 1 or plan.has_lengths or left is not None:
         return None
+    if terms.q_segments is not None:  # rows differ by their segment
+        return None
     right = None if plan.window is None else plan.window[1]
     if plan.is_causal:
         right = 0 if right is None else min(right, 0)
@@ -120,7 +128,7 @@ def native_attention(call: AttentionCall) -> Any:
     # The kernels' own causal flags are top-left aligned: ours is passed as a mask,
     # except with Lq == Lk, where both alignments agree and the fused causal kernel
     # can be used (it takes no mask beside it).
-    plain = terms.mask is None and bias is None and not plan.has_lengths
+    plain = not terms.hides_by_value and bias is None
     square = plan.q_len == plan.kv_len
     kernel_causal = plan.is_causal and plan.window is None and square and plain
     hides_nothing = block_visibility(plan, whole_q, whole_k) == "full"
@@ -130,7 +138,7 @@ def native_attention(call: AttentionCall) -> Any:
     )
     structural = not (kernel_causal or hides_nothing or decoding)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
-    structure_only = terms.mask is None and not plan.has_lengths
+    structure_only = not terms.hides_by_value
     visible = None if bias is not None else _visible_rows_of_key_mask(xp, terms, plan)
     if visible is None:
         visible = _visible_rows(xp, allowed, bias, plan, structure_only=structure_only)
@@ -139,6 +147,9 @@ def native_attention(call: AttentionCall) -> Any:
             allowed = xp.logical_or(allowed, xp.logical_not(visible))
         if bias is not None:
             bias = xp.where(visible, bias, 0.0)
+    if array_or_none(plan.scale) is not None:  # learned: the kernels take a float scale
+        q = q * plan.scale  # so gradients reach it through this product
+        plan = dataclasses.replace(plan, scale=1.0)
     if library_name(q) == "torch":
         out = _torch(xp, q, k, v, allowed, bias, plan, kernel_causal)
     else:

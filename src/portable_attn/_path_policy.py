@@ -126,8 +126,12 @@ class Path:
     workers: int = 1  # threads over query blocks (tiled path, rule 4)
 
 
-def choose_path(call: AttentionCall, block_size: Any, implementation: Any) -> Path:
+def choose_path(
+    call: AttentionCall, block_size: Any, implementation: Any, *, return_lse: bool = False
+) -> Path:
     """Decide how `call` is computed (see the module docstring for the rules).
+
+    `return_lse`: the caller needs the row log-sum-exp too (no native kernel gives it).
 
     Raises
     ------
@@ -139,7 +143,8 @@ def choose_path(call: AttentionCall, block_size: Any, implementation: Any) -> Pa
     sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
     if implementation == "native":
         explicit = sizes != "auto"  # the caller asked for a portable path
-        v.check_native_route(unsupported_reason(call, explicit_block_size=explicit))
+        reason = unsupported_reason(call, explicit_block_size=explicit, return_lse=return_lse)
+        v.check_native_route(reason)
     if call.is_empty:
         return Path("empty")
     if implementation == "native":
@@ -148,7 +153,7 @@ def choose_path(call: AttentionCall, block_size: Any, implementation: Any) -> Pa
         return Path("dense")
     if isinstance(sizes, tuple):
         return Path("tiled", sizes)
-    if implementation is None and _prefer_native(call):
+    if implementation is None and _prefer_native(call, return_lse):
         return Path("native")
     tiles = _auto_tiles(call)
     if tiles is None:
@@ -171,9 +176,10 @@ def _score_bytes(call: AttentionCall) -> int:
     return math.prod(plan.batch) * plan.num_q_heads * plan.q_len * plan.kv_len * _itemsize(call)
 
 
-def _prefer_native(call: AttentionCall) -> bool:
+def _prefer_native(call: AttentionCall, return_lse: bool) -> bool:
     """Rule 1: the fused native kernel, unless block skipping saves most of the work."""
-    if not fused_native_kernel(call.query) or unsupported_reason(call) is not None:
+    reason = unsupported_reason(call, return_lse=return_lse)
+    if not fused_native_kernel(call.query) or reason is not None:
         return False
     return skipped_fraction(call.plan, *EAGER_TILES) < SKIP_FRACTION_FOR_TILED
 

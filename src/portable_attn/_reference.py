@@ -30,7 +30,45 @@ def structure(lq: int, lk: int, *, is_causal: bool = False, window=None, offset=
     return allowed
 
 
-def reference_weights(
+def reference_weights(q, k, **kwargs):
+    """Float64 weights. With lengths or ALiBi, the batch is one leading axis B.
+
+    With `sinks`, the sink joins each row's denominator: rows sum to less than one.
+    """
+    masked, sink, two_d, dropout = _masked_logits(q, k, **kwargs)
+    with np.errstate(invalid="ignore", over="ignore"):
+        row_max = masked.max(axis=-1, keepdims=True)
+        if sink is not None:
+            row_max = np.maximum(row_max, sink)
+        empty = np.isneginf(row_max)
+        shift = np.where(empty, 0.0, row_max)
+        e = np.exp(masked - shift)
+        total = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            total = total + np.exp(sink - shift)
+        w = np.where(empty, 0.0, e / np.where(empty | (total == 0), 1.0, total))
+    dropout_p, dropout_mask = dropout
+    if dropout_mask is not None:
+        w = np.where(dropout_mask, w / (1.0 - dropout_p), 0.0)
+    return w[0] if two_d else w
+
+
+def reference_lse(q, k, **kwargs):
+    """Float64 ``log(exp(sink) + Σ_j exp(s_ij))`` over visible keys, (..., Hq, Lq).
+
+    ``-inf`` for a row with no visible key and no sink.
+    """
+    masked, sink, two_d, _ = _masked_logits(q, k, **kwargs)
+    if sink is not None:
+        masked = np.concatenate([masked, np.broadcast_to(sink, (*masked.shape[:-1], 1))], -1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        row_max = masked.max(axis=-1, keepdims=True)
+        shift = np.where(np.isneginf(row_max), 0.0, row_max)
+        lse = (shift + np.log(np.exp(masked - shift).sum(axis=-1, keepdims=True)))[..., 0]
+    return lse[0] if two_d else lse
+
+
+def _masked_logits(
     q,
     k,
     *,
@@ -46,8 +84,11 @@ def reference_weights(
     score_mod=None,
     dropout_p=0.0,
     dropout_mask=None,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
 ):
-    """Float64 weights. With lengths or ALiBi, the batch is one leading axis B."""
+    """Logits with hidden positions -inf, the sinks as (..., Hq, 1, 1), 2-D flag, dropout."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     two_d = q.ndim == 2 and k.ndim == 2
@@ -98,16 +139,19 @@ def reference_weights(
                 logits[b] = logits[b] - slopes[:, None, None] * dist
     if mask is not None:
         allowed = allowed & np.asarray(mask, dtype=bool)
-    with np.errstate(invalid="ignore", over="ignore"):
-        masked = np.where(allowed, logits, -np.inf)
-        row_max = masked.max(axis=-1, keepdims=True)
-        empty = np.isneginf(row_max)
-        e = np.exp(masked - np.where(empty, 0.0, row_max))
-        total = e.sum(axis=-1, keepdims=True)
-        w = np.where(empty, 0.0, e / np.where(empty, 1.0, total))
-    if dropout_mask is not None:
-        w = np.where(dropout_mask, w / (1.0 - dropout_p), 0.0)
-    return w[0] if two_d else w
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        q_ids = np.asarray(q_segment_ids if q_segment_ids is not None else kv_segment_ids)
+        kv_ids = np.asarray(kv_segment_ids if kv_segment_ids is not None else q_segment_ids)
+        same = np.empty((*np.broadcast_shapes(q_ids.shape[:-1], kv_ids.shape[:-1]), lq, lk), bool)
+        for i in range(lq):
+            for j in range(lk):
+                same[..., i, j] = q_ids[..., i] == kv_ids[..., j]
+        allowed = allowed & same[..., None, :, :]  # one head axis: every head alike
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[..., None, None]  # (..., Hq, 1, 1)
+    masked = np.where(allowed, logits, -np.inf)
+    return masked, sink, two_d, (dropout_p, dropout_mask)
 
 
 def reference_attention(q, k, v, **kwargs):

@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._lib._call import AttentionCall
+from ._lib._merge import empty_rows_to_neg_inf
 from ._lib._scores import fold_row_sums, with_ones_column
-from ._lib._tiled import Blocks, block_ranges, block_visibility, tiled_forward
+from ._lib._tiled import Blocks, block_ranges, pair_visibility, tiled_forward
 
 __all__ = ["available_workers", "can_limit_blas", "threaded_attention"]
 
@@ -83,7 +84,7 @@ def _balanced_chunks(call: AttentionCall, q_ranges: list[Any], block_k: Blocks, 
     """
     k_blocks = block_ranges(call.plan.kv_len, block_k)
     costs = [
-        1 + sum(block_visibility(call.plan, qr, kr) != "skip" for kr in k_blocks)
+        1 + sum(pair_visibility(call.plan, call.terms, qr, kr) != "skip" for kr in k_blocks)
         for qr in q_ranges
     ]
     total, runs, start, done = sum(costs), [], 0, 0
@@ -104,6 +105,7 @@ def threaded_attention(
     *,
     limit_blas: bool = True,
     tasks_per_worker: int = 1,
+    with_lse: bool = False,
 ) -> Any:
     """Compute the tiled path's output (..., Hq, Lq, Dv), its query blocks in `workers` threads.
 
@@ -125,6 +127,8 @@ def threaded_attention(
     tasks_per_worker : int, default 1
         Runs of query blocks per worker (balanced by their visible key blocks);
         more runs balance better on a machine with other load.
+    with_lse : bool, default False
+        Also return the row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for empty rows.
     """
     xp, plan, terms = call.xp, call.plan, call.terms
     q_ranges = block_ranges(plan.q_len, block_q)
@@ -132,7 +136,8 @@ def threaded_attention(
     workers = min(workers, n_runs)
     args = (xp, call.query, call.key, call.value, call.bias, terms, plan, block_q, block_k)
     if workers <= 1:
-        return tiled_forward(*args)[0]
+        out, lse = tiled_forward(*args)
+        return (out, empty_rows_to_neg_inf(xp, lse)) if with_lse else out
     # the [V | 1] of the tiled path, built once and shared by every run
     fold = fold_row_sums(call.query, terms, plan)
     v_ones = with_ones_column(xp, call.value, plan) if fold else None
@@ -140,13 +145,16 @@ def threaded_attention(
     # One output array of ours, each query block written into its rows as it is done
     # (NumPy only: no concatenation holding every block twice).
     out = call.zeros(plan.q_len, plan.value_dim)
+    lse = call.zeros(plan.q_len, 1) if with_lse else None
 
     def run(ranges: list[Any]) -> None:
         for q_range in ranges:
-            block = tiled_forward(*args, q_ranges=[q_range], v_ones=v_ones)[0]
+            block, block_lse = tiled_forward(*args, q_ranges=[q_range], v_ones=v_ones)
             out[..., q_range[0] : q_range[1], :] = block
+            if lse is not None:
+                lse[..., q_range[0] : q_range[1], :] = block_lse
 
     runs = _balanced_chunks(call, q_ranges, block_k, n_runs)
     with _blas_limited(limit_blas):
         list(_pool(workers).map(run, runs))
-    return out
+    return (out, empty_rows_to_neg_inf(xp, lse)) if with_lse else out

@@ -329,7 +329,7 @@ def scale_report(query: Any, key: Any, **kwargs: Any) -> ScaleReport:
     )
     return ScaleReport(
         d_k=d_k,
-        scale=plan.scale,
+        scale=float(_to_host(plan.scale)),  # a learned scale (0-d array) read on the host
         logit_mean=_to_host(stats.mean),
         logit_std=std,
         logit_max_abs=_to_host(stats.max_abs),

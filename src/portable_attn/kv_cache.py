@@ -209,9 +209,9 @@ def kv_cache_attention(
     query: Any,
     cache: KVCache,
     *,
-    scale: float | None = None,
+    scale: float | Any | None = None,
     window: tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
+    softcap: float | Any | None = None,
     is_causal: bool = True,
     **kwargs: Any,
 ) -> Any:

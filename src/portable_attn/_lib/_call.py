@@ -26,8 +26,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _validation as v
-from ._compat import array_namespace, default_integer_dtype, device, on_device, pins_devices
-from ._masks import arange
+from ._compat import (
+    array_namespace,
+    concrete_float,
+    default_integer_dtype,
+    device,
+    has_concrete_values,
+    on_device,
+    pins_devices,
+    reads_host_values,
+)
+from ._masks import SegmentBlocks, arange
 from ._scores import AttentionPlan, ScoreTerms
 
 __all__ = ["ATTENTION_KEYWORDS", "AttentionCall", "prepare", "signed_lengths"]
@@ -85,6 +94,19 @@ class AttentionCall:
             out = self.xp.astype(out, self.plan.result_dtype)
         return out[0, ...] if self.drop_head else out
 
+    def finish_lse(self, lse: Array) -> Array:
+        """Return a row log-sum-exp (..., Hq, Lq, 1) as (..., Hq, Lq), in the compute dtype."""
+        lse = lse[..., 0]
+        return lse[0, ...] if self.drop_head else lse
+
+    def empty_lse(self) -> Array:
+        """Return the log-sum-exp of a call with no key: ``-inf``, or the sink logit."""
+        plan = self.plan
+        lse = self.zeros(plan.q_len, 1) - self.xp.inf
+        if self.terms.sinks is not None:
+            lse = self.xp.broadcast_to(self.terms.sinks, lse.shape)
+        return lse
+
 
 def prepare(
     query: Array,
@@ -94,15 +116,18 @@ def prepare(
     mask: Array | None = None,
     bias: Array | None = None,
     is_causal: bool = False,
-    scale: float | None = None,
+    scale: float | Array | None = None,
     window: tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
+    softcap: float | Array | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
     alibi_slopes: Array | None = None,
     score_mod: Callable[..., Array] | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Array | None = None,
+    sinks: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
 ) -> AttentionCall:
     """Validate the arguments of one attention call and prepare its arrays.
 
@@ -129,6 +154,12 @@ def prepare(
         "kv_lengths": kv_lengths,
         "alibi_slopes": alibi_slopes,
         "dropout_mask": dropout_mask,
+        "sinks": sinks,
+        "q_segment_ids": q_segment_ids,
+        "kv_segment_ids": kv_segment_ids,
+        # a learned temperature or cap: a 0-d array joins the namespace and device checks
+        "scale": v.array_or_none(scale),
+        "softcap": v.array_or_none(softcap),
     }
     xp = array_namespace(**arrays)
     for name, x in arrays.items():
@@ -158,6 +189,9 @@ def prepare(
         score_mod=score_mod,
         dropout_p=dropout_p,
         dropout_mask=dropout_mask,
+        sinks=sinks,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
     )
     dt = plan.compute_dtype
     return AttentionCall(
@@ -214,8 +248,12 @@ def _cached_plan(
 
     Everything a plan depends on (shapes, dtypes, device and the scalar options)
     is in the cache key, so a hit returns exactly what validation would build;
-    a call that fails validation is never cached.
+    a call that fails validation is never cached. A `scale` or `softcap` given
+    as an array is a value of this call only: such plans are not cached.
     """
+    learned = (v.array_or_none(options[name]) for name in ("scale", "softcap"))
+    if any(x is not None for x in learned):
+        return _build_plan(xp, query, key, value, mask, bias, **options)
     try:
         cache_key = (
             id(xp),
@@ -276,13 +314,12 @@ def _build_plan(
     result_dtype = xp.result_type(*dtypes)
     # float16/bfloat16 accumulate in float32; float32 and float64 stay as they are.
     compute_dtype = xp.result_type(result_dtype, xp.float32)
-    finfo = xp.finfo(compute_dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(dk)
     else:
-        scale = v.check_positive_scalar("scale", scale, finfo)
+        scale = _scalar_option(xp, "scale", scale, compute_dtype)
     if softcap is not None:
-        softcap = v.check_positive_scalar("softcap", softcap, finfo)
+        softcap = _scalar_option(xp, "softcap", softcap, compute_dtype)
     if window is not None:
         window = v.check_window(window)
     return AttentionPlan(
@@ -303,6 +340,12 @@ def _build_plan(
     )
 
 
+def _scalar_option(xp: Any, name: str, value: Any, compute_dtype: Any) -> Any:
+    """`scale` / `softcap` as a float, or as a 0-d array in the compute dtype (learned)."""
+    read = concrete_float if v.array_or_none(value) is None or has_concrete_values(value) else None
+    return v.check_scalar_option(xp, name, value, compute_dtype, read=read)
+
+
 # ---------------------------------------------------------------------------
 # the score terms: the model-building arguments, shaped to broadcast with a block
 
@@ -318,6 +361,9 @@ def _score_terms(
     score_mod: Callable[..., Array] | None,
     dropout_p: float,
     dropout_mask: Array | None,
+    sinks: Array | None,
+    q_segment_ids: Array | None,
+    kv_segment_ids: Array | None,
 ) -> tuple[AttentionPlan, ScoreTerms]:
     """Validate the model-building arguments and gather them as score terms."""
     mask = None if mask is None else _at_least_2d(xp, mask)
@@ -329,6 +375,9 @@ def _score_terms(
         and alibi_slopes is None
         and score_mod is None
         and dropout_mask is None
+        and sinks is None
+        and q_segment_ids is None
+        and kv_segment_ids is None
     ):  # the common call: none of them given
         if mask is not None:
             return plan, ScoreTerms(mask=mask, offset=plan.offset)
@@ -365,6 +414,10 @@ def _score_terms(
         v.check_mask_dtype(xp, "dropout_mask", keep)
         v.check_broadcastable_to("dropout_mask", keep, logits_shape, "weights (..., Hq, Lq, Lk)")
         keep = _at_least_2d(xp, keep)
+    if sinks is not None:
+        v.check_sinks(xp, sinks, plan.batch, plan.num_q_heads)
+        sinks = xp.reshape(xp.astype(sinks, plan.compute_dtype), (*sinks.shape, 1, 1))
+    segments = _segments(xp, plan, q_segment_ids, kv_segment_ids)
     batch_index = None
     if score_mod is not None:
         n = math.prod(plan.batch)
@@ -379,8 +432,41 @@ def _score_terms(
         batch_index=batch_index,
         dropout_keep=keep,
         dropout_scale=1.0 / (1.0 - dropout_p),
+        sinks=sinks,
+        **segments,
     )
     return plan, terms
+
+
+def _segments(
+    xp: Any, plan: AttentionPlan, q_ids: Array | None, kv_ids: Array | None
+) -> dict[str, Any]:
+    """Segment ids shaped to broadcast with a block, and the host block skipper if any."""
+    if q_ids is None and kv_ids is None:
+        return {}
+    if q_ids is not None:
+        v.check_segment_ids(xp, "q_segment_ids", q_ids, plan.batch, plan.q_len, "Lq")
+    if kv_ids is not None:
+        v.check_segment_ids(xp, "kv_segment_ids", kv_ids, plan.batch, plan.kv_len, "Lk")
+    if q_ids is None:
+        v.check_self_segments("q_segment_ids", "kv_segment_ids", plan.q_len, plan.kv_len)
+        q_ids = kv_ids
+    elif kv_ids is None:
+        v.check_self_segments("kv_segment_ids", "q_segment_ids", plan.q_len, plan.kv_len)
+        kv_ids = q_ids
+    blocks = None
+    if reads_host_values(q_ids) and reads_host_values(kv_ids):  # NumPy: skip by value
+        n = math.prod(plan.batch)
+        blocks = SegmentBlocks(
+            xp,
+            xp.reshape(xp.broadcast_to(q_ids, (*plan.batch, plan.q_len)), (n, plan.q_len)),
+            xp.reshape(xp.broadcast_to(kv_ids, (*plan.batch, plan.kv_len)), (n, plan.kv_len)),
+        )
+    return {
+        "q_segments": xp.reshape(q_ids, (*q_ids.shape[:-1], 1, plan.q_len, 1)),
+        "kv_segments": xp.reshape(kv_ids, (*kv_ids.shape[:-1], 1, 1, plan.kv_len)),
+        "segment_blocks": blocks,
+    }
 
 
 def _with_head_axis(xp: Any, x: Array, dtype: Any) -> Array:

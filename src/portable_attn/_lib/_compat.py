@@ -25,6 +25,7 @@ __all__ = [
     "default_integer_dtype",
     "device",
     "fused_native_kernel",
+    "concrete_float",
     "has_concrete_values",
     "has_native_kernel",
     "is_array_api_obj",
@@ -36,6 +37,7 @@ __all__ = [
     "on_device",
     "parallel_query_blocks",
     "pins_devices",
+    "reads_host_values",
     "size",
     "traces_python_loops",
 ]
@@ -100,9 +102,31 @@ def is_traced(x: Any) -> bool:
 def has_concrete_values(x: Any) -> bool:
     """Whether the values of `x` can be read without tracing or computing a graph.
 
-    False for JAX tracers and for lazy Dask arrays (reading would compute them).
+    False for JAX tracers, for lazy Dask arrays (reading would compute them) and
+    for torch tensors while ``torch.compile`` traces (reading would break the graph).
     """
-    return library_name(x) != "dask" and not is_traced(x)
+    lib = library_name(x)
+    if lib == "torch":
+        import torch
+
+        return not torch.compiler.is_compiling()
+    return lib != "dask" and not is_traced(x)
+
+
+def concrete_float(x: Any) -> float:
+    """Read the value of a concrete 0-d array as a float (torch: of its detached value)."""
+    if library_name(x) == "torch":
+        return float(x.detach())
+    return float(x)
+
+
+def reads_host_values(x: Any) -> bool:
+    """Whether values of `x` are host memory to read for free (NumPy): no sync, no trace.
+
+    Decisions that depend on values (skipping blocks of packed sequences by their
+    segment ids) are taken only for such arrays.
+    """
+    return library_name(x) == "numpy"
 
 
 def has_native_kernel(x: Any) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._scores import (
     AttentionPlan,
@@ -19,6 +19,15 @@ from ._scores import (
 from ._softmax import masked_exp, safe_denominator
 
 __all__ = ["dense_attention", "dense_weights"]
+
+
+class _Exp(NamedTuple):
+    """Unnormalised weights of the dense path and what normalises them."""
+
+    weights: Any  # exp(scores - shift), (..., Hq, Lq, Lk), hidden entries 0
+    row_sum: Any | None  # (..., Hq, Lq, 1), the sink's term included; None when folded
+    shift: Any  # (..., Hq, Lq, 1)
+    may_be_empty: bool
 
 
 def _rows_may_be_empty(bias: Any | None, terms: ScoreTerms, allowed: Any | None) -> bool:
@@ -43,17 +52,17 @@ def _exp_logits(
     plan: AttentionPlan,
     *,
     row_sum: bool = True,
-) -> tuple[Any, Any | None, bool]:
-    """Unnormalised weights, their row sums (None unless `row_sum`), whether a row may be empty."""
+) -> _Exp:
+    """Unnormalised weights, their row sums (None unless `row_sum`), shift, emptiness."""
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
     capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
     scores = scores_block(xp, capped, bias, terms, plan, whole_q, whole_k)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
     may_be_empty = _rows_may_be_empty(bias, terms, allowed)
-    exp_logits, sums = masked_exp(
-        xp, scores, allowed, rows_may_be_empty=may_be_empty, row_sum=row_sum
+    exp_logits, sums, shift = masked_exp(
+        xp, scores, allowed, rows_may_be_empty=may_be_empty, row_sum=row_sum, sink=terms.sinks
     )
-    return exp_logits, sums, may_be_empty
+    return _Exp(exp_logits, sums, shift, may_be_empty or terms.sinks is not None)
 
 
 def _normalise(xp: Any, x: Any, row_sum: Any, may_be_empty: bool) -> Any:
@@ -69,7 +78,15 @@ def _dropout(xp: Any, weights: Any, terms: ScoreTerms) -> Any:
 
 
 def dense_attention(
-    xp: Any, q: Any, k: Any, v: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    *,
+    with_lse: bool = False,
 ) -> Any:
     """Attention output, shape (*batch, Hq, Lq, Dv), in the compute dtype.
 
@@ -77,29 +94,36 @@ def dense_attention(
     ``(Lq, Dv)`` output is cheaper than dividing the ``(Lq, Lk)`` weights.
     Where :func:`fold_row_sums` says so, the row sums come from the same
     matmul, with a column of ones appended to V (``[P V | P 1]``), instead of
-    another pass over the ``(Lq, Lk)`` weights.
+    another pass over the ``(Lq, Lk)`` weights. `with_lse` also returns the
+    row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for rows with no visible key.
     """
     fold = fold_row_sums(q, terms, plan)
-    # exp_logits (..., Hq, Lq, Lk), row_sum (..., Hq, Lq, 1) or None
-    exp_logits, row_sum, may_be_empty = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold)
-    exp_logits = heads_to_rows(xp, _dropout(xp, exp_logits, terms), plan.num_kv_heads)
+    e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold)
+    row_sum = e.row_sum
+    exp_logits = heads_to_rows(xp, _dropout(xp, e.weights, terms), plan.num_kv_heads)
     if fold:
         out = exp_logits @ with_ones_column(xp, v, plan)  # (..., Hkv, G*Lq, Dv+1)
         out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv+1)
         out, row_sum = out[..., : plan.value_dim], out[..., plan.value_dim :]
+        if terms.sinks is not None:
+            row_sum = row_sum + xp.exp(terms.sinks - e.shift)
     else:
         out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
         out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
         out = out * terms.dropout_scale
-    return _normalise(xp, out, row_sum, may_be_empty)
+    out = _normalise(xp, out, row_sum, e.may_be_empty)
+    if not with_lse:
+        return out
+    lse = e.shift + xp.log(safe_denominator(xp, row_sum))
+    return out, xp.where(row_sum == 0.0, -xp.inf, lse)
 
 
 def dense_weights(
     xp: Any, q: Any, k: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
 ) -> Any:
     """Attention weights, shape (*batch, Hq, Lq, Lk), in the compute dtype."""
-    exp_logits, row_sum, may_be_empty = _exp_logits(xp, q, k, bias, terms, plan)
-    weights = _normalise(xp, exp_logits, row_sum, may_be_empty)
+    e = _exp_logits(xp, q, k, bias, terms, plan)
+    weights = _normalise(xp, e.weights, e.row_sum, e.may_be_empty)
     if terms.dropout_keep is not None:
         weights = _dropout(xp, weights, terms) * terms.dropout_scale
     return weights

@@ -16,15 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._compat import on_device, traces_python_loops
-from ._masks import arange, padding_allowed, structure_allowed
+from ._masks import arange, padding_allowed, segment_allowed, structure_allowed
 
 __all__ = [
     "AttentionPlan",
     "ScoreTerms",
     "alibi_distance",
     "allowed_block",
+    "capped_logits",
     "heads_to_rows",
     "logits_block",
+    "raw_logits_block",
     "rows_to_heads",
     "scaled_query_rows",
     "scores_block",
@@ -46,8 +48,10 @@ class AttentionPlan:
     q_len: int
     kv_len: int
     value_dim: int
-    scale: float
-    softcap: float | None
+    #: a float, or a 0-d array in the compute dtype (a learned temperature / cap,
+    #: which receives gradients); plans holding an array are not cached
+    scale: float | Any
+    softcap: float | Any | None
     is_causal: bool
     window: tuple[int | None, int | None] | None
     compute_dtype: Any
@@ -86,6 +90,23 @@ class ScoreTerms:
     batch_index: Any | None = None
     dropout_keep: Any | None = None
     dropout_scale: float = 1.0
+    #: one extra logit per head in every row's denominator, (..., Hq, 1, 1); no value
+    sinks: Any | None = None
+    #: packed sequences: ids (*batch, 1, Lq, 1) and (*batch, 1, 1, Lk), equal ids attend
+    q_segments: Any | None = None
+    kv_segments: Any | None = None
+    #: host ids only (NumPy): which block pairs share no segment (``_masks.SegmentBlocks``)
+    segment_blocks: Any | None = None
+
+    @property
+    def hides_by_value(self) -> bool:
+        """Whether a user mask, lengths or segment ids can hide entries of any block."""
+        return (
+            self.mask is not None
+            or self.q_lengths is not None
+            or self.kv_lengths is not None
+            or self.q_segments is not None
+        )
 
 
 def heads_to_rows(xp: Any, x: Any, num_kv_heads: int) -> Any:
@@ -144,11 +165,20 @@ def logits_block(xp: Any, q_rows: Any, k: Any, plan: AttentionPlan) -> Any:
     array, shape (..., Hq, bq, bk)
         Soft-capped logits, before the bias.
     """
+    return capped_logits(xp, raw_logits_block(xp, q_rows, k, plan), plan)
+
+
+def raw_logits_block(xp: Any, q_rows: Any, k: Any, plan: AttentionPlan) -> Any:
+    """``scale · Q Kᵀ`` for a block, (..., Hq, bq, bk), before the softcap."""
     logits = q_rows @ xp.matrix_transpose(k)  # (..., Hkv, G*bq, bk)
-    logits = rows_to_heads(xp, logits, plan.num_q_heads)  # (..., Hq, bq, bk)
-    if plan.softcap is not None:
-        logits = plan.softcap * xp.tanh(logits / plan.softcap)  # (..., Hq, bq, bk)
-    return logits
+    return rows_to_heads(xp, logits, plan.num_q_heads)  # (..., Hq, bq, bk)
+
+
+def capped_logits(xp: Any, logits: Any, plan: AttentionPlan) -> Any:
+    """``softcap · tanh(logits / softcap)``, or `logits` without a softcap."""
+    if plan.softcap is None:
+        return logits
+    return plan.softcap * xp.tanh(logits / plan.softcap)  # (..., Hq, bq, bk)
 
 
 def slice_block(x: Any | None, q_range: Range, k_range: Range) -> Any | None:
@@ -171,11 +201,13 @@ def allowed_block(
     k_range: Range,
     *,
     structural: bool = True,
+    segments: bool = True,
 ) -> Any | None:
-    """Combine the user mask, causal, window and padding for one block.
+    """Combine the user mask, causal, window, padding and segment ids for one block.
 
     Returns None when everything is allowed. ``structural=False`` leaves out the
-    causal/window part (for blocks known to be fully inside the band).
+    causal/window part (for blocks known to be fully inside the band),
+    ``segments=False`` the segment ids (for blocks known to lie in one segment).
     """
     parts = [slice_block(terms.mask, q_range, k_range)]  # (..., Hq|1, bq|1, bk|1)
     if structural:
@@ -193,6 +225,8 @@ def allowed_block(
     parts.append(
         padding_allowed(xp, q_range, k_range, terms.q_lengths, terms.kv_lengths, plan.device)
     )
+    if segments:
+        parts.append(segment_allowed(terms.q_segments, terms.kv_segments, q_range, k_range))
     allowed = None
     for part in parts:
         if part is not None:

@@ -22,8 +22,9 @@ def masked_exp(
     *,
     rows_may_be_empty: bool = True,
     row_sum: bool = True,
-) -> tuple[Any, Any | None]:
-    """Return the unnormalised weights ``exp(logits - rowmax)`` and their row sums.
+    sink: Any | None = None,
+) -> tuple[Any, Any | None, Any]:
+    """Return the unnormalised weights ``exp(logits - rowmax)``, their row sums, the shift.
 
     Parameters
     ----------
@@ -40,6 +41,10 @@ def masked_exp(
     row_sum : bool, default True
         False skips the pass for the row sums (a caller that gets them from
         ``exp_logits @ [V | 1]``) and returns None for them.
+    sink : array broadcastable to (..., Lq, 1), optional
+        An extra logit per row (attention sinks): it takes part in the row max,
+        and ``exp(sink - m)`` in the row sum; the caller adds it where the sums
+        come from elsewhere.
 
     Returns
     -------
@@ -47,17 +52,25 @@ def masked_exp(
         ``exp(logits - m)`` with masked entries 0, where ``m`` is the row max
         over visible keys (0 for a row with no visible key).
     row_sum : array, shape (..., Lq, 1), or None
-        Sum of `exp_logits` over keys; 0 exactly for a row with no visible key.
+        Sum of `exp_logits` over keys (and the sink's term); 0 exactly for a row
+        with no visible key and no sink.
+    shift : array, shape (..., Lq, 1)
+        ``m``: ``log(row_sum) + m`` is the row's log-sum-exp.
     """
     if allowed is not None:
         logits = xp.where(allowed, logits, -xp.inf)  # (..., Lq, Lk)
     row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
-    if rows_may_be_empty or allowed is not None:
+    if sink is not None:
+        row_max = xp.maximum(row_max, sink)
+    if rows_may_be_empty or allowed is not None or sink is not None:
         row_max = xp.where(row_max == -xp.inf, 0.0, row_max)  # empty rows: exp(-inf) = 0
     exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)
     if not row_sum:
-        return exp_logits, None
-    return exp_logits, xp.sum(exp_logits, axis=-1, keepdims=True)
+        return exp_logits, None, row_max
+    sums = xp.sum(exp_logits, axis=-1, keepdims=True)
+    if sink is not None:
+        sums = sums + xp.exp(sink - row_max)
+    return exp_logits, sums, row_max
 
 
 def safe_denominator(xp: Any, row_sum: Any) -> Any:

@@ -18,7 +18,7 @@ register the backward with torch and JAX live in ``portable_attn._autodiff``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._compat import on_device
 from ._scores import (
@@ -26,9 +26,10 @@ from ._scores import (
     ScoreTerms,
     alibi_distance,
     allowed_block,
+    capped_logits,
     fold_row_sums,
     heads_to_rows,
-    logits_block,
+    raw_logits_block,
     rows_to_heads,
     scaled_query_rows,
     scores_block,
@@ -39,6 +40,8 @@ from ._softmax import safe_denominator
 
 __all__ = [
     "Blocks",
+    "pair_visibility",
+    "TiledGrads",
     "block_ranges",
     "block_visibility",
     "sum_to_shape",
@@ -114,13 +117,18 @@ def _block_scores(
     k_range: Range,
     visibility: str,
 ) -> tuple[Any, Any]:
-    """Return (capped logits, scores with disallowed entries -inf) for one block."""
-    capped = logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk)
+    """Return (logits, capped logits, scores with disallowed entries -inf) for one block."""
+    raw = raw_logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk): scale · Q Kᵀ
+    capped = capped_logits(xp, raw, plan)
     scores = scores_block(xp, capped, bias, terms, plan, q_range, k_range)
-    allowed = allowed_block(xp, terms, plan, q_range, k_range, structural=visibility != "full")
+    blocks = terms.segment_blocks  # host ids: a pair inside one document needs no id mask
+    segments = blocks is None or not blocks.one_segment(q_range, k_range)
+    allowed = allowed_block(
+        xp, terms, plan, q_range, k_range, structural=visibility != "full", segments=segments
+    )
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
-    return capped, scores
+    return raw, capped, scores
 
 
 def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) -> Any:
@@ -141,12 +149,40 @@ def _may_hide_rows(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) -> 
     entries, and only in "partial" blocks.
     """
     return (
-        terms.mask is not None
+        terms.hides_by_value
         or plan.has_lengths
         or bias is not None
         or terms.score_mod is not None
         or terms.alibi_slopes is not None
     )
+
+
+def pair_visibility(plan: AttentionPlan, terms: ScoreTerms, q_range: Range, k_range: Range) -> str:
+    """:func:`block_visibility`, and ``"skip"`` for pairs host segment ids keep apart."""
+    vis = block_visibility(plan, q_range, k_range)
+    blocks = terms.segment_blocks
+    if vis != "skip" and blocks is not None and blocks.disjoint(q_range, k_range):
+        return "skip"
+    return vis
+
+
+def _sink_start(
+    xp: Any, terms: ScoreTerms, plan: AttentionPlan, bq: int, fold: bool, stop_gradient: Any
+) -> tuple[Any, Any, Any]:
+    """Start the running (max, denominator, accumulator) of a query block at the sink.
+
+    The sink is a key with logit ``sink_h`` and a zero value: the running max starts
+    at it and the denominator at ``exp(sink_h - max) = 1`` (0 for a ``-inf`` sink).
+    """
+    shape = (*plan.batch, plan.num_q_heads, bq, 1)
+    m = xp.broadcast_to(terms.sinks, shape)
+    if stop_gradient is not None:
+        m = stop_gradient(m)
+    l_sum = xp.exp(terms.sinks - xp.where(m == -xp.inf, 0.0, m))  # (..., Hq, bq, 1): 1 or 0
+    acc = _zeros(xp, (*plan.batch, plan.num_q_heads, bq, plan.value_dim), plan)
+    if fold:  # the denominator rides along as the accumulator's last column
+        return m, None, xp.concat([acc, l_sum], axis=-1)
+    return m, l_sum, acc
 
 
 def tiled_forward(
@@ -204,13 +240,16 @@ def tiled_forward(
     for q_range in q_ranges:
         q_rows = scaled_query_rows(xp, q[..., q_range[0] : q_range[1], :], plan)
         m = l_sum = acc = None  # running max, denominator, weighted sum
+        if terms.sinks is not None:
+            bq = q_range[1] - q_range[0]
+            m, l_sum, acc = _sink_start(xp, terms, plan, bq, fold, stop_gradient)
         rows_seen = False  # some earlier block showed every row a finite score
         for k_range in k_blocks:
-            vis = block_visibility(plan, q_range, k_range)
+            vis = pair_visibility(plan, terms, q_range, k_range)
             if vis == "skip":
                 continue
             ks, ke = k_range
-            _, s = _block_scores(
+            _, _, s = _block_scores(
                 xp, q_rows, k[..., ks:ke, :], bias, terms, plan, q_range, k_range, vis
             )
             m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
@@ -263,6 +302,19 @@ def tiled_forward(
     return out, lse
 
 
+class TiledGrads(NamedTuple):
+    """Gradients of :func:`tiled_backward`; None for those not asked for."""
+
+    dq: Any
+    dk: Any
+    dv: Any
+    dbias: Any | None
+    dslopes: Any | None
+    dscale: Any | None  # 0-d, for a learned `scale`
+    dsoftcap: Any | None  # 0-d, for a learned `softcap`
+    dsinks: Any | None = None  # shaped like the sinks term, (..., Hq, 1, 1)
+
+
 def _combine(xp: Any, parts: list[Any], axis: int, concatenate: bool) -> Any:
     if len(parts) == 1:
         return parts[0]
@@ -290,21 +342,35 @@ def tiled_backward(
     *,
     need_bias_grad: bool,
     need_slope_grad: bool = False,
-) -> tuple[Any, Any, Any, Any | None, Any | None]:
-    """Gradients (dq, dk, dv, dbias, dslopes) of the tiled attention, shaped like the inputs.
+    need_scale_grad: bool = False,
+    need_softcap_grad: bool = False,
+    need_sink_grad: bool = False,
+    dlse: Any | None = None,
+) -> TiledGrads:
+    """Gradients of the tiled attention, each shaped like its input (see :class:`TiledGrads`).
 
     Parameters are the forward's inputs (compute dtype, explicit head axis), its
-    output and ``lse``, and the output cotangent `dout` (..., Hq, Lq, Dv).
+    output and ``lse``, and the output cotangent `dout` (..., Hq, Lq, Dv). The
+    ``need_*`` flags ask for the gradients of the bias, the ALiBi slopes and a
+    learned (0-d array) `scale` or `softcap` of the plan and the `sinks`. `dlse`
+    (..., Hq, Lq, 1) is the cotangent of the row log-sum-exp, when it is an output:
+    ``d lse_i / d s_ij = p_ij``, so it enters as ``D_i - dlse_i`` below.
     """
     hkv, hq = plan.num_kv_heads, plan.num_q_heads
     k_blocks = block_ranges(plan.kv_len, block_k)
     # D_i = rowsum(dO * O): the softmax Jacobian's correction term, (..., Hq, Lq, 1)
     delta = xp.sum(dout * out, axis=-1, keepdims=True)
+    if dlse is not None:
+        delta = delta - dlse
+    dsinks = None
+    if need_sink_grad:  # p_sink = exp(sink - lse), d sink = -Σ_rows p_sink · D
+        p_sink = xp.exp(terms.sinks - lse)  # (..., Hq, Lq, 1); 0 where lse = +inf
+        dsinks = sum_to_shape(xp, -p_sink * delta, tuple(terms.sinks.shape))
     # running sums per key block: memory O(Lk), however many query blocks there are
     dk_sums: list[Any] = [None] * len(k_blocks)
     dv_sums: list[Any] = [None] * len(k_blocks)
     dq_parts, dbias_rows = [], []
-    dslopes = None
+    dslopes = dsoftcap = None
     for q_range in block_ranges(plan.q_len, block_q):
         qs, qe = q_range
         q_blk = q[..., qs:qe, :]
@@ -314,14 +380,16 @@ def tiled_backward(
         dq_rows = None
         dbias_cols = []
         for j, k_range in enumerate(k_blocks):
-            vis = block_visibility(plan, q_range, k_range)
+            vis = pair_visibility(plan, terms, q_range, k_range)
             ks, ke = k_range
             if vis == "skip":
                 if need_bias_grad:
                     dbias_cols.append(None)
                 continue
             k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
-            capped, s = _block_scores(xp, q_rows, k_blk, bias, terms, plan, q_range, k_range, vis)
+            raw, capped, s = _block_scores(
+                xp, q_rows, k_blk, bias, terms, plan, q_range, k_range, vis
+            )
             p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
             p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)
             p_rows = heads_to_rows(xp, p_kept, hkv)  # (..., Hkv, G*bq, bk)
@@ -343,8 +411,12 @@ def tiled_backward(
                     tuple(slopes.shape),
                 )
                 dslopes = d if dslopes is None else dslopes + d
-            if plan.softcap is not None:
-                ds = ds * (1.0 - (capped / plan.softcap) ** 2)  # through softcap·tanh(x/softcap)
+            if plan.softcap is not None:  # through c·tanh(x/c): d/dx = 1 - t², t = tanh(x/c)
+                t = capped / plan.softcap
+                if need_softcap_grad:  # d/dc = t - (x/c)(1 - t²)
+                    d = xp.sum(ds * (t - (raw / plan.softcap) * (1.0 - t * t)))
+                    dsoftcap = d if dsoftcap is None else dsoftcap + d
+                ds = ds * (1.0 - t * t)
             ds_rows = heads_to_rows(xp, ds, hkv)  # (..., Hkv, G*bq, bk)
             dq_blk = xp.matmul(ds_rows, k_blk)  # (..., Hkv, G*bq, Dk)
             dq_rows = dq_blk if dq_rows is None else dq_rows + dq_blk
@@ -365,7 +437,12 @@ def tiled_backward(
         dbias = sum_to_shape(xp, dbias, tuple(bias.shape))
     if need_slope_grad and dslopes is None:
         dslopes = xp.zeros_like(terms.alibi_slopes)
-    return dq, dk, dv, dbias, dslopes
+    dscale = None
+    if need_scale_grad:  # logits = scale · (q·k), and dq = scale · Σ_j dlogits_ij k_j
+        dscale = xp.sum(dq * q) / plan.scale
+    if need_softcap_grad and dsoftcap is None:  # no block visible
+        dsoftcap = xp.zeros_like(plan.softcap)
+    return TiledGrads(dq, dk, dv, dbias, dslopes, dscale, dsoftcap, dsinks)
 
 
 def _kv_grad(xp: Any, sums: list[Any], x: Any, k_blocks: list[Range], plan: AttentionPlan) -> Any:

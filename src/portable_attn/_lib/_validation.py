@@ -4,7 +4,9 @@ Every message names the argument, the axis and both shapes or dtypes, so a bad
 call fails here with a readable error instead of deep inside a backend: a wrong
 type is a TypeError, a wrong value a ValueError. The checks only read static
 metadata (shapes, dtypes, Python scalars): they never look at array values, so
-they are cheap and safe under ``jax.jit``.
+they are cheap and safe under ``jax.jit``. The one exception is a `scale` or
+`softcap` given as a 0-d array: its single value is checked when it is concrete
+(:func:`check_scalar_option`), never when it is traced or lazy.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "array_or_none",
     "broadcast_batch_shapes",
     "check_alibi_slopes",
     "check_attention_arrays",
@@ -27,13 +30,20 @@ __all__ = [
     "check_floating",
     "check_implementation",
     "check_is_causal",
+    "check_is_flag",
     "check_keywords",
     "check_lengths",
     "check_mask_dtype",
+    "check_merge_parts",
+    "check_merge_shapes",
     "check_native_route",
     "check_positive_scalar",
     "check_same_device",
+    "check_scalar_option",
     "check_score_mod",
+    "check_segment_ids",
+    "check_self_segments",
+    "check_sinks",
     "check_score_mod_result",
     "check_supported_array",
     "check_window",
@@ -55,8 +65,12 @@ def _shape(x: Any) -> Shape:
 def check_floating(xp: Any, name: str, x: Any) -> None:
     """Raise TypeError unless `x` has a real floating dtype."""
     ml_dtype = isinstance(x, np.ndarray) and x.dtype.kind == "V"  # ml_dtypes' bfloat16, float8
-    if ml_dtype or not xp.isdtype(x.dtype, "real floating"):
+    # one-byte floats (torch / JAX float8): no accumulation contract, no promotion in torch
+    float8 = getattr(x.dtype, "itemsize", 2) < 2
+    if ml_dtype or float8 or not xp.isdtype(x.dtype, "real floating"):
         hint = ""
+        if float8 and not ml_dtype:
+            hint = f"; cast {name} to float16 or bfloat16 (float8 is for storage, not attention)"
         if ml_dtype:
             hint = (
                 f"; NumPy has no array-API {x.dtype} (an ml_dtypes type, e.g. from "
@@ -182,6 +196,49 @@ def check_positive_scalar(name: str, value: Any, finfo: Any = None) -> float:
     return value
 
 
+def array_or_none(value: Any) -> Any:
+    """`value` if it is an array (not a Python or NumPy number), else None."""
+    if value is None or isinstance(value, numbers.Number) or not hasattr(value, "shape"):
+        return None
+    return value
+
+
+def check_scalar_option(
+    xp: Any, name: str, value: Any, compute_dtype: Any, *, read: Any | None
+) -> Any:
+    """Validate `scale` or `softcap`: a real number, or a 0-d floating array (a learned one).
+
+    A number comes back as a float (checked by :func:`check_positive_scalar`). A
+    0-d array of the inputs' library comes back cast to `compute_dtype`, so
+    gradients flow to it; its value is checked (finite, > 0, in the normal
+    range of the compute dtype) when `read` is given: the function that reads
+    a concrete array's value as a float (None for a tracer under ``jax.jit``
+    or ``torch.compile`` and for a lazy Dask array).
+    """
+    finfo = xp.finfo(compute_dtype)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return check_positive_scalar(name, value, finfo)
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        kind = type(value).__name__
+        msg = (
+            f"`{name}` must be a positive real number or a 0-d floating array, "
+            f"but got {value!r} of type {kind}"
+        )
+        raise TypeError(msg)
+    if tuple(value.shape) != ():
+        msg = (
+            f"`{name}` must be a number or a 0-d array (one value for the whole call), "
+            f"but got an array of shape {tuple(value.shape)}"
+        )
+        raise ValueError(msg)
+    if not xp.isdtype(value.dtype, "real floating"):
+        msg = f"`{name}` must be a floating array, but got dtype {value.dtype}"
+        raise TypeError(msg)
+    if read is not None:  # finite, > 0 and in the normal range of the compute dtype
+        check_positive_scalar(name, read(value), finfo)
+    return xp.astype(value, compute_dtype, copy=False)
+
+
 def check_window(window: Any) -> tuple[int | None, int | None]:
     """Validate ``window=(left, right)`` and return it as a tuple."""
     if not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2:
@@ -247,10 +304,15 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
 
 def check_is_causal(is_causal: Any) -> bool:
     """Return `is_causal` as a bool (a NumPy bool too); TypeError for anything else."""
-    if not isinstance(is_causal, (bool, np.bool_)):
-        msg = f"`is_causal` must be True or False, but got {is_causal!r}"
+    return check_is_flag("is_causal", is_causal)
+
+
+def check_is_flag(name: str, flag: Any) -> bool:
+    """Return a True/False argument as a bool (a NumPy bool too); TypeError otherwise."""
+    if not isinstance(flag, (bool, np.bool_)):
+        msg = f"`{name}` must be True or False, but got {flag!r}"
         raise TypeError(msg)
-    return bool(is_causal)
+    return bool(flag)
 
 
 def check_lengths(xp: Any, name: str, x: Any, batch: Shape) -> None:
@@ -271,6 +333,84 @@ def check_alibi_slopes(xp: Any, slopes: Any, batch: Shape, num_q_heads: int) -> 
             f"but has shape {tuple(slopes.shape)}"
         )
         raise ValueError(msg)
+
+
+def check_sinks(xp: Any, sinks: Any, batch: Shape, num_q_heads: int) -> None:
+    """`sinks`: floating, broadcastable to (..., Hq): one extra logit per head."""
+    check_floating(xp, "sinks", sinks)
+    check_broadcastable_to("sinks", sinks, (*batch, num_q_heads), "(..., Hq) heads")
+
+
+def check_segment_ids(xp: Any, name: str, x: Any, batch: Shape, length: int, what: str) -> None:
+    """`q_segment_ids` / `kv_segment_ids`: integers (..., L) whose batch dims broadcast."""
+    if not xp.isdtype(x.dtype, "integral"):
+        msg = f"`{name}` must be an integer array of segment ids, but got dtype {x.dtype}"
+        raise TypeError(msg)
+    if x.ndim == 0 or x.shape[-1] != length:
+        msg = (
+            f"`{name}` must have shape (..., {what}) with {what}={length} on its last axis, "
+            f"but got shape {_shape(x)}"
+        )
+        raise ValueError(msg)
+    check_broadcastable_to(name, x, (*batch, length), f"(..., {what})")
+
+
+def check_self_segments(name: str, given: str, q_len: int, kv_len: int) -> None:
+    """One segment-id array serves both sides only for self-attention (Lq == Lk)."""
+    if q_len != kv_len:
+        msg = (
+            f"only `{given}` was given, so it is used for `{name}` too, which needs "
+            f"Lq == Lk, but got Lq={q_len} and Lk={kv_len}: pass both segment-id arrays"
+        )
+        raise ValueError(msg)
+
+
+def check_merge_parts(outs: Any, lses: Any) -> tuple[list[Any], list[Any]]:
+    """`merge_attention`: two sequences of arrays, as many lses as outputs, at least one."""
+    parts = []
+    for name, seq in (("outs", outs), ("lses", lses)):
+        if not isinstance(seq, Sequence) or isinstance(seq, str) or hasattr(seq, "shape"):
+            msg = (
+                f"`{name}` must be a sequence (list or tuple) of arrays, one per part, "
+                f"but got {type(seq).__name__}"
+            )
+            raise TypeError(msg)
+        for i, x in enumerate(seq):
+            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                msg = f"`{name}[{i}]` must be an array, but got {type(x).__name__}"
+                raise TypeError(msg)
+        parts.append(list(seq))
+    if not parts[0]:
+        msg = "`outs` and `lses` must hold at least one part, but both are empty"
+        raise ValueError(msg)
+    if len(parts[0]) != len(parts[1]):
+        msg = (
+            f"`outs` and `lses` must have one entry per part, but got {len(parts[0])} "
+            f"outputs and {len(parts[1])} lses"
+        )
+        raise ValueError(msg)
+    return parts[0], parts[1]
+
+
+def check_merge_shapes(outs: list[Any], lses: list[Any]) -> None:
+    """Every output (..., Lq, Dv) alike, and each lse shaped like its output without Dv."""
+    first = _shape(outs[0])
+    if len(first) < 2:
+        msg = f"`outs[0]` must have shape (..., Lq, Dv), but got shape {first}"
+        raise ValueError(msg)
+    for i, (out, lse) in enumerate(zip(outs, lses, strict=True)):
+        if _shape(out) != first:
+            msg = (
+                f"every part's output must have one shape: `outs[{i}]` has shape "
+                f"{_shape(out)} but `outs[0]` has shape {first}"
+            )
+            raise ValueError(msg)
+        if _shape(lse) != first[:-1]:
+            msg = (
+                f"`lses[{i}]` must have the shape of `outs[{i}]` without its last axis (Dv), "
+                f"{first[:-1]}, but got shape {_shape(lse)}"
+            )
+            raise ValueError(msg)
 
 
 def check_score_mod(score_mod: Any) -> None:

@@ -1,0 +1,140 @@
+"""Packed sequences: `q_segment_ids` / `kv_segment_ids` (equal ids attend).
+
+Equal to the same call with the explicit (B, 1, Lq, Lk) mask and to the oracle,
+on every backend and path; AND-ed with causal, windows, lengths and GQA; one
+array alone serves both sides; a query whose segment has no key is zeros; with
+NumPy ids the tiled path skips the key blocks of other documents (and gets the
+same result); bad ids get clear errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import assert_close, check, qkv
+from portable_attn import scaled_dot_product_attention
+from portable_attn._lib._call import prepare
+from portable_attn._lib._tiled import block_ranges, pair_visibility
+
+PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
+problem = {"batch": (2,), "lq": 6, "lk": 9, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
+Q_IDS = np.array([[0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 5]])  # id 5: no key of its segment
+KV_IDS = np.array([[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 2, 2, 2]])
+
+
+def explicit_mask(q_ids, kv_ids):
+    return (q_ids[..., :, None] == kv_ids[..., None, :])[..., None, :, :]  # (B, 1, Lq, Lk)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"is_causal": True}, {"window": (2, 0)}, {"kv_lengths": np.array([9, 5])}],
+    ids=["plain", "causal", "window", "lengths"],
+)
+def test_equal_to_the_explicit_mask(backend, xp, path, kw):
+    q, k, v = qkv(**problem)
+    out, _ = check(
+        backend, q, k, v, block_size=PATHS[path], q_segment_ids=Q_IDS, kv_segment_ids=KV_IDS, **kw
+    )
+    masked, _ = check(
+        backend, q, k, v, block_size=PATHS[path], mask=explicit_mask(Q_IDS, KV_IDS), **kw
+    )
+    assert_close(backend, out, backend.to_numpy(masked))
+    # the query of segment 5 sees no key: zeros
+    assert np.all(backend.to_numpy(out)[1, :, 5, :] == 0.0)
+
+
+@pytest.mark.parametrize("given", ["q_segment_ids", "kv_segment_ids"])
+def test_one_array_serves_both_sides(backend, xp, given):
+    q, k, v = qkv(batch=(2,), lq=7, lk=7, dk=4, dv=3)
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2], [3, 3, 3, 3, 4, 4, 4]])
+    out, _ = check(backend, q, k, v, block_size=(3, 2), is_causal=True, **{given: ids})
+    both, _ = check(backend, q, k, v, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    assert_close(backend, out, backend.to_numpy(both))
+
+
+def test_ids_without_a_batch_axis_broadcast(backend, xp):
+    q, k, v = qkv(**problem)
+    check(backend, q, k, v, block_size=(2, 3), q_segment_ids=Q_IDS[0], kv_segment_ids=KV_IDS[0])
+
+
+@pytest.mark.backends("numpy", reason="host (NumPy) ids: block pairs skipped by value")
+def test_host_ids_skip_the_blocks_of_other_documents(backend):
+    ids = np.repeat(np.arange(4), 8)  # four documents of 8 tokens in a row of 32
+    q, k, v = qkv(batch=(1,), lq=32, lk=32, dk=4, dv=4)
+    call = prepare(q, k, v, is_causal=True, q_segment_ids=ids)
+    blocks = block_ranges(32, 8)
+    visible = [
+        (qr, kr)
+        for qr in blocks
+        for kr in blocks
+        if pair_visibility(call.plan, call.terms, qr, kr) != "skip"
+    ]
+    assert visible == [(r, r) for r in blocks]  # only each document with itself
+    check(backend, q, k, v, block_size=8, is_causal=True, q_segment_ids=ids)
+
+
+@pytest.mark.backends("jax", reason="jax.jit: no skipping by value, ids traced")
+def test_traced_ids_under_jit(backend):
+    import jax
+
+    q, k, v = qkv(backend=backend, **problem)
+    f = jax.jit(
+        lambda q, a, b: scaled_dot_product_attention(
+            q, k, v, q_segment_ids=a, kv_segment_ids=b, block_size=(2, 3)
+        )
+    )
+    out = f(q, backend.asarray(Q_IDS), backend.asarray(KV_IDS))
+    eager = scaled_dot_product_attention(
+        q, k, v, mask=backend.asarray(explicit_mask(Q_IDS, KV_IDS)), block_size=(2, 3)
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(eager), rtol=1e-12)
+
+
+@pytest.mark.autodiff
+def test_gradients_match_the_explicit_mask(backend, xp):
+    q, k, v = qkv(backend=backend, **problem)
+    ids = {"q_segment_ids": backend.asarray(Q_IDS), "kv_segment_ids": backend.asarray(KV_IDS)}
+    mask = backend.asarray(explicit_mask(Q_IDS, KV_IDS))
+
+    def loss(**kw):
+        def f(q, k, v):
+            return xp.sum(scaled_dot_product_attention(q, k, v, block_size=(2, 3), **kw) ** 2)
+
+        return f
+
+    for a, b in zip(
+        backend.grad(loss(**ids), q, k, v), backend.grad(loss(mask=mask), q, k, v), strict=True
+    ):
+        np.testing.assert_allclose(backend.to_numpy(a), backend.to_numpy(b), atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        (
+            {"q_segment_ids": Q_IDS.astype(np.float64)},
+            TypeError,
+            r"`q_segment_ids` must be an integer",
+        ),
+        (
+            {"q_segment_ids": Q_IDS[:, :4]},
+            ValueError,
+            r"`q_segment_ids` must have shape \(\.\.\., Lq\) with Lq=6.*\(2, 4\)",
+        ),
+        ({"q_segment_ids": np.zeros((3, 6), np.int64)}, ValueError, r"`q_segment_ids`.*\(3, 6\)"),
+        (
+            {"kv_segment_ids": KV_IDS},
+            ValueError,
+            r"only `kv_segment_ids` was given.*Lq=6 and Lk=9",
+        ),
+    ],
+    ids=["float", "length", "batch", "one-sided"],
+)
+def test_bad_ids(backend, xp, kw, error, match):
+    q, k, v = (backend.asarray(a) for a in qkv(**problem))
+    kw = {n: backend.asarray(a) for n, a in kw.items()}
+    with pytest.raises(error, match=match):
+        scaled_dot_product_attention(q, k, v, **kw)
