@@ -72,6 +72,7 @@ def _pytest(session: nox.Session, backend: str) -> None:
         "pytest",
         "--backend",
         backend,
+        "--ignore=tests/integrations",  # the tests-integrations session runs those
         *session.posargs,
         env={"PORTABLE_ATTN_BACKEND": backend},
     )
@@ -150,12 +151,35 @@ for _backend, _spec in BACKENDS.items():
     nox.session(name=f"tests-{_backend}", python=_spec.python)(_tests_session(_backend, _spec))
 
 
+def _torch_pin(session: nox.Session) -> str:
+    """A pip constraints file holding TORCH_SPEC, so that later installs keep that torch build."""
+    path = Path(session.create_tmp()) / "torch-pin.txt"
+    path.write_text(TORCH_SPEC + "\n")
+    return str(path)
+
+
+@nox.session(name="tests-integrations", python=ML_PYTHON)
+def tests_integrations(session: nox.Session) -> None:
+    """The adapters against Hugging Face transformers, Flax (NNX, Linen) and Keras (JAX, torch)."""
+    session.install(TORCH_SPEC)  # first, so nothing else can pull another torch build
+    session.install("-c", _torch_pin(session), JAX_SPEC, ".[test,transformers,flax,keras]")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/integrations",
+        *session.posargs,
+        # tiny models from configs: nothing is downloaded; every framework must be there
+        env={"HF_HUB_OFFLINE": "1", "PORTABLE_ATTN_REQUIRE_FRAMEWORKS": "1"},
+    )
+
+
 @nox.session(python=ML_PYTHON)
 def docs(session: nox.Session) -> None:
     """Build the documentation; every example is executed, warnings are errors."""
     session.install(TORCH_SPEC)
     session.install(JAX_SPEC, DASK_SPEC)
-    session.install(".[docs]")
+    session.install("-c", _torch_pin(session), ".[docs,transformers,flax,keras]")
     session.run(
         "python",
         "-m",

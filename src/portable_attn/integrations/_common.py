@@ -1,0 +1,93 @@
+"""What the adapters share: importing a framework, and its top-left causal convention."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from .._causal import causal_mask
+
+__all__ = ["require", "top_left_causal"]
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import `module`, or raise an ImportError that names the extra to install.
+
+    Parameters
+    ----------
+    module : str
+        The framework's import name, e.g. ``"transformers"``.
+    extra : str
+        The ``portable-attn`` extra that installs it, e.g. ``"transformers"``.
+
+    Returns
+    -------
+    module
+        The imported module.
+
+    Raises
+    ------
+    ImportError
+        `module` is not installed (or fails to import); the message names
+        ``pip install "portable-attn[<extra>]"`` and the original error.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        msg = (
+            f"portable_attn.integrations.{extra} needs {module!r}, which could not be "
+            f'imported ({error}); install it with: pip install "portable-attn[{extra}]"'
+        )
+        raise ImportError(msg) from error
+
+
+def top_left_causal(
+    xp: Any, key: Any, value: Any, mask: Any | None, bias: Any | None, q_len: int
+) -> tuple[Any, Any, Any | None, Any | None, bool]:
+    """Express a framework's top-left causal mask in our arguments.
+
+    The frameworks' ``is_causal`` (torch, JAX, Flax, Keras, Hugging Face's
+    ``mask=None``) lets query ``i`` see key ``j`` iff ``j <= i``; ours is
+    bottom-right aligned. They agree when ``Lq == Lk``, where our
+    ``is_causal=True`` is used (the kernels' fused causal path). With
+    ``Lq < Lk`` and no other mask, no query sees a key at or past ``Lq``, so
+    the keys (and `bias`) are cut to the first ``Lq`` and the square case
+    applies (a static KV cache's prefill). Otherwise the top-left mask is
+    built and ANDed with `mask`.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of `key` (array-API compatible).
+    key : array, shape (B..., Hkv, Lk, Dk)
+        Keys.
+    value : array, shape (B..., Hkv, Lk, Dv)
+        Values.
+    mask : array of bool, broadcastable to (B..., Hq, Lq, Lk), optional
+        The other mask of the call.
+    bias : floating array, broadcastable to (B..., Hq, Lq, Lk), optional
+        The additive bias of the call.
+    q_len : int
+        ``Lq``.
+
+    Returns
+    -------
+    key, value : array
+        The keys and values to use (cut to ``Lq`` keys or unchanged).
+    mask : array of bool or None
+        The mask to pass.
+    bias : array or None
+        The bias to pass (cut with the keys).
+    is_causal : bool
+        The `is_causal` to pass.
+    """
+    kv_len = key.shape[-2]
+    if q_len == kv_len:
+        return key, value, mask, bias, True
+    if q_len < kv_len and mask is None:
+        cut = None if bias is None else bias[..., :q_len]
+        return key[..., :q_len, :], value[..., :q_len, :], None, cut, True
+    device = getattr(key, "device", None)
+    causal = causal_mask(q_len, kv_len, align="top-left", xp=xp, device=device)
+    return key, value, causal if mask is None else xp.logical_and(mask, causal), bias, False
