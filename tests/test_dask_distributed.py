@@ -7,7 +7,9 @@ item (``FULL_BLOCK``) does not fit under that cap, one chunk pair
 the same call with Lq and Lk unchunked kills a worker.
 
 Inputs are generated on the workers (``dask.array.random``), so nothing large
-crosses from this process either.
+crosses from this process either. A third test polls each worker's resident memory
+during one long causal call: its growth stays under four chunk pairs of scores,
+because each chunk pair is one task whose tiles never build the pair's scores.
 """
 
 from __future__ import annotations
@@ -131,3 +133,67 @@ def test_the_memory_cap_stops_a_whole_row_block(client):
     with pytest.raises(distributed.scheduler.KilledWorker):
         client.compute(out.sum(), sync=True)
     client.wait_for_workers(2, timeout=60)
+
+
+# The memory test: B=1, H=2, L=16384, D=32, float32, chunks of 2048 along L (36 visible
+# chunk pairs under causal masking; the scores of one pair are 2 x 2048 x 2048 x 4 B).
+MEM_H, MEM_L, MEM_D, MEM_CHUNK = 2, 16384, 32, 2048
+#: Issue 15's bound: "4 chunk pairs of float32 scores", which it counts as 16 MiB each;
+#: 2 heads make a pair 32 MiB, so this is two of them.
+RSS_GROWTH_BOUND = 64 * 2**20
+
+
+def _start_rss_watch(dask_worker):
+    """Poll this worker's RSS every 2 ms in a thread, from now on."""
+    import threading
+
+    import psutil
+
+    proc = psutil.Process()
+    state = {"base": proc.memory_info().rss, "peak": 0, "stop": threading.Event()}
+
+    def poll():
+        while not state["stop"].is_set():
+            state["peak"] = max(state["peak"], proc.memory_info().rss)
+            state["stop"].wait(0.002)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    dask_worker._portable_attn_rss = (state, thread)
+
+
+def _stop_rss_watch(dask_worker) -> int:
+    """Stop the poll; return the peak RSS growth over the RSS when it started."""
+    state, thread = dask_worker._portable_attn_rss
+    state["stop"].set()
+    thread.join()
+    return max(0, state["peak"] - state["base"])
+
+
+def _long_inputs(length: int, chunk: int):
+    import dask.array as da
+
+    rng = da.random.default_rng(1)
+    shape, chunks = (1, MEM_H, length, MEM_D), (1, MEM_H, chunk, MEM_D)
+    return tuple(rng.standard_normal(shape, chunks=chunks, dtype=np.float32) for _ in range(3))
+
+
+def test_worker_memory_grows_by_less_than_four_chunk_pairs(client):
+    import distributed
+
+    # warm-up on both workers: imports and caches are not the call's memory
+    warm = _long_inputs(2 * MEM_CHUNK, MEM_CHUNK // 4)
+    client.compute(scaled_dot_product_attention(*warm, is_causal=True).sum(), sync=True)
+    q, k, v = client.persist(list(_long_inputs(MEM_L, MEM_CHUNK)))
+    distributed.wait([q, k, v])  # the inputs (4 MiB each) are in memory before the watch
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    client.run(_start_rss_watch)
+    try:
+        total = client.compute(out.sum(), sync=True)
+    finally:
+        growth = client.run(_stop_rss_watch)
+    assert np.isfinite(total)
+    assert len(growth) == 2
+    assert all(0 <= g < RSS_GROWTH_BOUND for g in growth.values()), {
+        w: f"{g / 2**20:.1f} MiB" for w, g in growth.items()
+    }

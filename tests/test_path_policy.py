@@ -36,9 +36,14 @@ def _halves(n):
     return ((n + 1) // 2, n // 2)  # the Dask test arrays' chunks along an axis of n
 
 
+def _dask(lq=9, lk=9, inner=policy.EAGER_TILES):
+    """The Dask path: one task per (Lq chunk, Lk chunk) pair, `inner` tiles inside it."""
+    return Path("dask", (_halves(lq), _halves(lk)), inner=inner)
+
+
 def _portable(backend, lq=9, lk=9):
     """The portable path of a call with block_size None: Dask follows its Lq/Lk chunks."""
-    return Path("tiled", (_halves(lq), _halves(lk))) if backend.family == "dask" else Path("dense")
+    return _dask(lq, lk) if backend.family == "dask" else Path("dense")
 
 
 def _fused(backend):
@@ -98,15 +103,19 @@ class TestDefaultRoute:
         assert _path(backend, implementation="portable") == _portable(backend)
 
     def test_dense_forces_the_one_block_path(self, backend):
-        assert _path(backend, block_size="dense") == Path("dense")
-        assert _path(backend, block_size="dense", is_causal=True) == Path("dense")
+        dense = _dask(inner=None) if backend.family == "dask" else Path("dense")  # per pair
+        assert _path(backend, block_size="dense") == dense
+        assert _path(backend, block_size="dense", is_causal=True) == dense
         with pytest.raises(ValueError, match="implementation='native'"):
             _path(backend, block_size="dense", implementation="native")
 
     def test_an_explicit_block_size_is_the_tiled_path(self, backend):
-        assert _path(backend, block_size=4) == Path("tiled", (4, 4))
-        assert _path(backend, block_size=(2, 3)) == Path("tiled", (2, 3))
-        assert _path(backend, block_size=4, implementation="portable") == Path("tiled", (4, 4))
+        def tiled(tiles):  # Dask: those tiles inside each chunk pair
+            return _dask(inner=tiles) if backend.family == "dask" else Path("tiled", tiles)
+
+        assert _path(backend, block_size=4) == tiled((4, 4))
+        assert _path(backend, block_size=(2, 3)) == tiled((2, 3))
+        assert _path(backend, block_size=4, implementation="portable") == tiled((4, 4))
 
     def test_no_query_or_no_key_is_empty(self, backend):
         assert _path(backend, shape={"lq": 0}) == Path("empty")
@@ -128,7 +137,7 @@ class TestAuto:
         mask_np = np.random.default_rng(1).random((9, 9)) < 0.7
         mask = backend.asarray(mask_np)
         path = choose_path(prepare(q, k, v, mask=mask, softcap=5.0), None, None)
-        if backend.family == "dask":  # chunk pairs of 5 x 5 scores, split at 128 x 256 as well
+        if backend.family == "dask":  # chunk pairs of 5 x 5 scores, tiled at 128 x 256 inside
             assert path == _portable(backend)
         elif backend.family == "jax":
             assert path == Path("tiled", default_tiles(True, 9, 9))
@@ -225,7 +234,7 @@ class TestBadChoices:
 
 @pytest.mark.backends("dask", reason="chunked Dask arrays")
 class TestDaskChunkTiles:
-    def test_the_tiles_follow_the_chunks_and_split_large_chunk_pairs(self, backend, monkeypatch):
+    def test_the_tasks_follow_the_chunks_and_tile_inside_them(self, backend, monkeypatch):
         import dask.array as da
 
         rng = np.random.default_rng(0)
@@ -234,12 +243,14 @@ class TestDaskChunkTiles:
             da.from_array(a, chunks=(1, 2, c, 4)) for a, c in zip(data, (16, 24, 24), strict=True)
         )
         call = prepare(q, k, v, is_causal=True)
-        assert choose_path(call, None, None) == Path("tiled", ((16,) * 4, (24,) * 4))
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        grid = ((16,) * 4, (24,) * 4)
+        assert choose_path(call, None, None) == Path("dask", grid, inner=policy.EAGER_TILES)
         monkeypatch.setattr(policy, "EAGER_TILES", (8, 16))
-        # each chunk split again, keeping the chunk boundaries
-        assert choose_path(call, None, None) == Path("tiled", ((8,) * 8, (16, 8) * 4))
-        assert choose_path(call, "auto", None) == Path("tiled", ((8,) * 8, (16, 8) * 4))
+        # the tasks keep the chunks; the tiles inside a chunk pair are EAGER_TILES
+        assert choose_path(call, None, None) == Path("dask", grid, inner=(8, 16))
+        assert choose_path(call, "auto", None) == Path("dask", grid, inner=(8, 16))
+        assert choose_path(call, 4, None) == Path("dask", grid, inner=(4, 4))
+        assert choose_path(call, "dense", None) == Path("dask", grid)
         expected = reference_attention(*data, is_causal=True)
         for block_size in (None, "auto"):
             out = scaled_dot_product_attention(q, k, v, is_causal=True, block_size=block_size)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from ._autodiff import tiled_attention
+from ._dask import dask_attention
 from ._lib._call import prepare
 from ._lib._dense import dense_attention, dense_weights
 from ._lib._validation import check_is_flag
@@ -223,6 +224,8 @@ def scaled_dot_product_attention(
         lse = call.empty_lse()
     elif path.kind == "native":
         out = native_attention(call)
+    elif path.kind == "dask":
+        out = dask_attention(call, path, with_lse=return_lse)
     elif path.kind == "dense":
         out = dense_attention(
             call.xp,

@@ -10,6 +10,8 @@ dense    one block: the (Lq, Lk) scores built once (``_lib/_dense.py``)
 tiled    the online softmax over (query block, key block) pairs (``_lib/_tiled.py``),
          O(L) memory, blocks hidden by causal/window structure skipped
 native   the framework's kernel with our masks and empty-row contract (``_native.py``)
+dask     Dask arrays: one task per (query chunk, key chunk) pair running the tiled path
+         on the chunks, merged per query chunk by a tree (``_dask.py``)
 ======== ==============================================================================
 
 How the path is chosen (`block_size`, `implementation`):
@@ -31,10 +33,13 @@ How the path is chosen (`block_size`, `implementation`):
      :data:`SKIP_FRACTION_FOR_TILED` of the (query block, key block) pairs
      of :data:`EAGER_TILES` (a narrow sliding window over a long sequence):
      the kernel computes every masked block, the tiled path skips them.
-  2. Dask arrays split along ``Lq`` or ``Lk``: one block per (query chunk, key
-     chunk) pair, so no task holds more than one chunk pair of scores; a chunk
-     pair whose scores would pass :data:`AUTO_DENSE_LIMIT_BYTES` is split into
-     :data:`EAGER_TILES` within it.
+  2. Dask arrays (checked before the explicit `block_size` choices, which they
+     keep): one task per (query chunk, key chunk) pair, which runs the tiled
+     path of NumPy (CuPy) on the chunks themselves with :data:`EAGER_TILES`
+     inside the pair (an int or pair `block_size`: those tiles; ``"dense"``: one
+     block per pair), so no task holds more than one chunk pair of scores and a
+     (1, H, 1024, 64) chunk is as fast per core as NumPy; the partials of a query
+     chunk are merged :data:`DASK_MERGE_FAN_IN` at a time.
   3. Otherwise dense while the dense logits fit in :data:`AUTO_DENSE_LIMIT_BYTES`
      (:data:`AUTO_DENSE_LIMIT_BYTES_MULTITHREADED` for libraries with
      multi-threaded elementwise kernels), tiled above with :data:`EAGER_TILES`,
@@ -60,6 +65,7 @@ from ._lib._call import AttentionCall
 from ._lib._compat import (
     chunk_sizes,
     fused_native_kernel,
+    library_name,
     multithreaded_elementwise,
     parallel_query_blocks,
     traces_python_loops,
@@ -72,6 +78,7 @@ from ._threads import available_workers, can_limit_blas
 __all__ = [
     "AUTO_DENSE_LIMIT_BYTES",
     "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED",
+    "DASK_MERGE_FAN_IN",
     "EAGER_TILES",
     "SKIP_FRACTION_FOR_TILED",
     "THREADS_MIN_SCORE_BYTES",
@@ -110,6 +117,11 @@ SKIP_FRACTION_FOR_TILED = 0.75
 #: L = 4096 and 0.91 / 0.97 at L = 2048 (128 MiB, H = 8), but 1.07 / 1.13 at L = 1024
 #: (benchmarks/results/threads.json, benchmarks/threads.py).
 THREADS_MIN_SCORE_BYTES = 128 * 2**20
+#: Dask merges the partials of one query chunk (one per visible key chunk) this many
+#: at a time, as a tree: a merge task holds that many (..., Hq, bq, Dv) partials, which
+#: stays under one chunk pair of scores (..., Hq, bq, bk) while 4 Dv <= bk, and a query
+#: chunk over n key chunks costs about n / 3 merge tasks.
+DASK_MERGE_FAN_IN = 4
 #: Traced libraries unroll the block loops into the program: blocks of at least
 #: this size ...
 TRACED_MIN_BLOCK = 256
@@ -121,9 +133,10 @@ TRACED_MAX_BLOCKS = 16
 class Path:
     """The path that computes one call, and its tiles on the tiled path."""
 
-    kind: Literal["empty", "dense", "tiled", "native"]
-    tiles: tuple[Blocks, Blocks] | None = None
+    kind: Literal["empty", "dense", "tiled", "native", "dask"]
+    tiles: tuple[Blocks, Blocks] | None = None  # dask: the (Lq chunks, Lk chunks) grid
     workers: int = 1  # threads over query blocks (tiled path, rule 4)
+    inner: tuple[int, int] | None = None  # dask: tiles inside a chunk pair; None: one block
 
 
 def choose_path(
@@ -149,6 +162,8 @@ def choose_path(
         return Path("empty")
     if implementation == "native":
         return Path("native")
+    if library_name(call.query) == "dask":
+        return _dask_path(call, sizes)
     if sizes == "dense":
         return Path("dense")
     if isinstance(sizes, tuple):
@@ -197,17 +212,21 @@ def skipped_fraction(plan: AttentionPlan, block_q: int, block_k: int) -> float:
     return skipped / max(1, len(q_blocks) * len(k_blocks))
 
 
-def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
-    """Rules 2 and 3: (block_q, block_k) of the tiled path, or None for the dense path."""
+def _dask_path(call: AttentionCall, sizes: Any) -> Path:
+    """Rule 2: the chunk grid of a Dask call and the tiles inside each chunk pair."""
     plan = call.plan
-    q_chunks, k_chunks = chunk_sizes(call.query, -2), chunk_sizes(call.key, -2)
-    if q_chunks is not None or k_chunks is not None:
-        q_sizes, k_sizes = q_chunks or (plan.q_len,), k_chunks or (plan.kv_len,)
-        if _chunk_pair_bytes(call, max(q_sizes), max(k_sizes)) > AUTO_DENSE_LIMIT_BYTES:
-            # chunks too large for one block: tile within them
-            q_sizes = _subdivide(q_sizes, EAGER_TILES[0])
-            k_sizes = _subdivide(k_sizes, EAGER_TILES[1])
-        return q_sizes, k_sizes
+    grid = (
+        chunk_sizes(call.query, -2) or (plan.q_len,),
+        chunk_sizes(call.key, -2) or (plan.kv_len,),
+    )
+    if sizes == "dense":
+        return Path("dask", grid)
+    return Path("dask", grid, inner=EAGER_TILES if sizes == "auto" else sizes)
+
+
+def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
+    """Rule 3: (block_q, block_k) of the tiled path, or None for the dense path."""
+    plan = call.plan
     limit = (
         AUTO_DENSE_LIMIT_BYTES_MULTITHREADED
         if multithreaded_elementwise(call.query)
@@ -231,15 +250,3 @@ def default_tiles(traced: bool, q_len: int, kv_len: int) -> tuple[int, int]:
 
 def _itemsize(call: AttentionCall) -> int:
     return 8 if call.plan.compute_dtype == call.xp.float64 else 4
-
-
-def _chunk_pair_bytes(call: AttentionCall, bq: int, bk: int) -> int:
-    """Bytes of the scores of one (query chunk, key chunk) pair of a Dask call."""
-    query = call.query
-    lead = [chunk_sizes(query, axis) or (query.shape[axis],) for axis in range(query.ndim - 2)]
-    return math.prod(max(sizes) for sizes in lead) * bq * bk * _itemsize(call)
-
-
-def _subdivide(sizes: tuple[int, ...], size: int) -> tuple[int, ...]:
-    """Split each chunk into blocks of at most `size`, keeping the chunk boundaries."""
-    return tuple(min(size, n - start) for n in sizes for start in range(0, n, size))

@@ -1,0 +1,513 @@
+"""Dask: one task per (query chunk, key chunk) pair, merged per query chunk by a tree.
+
+A Dask call is validated once, eagerly, on the Dask arrays (:func:`prepare`); this
+module then builds the graph by hand (a :class:`~dask.highlevelgraph.HighLevelGraph`
+that Dask's own schedulers run):
+
+- one task per (batch chunk, head chunk, query chunk, key chunk) that causal/window
+  structure does not hide entirely (:func:`block_visibility` ``== "skip"``: no task).
+  It receives the chunks themselves (NumPy or CuPy arrays inside the worker), builds
+  an :class:`AttentionCall` for them in their own namespace, places it at the chunk's
+  absolute query and key positions (:func:`portable_attn._partial.place_block`) and
+  runs the portable tiled forward on it (:func:`portable_attn._partial.partial_attention`):
+  the same kernel every backend runs. It returns the pair's normalised output and
+  row log-sum-exp;
+- a `score_mod` runs inside the task on one-chunk Dask arrays (:func:`_on_dask`), so a
+  function written for the Dask call (the Dask namespace, Dask arrays it holds) works;
+  its blocks keep every batch item and head, as documented ((B..., Hq, bq, bk)): with a
+  `score_mod`, batch and heads are one chunk;
+- per query chunk, the partials of its key chunks are combined by the exact
+  online-softmax merge (:func:`portable_attn._lib._merge.merge_partials`) in a tree
+  of :data:`~portable_attn._path_policy.DASK_MERGE_FAN_IN` partials per task; its
+  root is the output chunk (rows that see no key are zero). A query chunk with one
+  visible key chunk needs no merge: its pair task returns the output chunk.
+
+Masks, biases and dropout masks are rechunked to the (query chunk, key chunk) grid
+(axes of size one stay broadcast); lengths, ALiBi slopes and a learned scale or
+softcap are small and reach every task whole. Nothing is computed here: the result
+is a lazy Dask array. Dask has no automatic differentiation, so there is no backward.
+
+Legend: ``B...`` batch, ``Hq``/``Hkv`` query/key heads, ``G = Hq // Hkv``, ``Lq``,
+``Lk`` queries and keys, ``Dk``/``Dv`` features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._lib._call import AttentionCall
+from ._lib._compat import array_namespace, device, library_name, on_device
+from ._lib._masks import arange
+from ._lib._merge import merge_partials
+from ._lib._scores import AttentionPlan, ScoreTerms
+from ._lib._tiled import block_visibility
+from ._partial import partial_attention
+from ._path_policy import DASK_MERGE_FAN_IN, Path
+
+__all__ = ["dask_attention"]
+
+Array = Any
+Range = tuple[int, int]
+
+# The grid axes an operand's dimensions follow (batch axes are "b0", "b1", ...).
+_QUERY = ("hq", "lq", "dk")
+_KEY = ("hkv", "lk", "dk")
+_VALUE = ("hkv", "lk", "dv")
+_SCORES = ("hq", "lq", "lk")  # mask, bias, dropout mask
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What every task of one call shares: the whole call's plan and static terms."""
+
+    plan: AttentionPlan
+    score_mod: Callable[..., Array] | None
+    dropout_scale: float
+    block_size: tuple[int, int] | str  # the tiles inside a chunk pair, or "dense"
+    with_lse: bool = False  # the output chunks come with their row log-sum-exp
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One (query chunk, key chunk) pair: absolute ranges on the grid's axes."""
+
+    batch: tuple[Range, ...]
+    heads: Range  # query heads; key/value heads are these divided by G
+    q: Range
+    k: Range
+    final: bool  # the only visible key chunk of its query chunk: return the output alone
+
+
+def dask_attention(call: AttentionCall, path: Path, *, with_lse: bool = False) -> Any:
+    """Attention of a Dask call as a lazy Dask array, one task per visible chunk pair.
+
+    Parameters
+    ----------
+    call : AttentionCall
+        A validated call whose arrays are Dask arrays: query (B..., Hq, Lq, Dk),
+        key (B..., Hkv, Lk, Dk), value (B..., Hkv, Lk, Dv).
+    path : Path
+        ``kind == "dask"``: `tiles` is the (Lq chunks, Lk chunks) grid, `inner` the
+        tiles inside each chunk pair (None: one block per pair).
+    with_lse : bool, default False
+        Also return the row log-sum-exp.
+
+    Returns
+    -------
+    out : dask array, shape (*batch, Hq, Lq, Dv), compute dtype
+        Chunked like the query along batch, (whole groups of) heads and ``Lq``;
+        one chunk along ``Dv``.
+    lse : dask array, shape (*batch, Hq, Lq, 1), compute dtype
+        Only with `with_lse` (then ``(out, lse)`` is returned): ``-inf`` for rows
+        with no visible key (the sink logit with `sinks`).
+    """
+    import dask.array as da
+    from dask.array.utils import meta_from_array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    plan, terms = call.plan, call.terms
+    grid = _grid(call, path)
+    if terms.score_mod is not None:
+        _check_score_mod(call, grid)
+    nb = len(plan.batch)
+    batch_axes = tuple(f"b{i}" for i in range(nb))
+    operands = {
+        "q": (call.query, batch_axes + _QUERY),
+        "k": (call.key, batch_axes + _KEY),
+        "v": (call.value, batch_axes + _VALUE),
+        "bias": (call.bias, batch_axes + _SCORES),
+        "mask": (terms.mask, batch_axes + _SCORES),
+        "keep": (terms.dropout_keep, batch_axes + _SCORES),
+        # packed-sequence ids (*batch, 1, Lq, 1) and (*batch, 1, 1, Lk), where given
+        "q_segments": (terms.q_segments, batch_axes + _SCORES),
+        "kv_segments": (terms.kv_segments, batch_axes + _SCORES),
+    }
+    aligned = {
+        name: _align(da, x, axes, grid) for name, (x, axes) in operands.items() if x is not None
+    }
+    whole = {  # small arrays, one chunk each, given whole to every task
+        name: _one_chunk(da, x)
+        for name, x in (
+            ("q_lengths", terms.q_lengths),
+            ("kv_lengths", terms.kv_lengths),
+            ("slopes", terms.alibi_slopes),
+            ("sinks", terms.sinks),
+            ("scale", plan.scale),
+            ("softcap", plan.softcap),
+        )
+        if x is not None and library_name(x) == "dask"
+    }
+    kernel = _Kernel(
+        plan=plan,
+        score_mod=terms.score_mod,
+        dropout_scale=terms.dropout_scale,
+        block_size="dense" if path.inner is None else path.inner,
+        with_lse=with_lse,
+    )
+    deps = [x for x, _ in aligned.values()] + list(whole.values())
+    name = "attention-" + tokenize(kernel, [x.name for x in deps], grid)
+    pair_name, merge_name, both_name = f"{name}-pair", f"{name}-merge", f"{name}-both"
+    lse_name = f"{name}-lse"
+    lse_dsk: dict[Any, Any] = {}
+    whole_keys = {n: (x.name,) + (0,) * x.ndim for n, x in whole.items()}
+    ranges = {axis: _ranges(chunks) for axis, chunks in grid.items()}
+
+    dsk: dict[Any, Any] = {}
+    head_ranges, q_ranges, k_ranges = ranges["hq"], ranges["lq"], ranges["lk"]
+    for b_idx in itertools.product(*(range(len(ranges[a])) for a in batch_axes)):
+        b_ranges = tuple(ranges[a][i] for a, i in zip(batch_axes, b_idx, strict=True))
+        for hi, h_range in enumerate(head_ranges):
+            for qi, q_range in enumerate(q_ranges):
+                out_key = (name, *b_idx, hi, qi, 0)
+                if with_lse:  # the root returns (out, lse): one getter each
+                    root = (both_name, *b_idx, hi, qi, 0)
+                    dsk[out_key] = (operator.getitem, root, 0)
+                    lse_dsk[(lse_name, *b_idx, hi, qi, 0)] = (operator.getitem, root, 1)
+                    out_key = root
+                visible = [  # key chunks with keys that causal/window do not hide entirely
+                    ki
+                    for ki, kr in enumerate(k_ranges)
+                    if kr[1] > kr[0] and block_visibility(plan, q_range, kr) != "skip"
+                ]
+                index = {**dict(zip(batch_axes, b_idx, strict=True)), "hq": hi, "hkv": hi}
+                index["lq"] = qi
+                if not visible:  # every key hidden by causal/window: zero rows
+                    pair = _Pair(b_ranges, h_range, q_range, (0, 0), final=True)
+                    q_key = _block_key(aligned["q"], {**index, "lk": 0})
+                    sinks = whole_keys.get("sinks")
+                    dsk[out_key] = (_zeros_task, kernel, pair, q_key, sinks)
+                    continue
+                parts = []
+                for ki in visible:
+                    final = len(visible) == 1
+                    pair = _Pair(b_ranges, h_range, q_range, k_ranges[ki], final=final)
+                    keys = {"lk": ki, **index}
+                    args = [_block_key(aligned.get(n), keys) for n in _BLOCK_ARGS]
+                    args += [whole_keys.get(n) for n in _WHOLE_ARGS]
+                    if ki != visible[0]:  # a sink logit counts once per row: in one partial
+                        args[_SINKS_ARG] = None
+                    key = out_key if final else (pair_name, *b_idx, hi, qi, ki)
+                    dsk[key] = (_pair_task, kernel, pair, *args)
+                    parts.append(key)
+                if len(parts) > 1:
+                    root = (merge_name, *b_idx, hi, qi)
+                    _merge_tree(dsk, parts, out_key, root, alone=not with_lse)
+
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
+    rows = (*(grid[a] for a in batch_axes), grid["hq"], grid["lq"])
+    meta = meta_from_array(call.query, ndim=len(rows) + 1, dtype=plan.compute_dtype)
+    out = da.Array(graph, name, (*rows, (plan.value_dim,)), meta=meta)
+    if not with_lse:
+        return out
+    lse_graph = HighLevelGraph.from_collections(lse_name, lse_dsk, dependencies=[out])
+    return out, da.Array(lse_graph, lse_name, (*rows, (1,)), meta=meta)
+
+
+#: The per-block arguments of a pair task, in order, and the whole (small) ones.
+_BLOCK_ARGS = ("q", "k", "v", "bias", "mask", "keep", "q_segments", "kv_segments")
+_WHOLE_ARGS = ("q_lengths", "kv_lengths", "slopes", "scale", "softcap", "sinks")
+_SINKS_ARG = len(_BLOCK_ARGS) + _WHOLE_ARGS.index("sinks")
+
+
+# ---------------------------------------------------------------------------
+# the grid and the operands aligned to it
+
+
+def _grid(call: AttentionCall, path: Path) -> dict[str, tuple[int, ...]]:
+    """Chunks of every grid axis: batch axes, heads (whole GQA groups), Lq, Lk, features."""
+    plan = call.plan
+    nb = len(plan.batch)
+    qkv = [x for x in (call.query, call.key, call.value) if x is not None]
+    grid: dict[str, tuple[int, ...]] = {}
+    for i, n in enumerate(plan.batch):
+        bounds: set[int] = set()
+        for x in qkv:
+            axis = x.ndim - 3 - (nb - i)  # the operand's axis for batch axis i, if it has one
+            if axis >= 0 and x.shape[axis] == n and n != 1:
+                bounds |= _bounds(x.chunks[axis])
+        grid[f"b{i}"] = _chunks_from(bounds, n)
+    if call.terms.score_mod is not None:  # its blocks are (B..., Hq, bq, bk): all of them
+        grid.update({f"b{i}": (n,) for i, n in enumerate(plan.batch)})
+    g = plan.groups
+    head_bounds = {b for b in _bounds(call.query.chunks[-3]) if b % g == 0}
+    if call.terms.score_mod is not None:
+        head_bounds = set()
+    grid["hq"] = _chunks_from(head_bounds, plan.num_q_heads)
+    grid["hkv"] = tuple(n // g for n in grid["hq"])
+    grid["lq"], grid["lk"] = (tuple(int(n) for n in c) for c in path.tiles or ())
+    grid["dk"], grid["dv"] = (plan.key_dim,), (plan.value_dim,)
+    return grid
+
+
+def _check_score_mod(call: AttentionCall, grid: dict[str, tuple[int, ...]]) -> None:
+    """Call the checked `score_mod` once, lazily, on Dask stand-ins of the first chunk pair.
+
+    The tasks call it on NumPy chunks; this raises its shape and dtype errors now, on
+    the Dask-level call, as the other paths do. Nothing is computed.
+    """
+    xp, plan = call.xp, call.plan
+    bq, bk = grid["lq"][0], grid["lk"][0]
+    shape = (*plan.batch, plan.num_q_heads, bq, bk)
+    scores = xp.zeros(shape, dtype=plan.compute_dtype)
+    n = math.prod(plan.batch)
+    batch = xp.reshape(arange(xp, 0, n, None), (*plan.batch, 1, 1, 1))
+    head = arange(xp, 0, plan.num_q_heads, None)[:, None, None]
+    call.terms.score_mod(
+        scores, batch, head, arange(xp, 0, bq, None)[:, None], arange(xp, 0, bk, None)[None, :]
+    )
+
+
+def _bounds(chunks: tuple[int, ...]) -> set[int]:
+    return set(itertools.accumulate(int(n) for n in chunks))
+
+
+def _chunks_from(bounds: set[int], total: int) -> tuple[int, ...]:
+    """Chunk sizes between the sorted boundaries, ending at `total`."""
+    ends = sorted(b for b in bounds | {total} if 0 < b <= total)
+    return tuple(e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)) or (total,)
+
+
+def _ranges(chunks: tuple[int, ...]) -> list[Range]:
+    ends = list(itertools.accumulate(chunks))
+    return [(e - n, e) for n, e in zip(chunks, ends, strict=True)]
+
+
+def _align(da: Any, x: Array, axes: tuple[str, ...], grid: dict) -> tuple[Array, tuple]:
+    """Pad `x` to the axes' rank and rechunk it to the grid; size-1 axes stay broadcast.
+
+    Returns the aligned array and, per axis, its grid axis name or None (broadcast).
+    """
+    if library_name(x) != "dask":
+        x = da.asarray(x)
+    if x.ndim < len(axes):
+        x = x[(None,) * (len(axes) - x.ndim)]
+    chunks, roles = [], []
+    for n, axis in zip(x.shape, axes, strict=True):
+        target = grid[axis]
+        if n == 1 and sum(target) != 1:
+            chunks.append((1,))
+            roles.append(None)
+        else:
+            chunks.append(target)
+            roles.append(axis)
+    if tuple(x.chunks) != tuple(chunks):
+        x = x.rechunk(tuple(chunks))
+    return x, tuple(roles)
+
+
+def _one_chunk(da: Any, x: Array) -> Array:
+    return x if x.npartitions == 1 else x.rechunk(x.shape)
+
+
+def _block_key(aligned: tuple[Array, tuple] | None, index: dict[str, int]) -> Any:
+    """Return the key of the block of an aligned operand that a chunk pair reads, or None."""
+    if aligned is None:
+        return None
+    x, roles = aligned
+    return (x.name, *(0 if role is None else index.get(role, 0) for role in roles))
+
+
+def _merge_tree(dsk: dict, parts: list[Any], out_key: Any, prefix: tuple, *, alone: bool) -> None:
+    """Merge `parts` DASK_MERGE_FAN_IN at a time; the root goes under `out_key`.
+
+    The root returns the output alone when `alone`, else ``(out, lse)``.
+    """
+    level = 0
+    while len(parts) > DASK_MERGE_FAN_IN:
+        merged = []
+        for g in range(0, len(parts), DASK_MERGE_FAN_IN):
+            group = parts[g : g + DASK_MERGE_FAN_IN]
+            if len(group) == 1:
+                merged.append(group[0])
+                continue
+            key = (*prefix, level, g // DASK_MERGE_FAN_IN)
+            dsk[key] = (_merge_task, False, group)
+            merged.append(key)
+        parts, level = merged, level + 1
+    dsk[out_key] = (_merge_task, alone, parts)
+
+
+# ---------------------------------------------------------------------------
+# what runs in the tasks (on NumPy or CuPy chunks)
+
+
+def _pair_task(
+    kernel: _Kernel,
+    pair: _Pair,
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array | None,
+    mask: Array | None,
+    keep: Array | None,
+    q_segments: Array | None,
+    kv_segments: Array | None,
+    q_lengths: Array | None,
+    kv_lengths: Array | None,
+    slopes: Array | None,
+    scale: Array | None,
+    softcap: Array | None,
+    sinks: Array | None,
+) -> Array | tuple[Array, Array]:
+    """Compute one chunk pair: its output (..., Hq_c, bq, Dv) and lse (..., Hq_c, bq, 1).
+
+    Returns the output alone when the pair is the only visible one of its query chunk.
+    """
+    plan = kernel.plan
+    xp = array_namespace(query=q, key=k, value=v)
+    batch = tuple(e - s for s, e in pair.batch)
+    (h0, h1), (qs, qe), (ks, ke) = pair.heads, pair.q, pair.k
+    changes: dict[str, Any] = {}
+    if scale is not None:
+        changes["scale"] = scale
+    if softcap is not None:
+        changes["softcap"] = softcap
+    chunk_plan = dataclasses.replace(
+        plan,
+        batch=batch,
+        num_q_heads=h1 - h0,
+        num_kv_heads=(h1 - h0) // plan.groups,
+        q_len=qe - qs,
+        kv_len=ke - ks,
+        device=device(q),
+        **changes,
+    )
+    cut = (*pair.batch, pair.heads)  # slices of the small whole arrays
+    slopes, sinks = (_cut_heads(xp, x, cut) for x in (slopes, sinks))
+    extra = {"sinks": sinks, "q_segments": q_segments, "kv_segments": kv_segments}
+    extra = {name: x for name, x in extra.items() if x is not None}  # fields newer than ours
+    terms = ScoreTerms(
+        **extra,
+        mask=mask,
+        q_lengths=None if q_lengths is None else _cut_lengths(q_lengths, pair.batch),
+        kv_lengths=None if kv_lengths is None else _cut_lengths(kv_lengths, pair.batch),
+        alibi_slopes=slopes,
+        score_mod=_head_shifted(_on_dask(kernel.score_mod), h0),
+        batch_index=_batch_index(xp, plan, pair, device(q)) if kernel.score_mod else None,
+        dropout_keep=keep,
+        dropout_scale=kernel.dropout_scale,
+    )
+    call = AttentionCall(
+        xp=xp,
+        query=q,
+        key=k,
+        value=v,
+        bias=bias,
+        plan=chunk_plan,
+        terms=terms,
+        drop_head=False,
+    )
+    out, lse = partial_attention(
+        call,
+        kv_start=ks,
+        kv_total=plan.kv_len,
+        q_start=qs,
+        q_total=plan.q_len,
+        block_size=kernel.block_size,
+    )
+    full = (*batch, h1 - h0, qe - qs)
+    out = xp.broadcast_to(out, (*full, plan.value_dim))
+    if pair.final and not kernel.with_lse:
+        return out
+    return out, xp.broadcast_to(lse, (*full, 1))
+
+
+def _cut_heads(xp: Any, x: Array | None, ranges: tuple[Range, ...]) -> Array | None:
+    """Cut a per-head array (..., Hq, 1, 1) (ALiBi slopes, sinks) to a block's batch and heads."""
+    if x is None:
+        return None
+    x = _cut(x[..., 0, 0], ranges)
+    return xp.reshape(x, (*x.shape, 1, 1))
+
+
+def _cut(x: Array, ranges: tuple[Range, ...]) -> Array:
+    """Slice `x` (aligned to the right with `ranges`) to them; axes of size one stay."""
+    offset = len(ranges) - x.ndim
+    index = tuple(
+        slice(None) if n == 1 else slice(*ranges[offset + i]) for i, n in enumerate(x.shape)
+    )
+    return x[index]
+
+
+def _cut_lengths(x: Array, batch: tuple[Range, ...]) -> Array:
+    """Lengths (*batch, 1, 1, 1) cut to the batch ranges of one block."""
+    return _cut(x, (*batch, (0, 1), (0, 1), (0, 1)))
+
+
+def _batch_index(xp: Any, plan: AttentionPlan, pair: _Pair, dev: Any) -> Array:
+    """Return the flat batch index of `score_mod` for one block, (*batch_block, 1, 1, 1)."""
+    flat = xp.reshape(arange(xp, 0, math.prod(plan.batch), dev), plan.batch)
+    index = flat[tuple(slice(*r) for r in pair.batch)]
+    return xp.reshape(index, (*index.shape, 1, 1, 1))
+
+
+def _on_dask(score_mod: Callable[..., Array] | None) -> Callable[..., Array] | None:
+    """`score_mod` called as on the Dask-level call: on one-chunk Dask arrays, computed here.
+
+    A `score_mod` written for a Dask call uses the Dask namespace (and may hold Dask
+    arrays, e.g. a learned table); inside a task the scores and index arrays are NumPy
+    (CuPy) chunks, so they are lifted to one-chunk Dask arrays for the call and the
+    result is computed in the task with the synchronous scheduler.
+    """
+    if score_mod is None:
+        return None
+
+    def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+        import dask.array as da
+
+        lifted = [da.from_array(x, chunks=x.shape) for x in (scores, batch, head, q_idx, kv_idx)]
+        return score_mod(*lifted).compute(scheduler="sync")
+
+    return mod
+
+
+def _head_shifted(score_mod: Callable[..., Array] | None, h0: int) -> Callable[..., Array] | None:
+    """`score_mod` seeing the absolute query head of a head chunk starting at `h0`."""
+    if score_mod is None or h0 == 0:
+        return score_mod
+
+    def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+        return score_mod(scores, batch, head + h0, q_idx, kv_idx)
+
+    return mod
+
+
+def _merge_task(alone: bool, parts: list[tuple[Array, Array]]) -> Any:
+    """Exact online-softmax merge of partials; the output alone when `alone`."""
+    xp = array_namespace(out=parts[0][0])
+    out, lse = merge_partials(
+        xp,
+        xp.stack([p[0] for p in parts]),
+        xp.stack([p[1] for p in parts]),
+        max_over=lambda x: xp.max(x, axis=0),
+        sum_over=lambda x: xp.sum(x, axis=0),
+    )
+    return out if alone else (out, lse)
+
+
+def _zeros_task(kernel: _Kernel, pair: _Pair, q: Array, sinks: Array | None) -> Any:
+    """Return the output chunk of a query chunk that sees no key chunk: zeros.
+
+    With `with_lse`, also its log-sum-exp: ``-inf``, or the sink logit.
+    """
+    plan = kernel.plan
+    xp = array_namespace(query=q)
+    shape = (
+        *(e - s for s, e in pair.batch),
+        pair.heads[1] - pair.heads[0],
+        pair.q[1] - pair.q[0],
+        plan.value_dim,
+    )
+    out = xp.zeros(shape, dtype=plan.compute_dtype, **on_device(device(q)))
+    if not kernel.with_lse:
+        return out
+    lse = xp.zeros((*shape[:-1], 1), dtype=plan.compute_dtype, **on_device(device(q))) - xp.inf
+    sinks = _cut_heads(xp, sinks, (*pair.batch, pair.heads))
+    return out, lse if sinks is None else xp.broadcast_to(sinks, lse.shape)
