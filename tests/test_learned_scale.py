@@ -178,3 +178,22 @@ def test_torch_compile_with_a_learned_scale(backend):
     np.testing.assert_allclose(
         compiled(q, temperature).numpy(), f(q, temperature).numpy(), rtol=1e-12
     )
+
+
+@pytest.mark.backends("torch", reason="torch.func.vmap over a learned temperature")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_torch_vmap_over_the_temperature(backend, path):
+    import torch
+    from torch.func import vmap
+
+    q, k, v = qkv(backend=backend, **problem)
+    temperatures = torch.tensor([0.3, 0.5, 0.9], dtype=torch.float64)
+
+    def f(t):
+        return scaled_dot_product_attention(
+            q, k, v, scale=t, softcap=t * 4, block_size=PATHS[path]
+        )
+
+    batched = vmap(f)(temperatures)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], f(temperatures[i]))

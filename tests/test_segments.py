@@ -16,6 +16,7 @@ from _helpers import assert_close, check, qkv
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import prepare
 from portable_attn._lib._tiled import block_ranges, pair_visibility
+from portable_attn._reference import reference_attention
 
 PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 6, "lk": 9, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
@@ -138,3 +139,14 @@ def test_bad_ids(backend, xp, kw, error, match):
     kw = {n: backend.asarray(a) for n, a in kw.items()}
     with pytest.raises(error, match=match):
         scaled_dot_product_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("dtypes", [("uint8", "int64"), ("int16", "int32")])
+def test_ids_of_two_integer_dtypes(backend, xp, dtypes):
+    q, k, v = qkv(**problem)
+    a, b = (backend.asarray(x.astype(d)) for x, d in zip((Q_IDS, KV_IDS), dtypes, strict=True))
+    out = scaled_dot_product_attention(
+        *(backend.asarray(x) for x in (q, k, v)), q_segment_ids=a, kv_segment_ids=b, block_size=2
+    )
+    expected = reference_attention(q, k, v, q_segment_ids=Q_IDS, kv_segment_ids=KV_IDS)
+    assert_close(backend, out, expected)

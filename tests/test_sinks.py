@@ -114,3 +114,42 @@ def test_bad_sinks(backend, xp, sinks, error, match):
         scaled_dot_product_attention(q, k, v, sinks=backend.asarray(sinks))
     with pytest.raises(error, match=match):
         attention_weights(q, k, sinks=backend.asarray(sinks))
+
+
+@pytest.mark.skip_backends("dask", reason="a lazy Dask value is not read (it would compute)")
+def test_sinks_beyond_the_compute_dtype_are_refused(backend, xp):
+    q, k, v = (backend.asarray(a, "float32") for a in qkv(**problem))
+    sinks = backend.asarray(np.array([1e39, 0.0, -np.inf, 1.0]))  # float64: finite, -inf
+    with pytest.raises(ValueError, match=r"`sinks` \(.*float64\) has finite values beyond"):
+        scaled_dot_product_attention(q, k, v, sinks=sinks)
+    ok = backend.asarray(np.array([3.0e38, 0.0, -np.inf, 1.0]))  # in range; -inf: no sink
+    out = scaled_dot_product_attention(q, k, v, sinks=ok)
+    assert np.all(backend.to_numpy(out)[:, 0] == 0.0)  # the huge sink takes all the weight
+    assert np.all(np.isfinite(backend.to_numpy(out)))
+
+
+def test_a_bool_sink_is_a_type_error_without_a_float8_hint(backend, xp):
+    q, k, v = (backend.asarray(a) for a in qkv(**problem))
+    with pytest.raises(TypeError, match=r"`sinks` must have a real floating") as info:
+        scaled_dot_product_attention(q, k, v, sinks=backend.asarray(np.ones(4, dtype=bool)))
+    assert "float8" not in str(info.value)
+
+
+@pytest.mark.backends("torch", reason="torch.func.vmap over the sinks, tiled path")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_torch_vmap_over_sinks(backend, path):
+    import torch
+    from torch.func import grad, vmap
+
+    q, k, v = qkv(backend=backend, **problem)
+    many = torch.as_tensor(randn(3, 4, seed=2))
+
+    def f(s):
+        return scaled_dot_product_attention(q, k, v, sinks=s, block_size=PATHS[path])
+
+    batched = vmap(f)(many)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], f(many[i]))
+    grads = vmap(grad(lambda s: f(s).sum()))(many)
+    for i in range(3):
+        torch.testing.assert_close(grads[i], grad(lambda s: f(s).sum())(many[i]))

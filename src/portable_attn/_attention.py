@@ -142,8 +142,10 @@ def scaled_dot_product_attention(
         framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
         with our masks, alignment and empty-row handling; a call it cannot
         express (softcap, score_mod, ALiBi, dropout, an int, pair or "dense"
-        block_size, JAX with Dv != Dk, other libraries) raises ValueError;
-        "auto" is allowed. None: the native kernel only where it is
+        block_size, sinks, return_lse, JAX with Dv != Dk, other libraries)
+        raises ValueError; "auto" is allowed. (``jax.nn.dot_product_attention``
+        computes its softmax in float32 even for float64 inputs: about 1e-7 from
+        the float64 result.) None: the native kernel only where it is
         expressible, honours the contract and is measured faster (torch's
         fused kernels, unless causal/window structure lets the tiled path skip
         most blocks); the portable path otherwise (rules in

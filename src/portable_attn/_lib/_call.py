@@ -416,7 +416,13 @@ def _score_terms(
         keep = _at_least_2d(xp, keep)
     if sinks is not None:
         v.check_sinks(xp, sinks, plan.batch, plan.num_q_heads)
-        sinks = xp.reshape(xp.astype(sinks, plan.compute_dtype), (*sinks.shape, 1, 1))
+        largest = float(xp.finfo(plan.compute_dtype).max)
+        if float(xp.finfo(sinks.dtype).max) > largest and has_concrete_values(sinks):
+            # a wider dtype: finite values past the compute dtype's range would become inf
+            beyond = xp.logical_and(xp.isfinite(sinks), xp.abs(sinks) > largest)
+            v.check_sinks_range(bool(xp.any(beyond)), sinks, plan.compute_dtype)
+        cast = xp.astype(sinks, plan.compute_dtype)
+        sinks = xp.reshape(cast, (*sinks.shape, 1, 1))
     segments = _segments(xp, plan, q_segment_ids, kv_segment_ids)
     batch_index = None
     if score_mod is not None:
@@ -454,6 +460,8 @@ def _segments(
     elif kv_ids is None:
         v.check_self_segments("kv_segment_ids", "q_segment_ids", plan.q_len, plan.kv_len)
         kv_ids = q_ids
+    if q_ids.dtype != kv_ids.dtype:  # torch and array-api-strict refuse some promotions
+        q_ids, kv_ids = (xp.astype(x, default_integer_dtype(xp)) for x in (q_ids, kv_ids))
     blocks = None
     if reads_host_values(q_ids) and reads_host_values(kv_ids):  # NumPy: skip by value
         n = math.prod(plan.batch)

@@ -102,14 +102,18 @@ def is_traced(x: Any) -> bool:
 def has_concrete_values(x: Any) -> bool:
     """Whether the values of `x` can be read without tracing or computing a graph.
 
-    False for JAX tracers, for lazy Dask arrays (reading would compute them) and
-    for torch tensors while ``torch.compile`` traces (reading would break the graph).
+    False for JAX tracers, for lazy Dask arrays (reading would compute them), for
+    torch tensors while ``torch.compile`` traces (reading would break the graph)
+    and for the wrapped tensors of ``torch.func`` transforms (``vmap`` refuses
+    ``.item()``).
     """
     lib = library_name(x)
     if lib == "torch":
         import torch
 
-        return not torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():
+            return False
+        return not torch._C._functorch.is_functorch_wrapped_tensor(x)
     return lib != "dask" and not is_traced(x)
 
 

@@ -233,7 +233,9 @@ def tiled_forward(
     # matmul, softcap, bias, ALiBi or where result) that autodiff has not saved:
     # subtracting the max in place is safe. (JAX arrays rebind on ``-=``; the
     # torch backward is the custom one, which runs this forward without grad.)
-    owned = terms.score_mod is None
+    # With sinks the running max starts at the sinks, which a ``torch.func.vmap`` over
+    # them batches while the scores are not: no in-place update then.
+    owned = terms.score_mod is None and terms.sinks is None
     if q_ranges is None:
         q_ranges = block_ranges(plan.q_len, block_q)
     outs, lses = [], []

@@ -44,6 +44,7 @@ __all__ = [
     "check_segment_ids",
     "check_self_segments",
     "check_sinks",
+    "check_sinks_range",
     "check_score_mod_result",
     "check_supported_array",
     "check_window",
@@ -66,7 +67,7 @@ def check_floating(xp: Any, name: str, x: Any) -> None:
     """Raise TypeError unless `x` has a real floating dtype."""
     ml_dtype = isinstance(x, np.ndarray) and x.dtype.kind == "V"  # ml_dtypes' bfloat16, float8
     # one-byte floats (torch / JAX float8): no accumulation contract, no promotion in torch
-    float8 = getattr(x.dtype, "itemsize", 2) < 2
+    float8 = "float" in str(x.dtype) and getattr(x.dtype, "itemsize", 2) < 2
     if ml_dtype or float8 or not xp.isdtype(x.dtype, "real floating"):
         hint = ""
         if float8 and not ml_dtype:
@@ -339,6 +340,16 @@ def check_sinks(xp: Any, sinks: Any, batch: Shape, num_q_heads: int) -> None:
     """`sinks`: floating, broadcastable to (..., Hq): one extra logit per head."""
     check_floating(xp, "sinks", sinks)
     check_broadcastable_to("sinks", sinks, (*batch, num_q_heads), "(..., Hq) heads")
+
+
+def check_sinks_range(overflows: bool, sinks: Any, compute_dtype: Any) -> None:
+    """Finite sinks that the cast to the compute dtype turns into ``inf`` (1e39 in float32)."""
+    if overflows:
+        msg = (
+            f"`sinks` ({sinks.dtype}) has finite values beyond the range of the compute "
+            f"dtype {compute_dtype}: they would become inf there"
+        )
+        raise ValueError(msg)
 
 
 def check_segment_ids(xp: Any, name: str, x: Any, batch: Shape, length: int, what: str) -> None:
