@@ -552,21 +552,7 @@ def environment(backend: str) -> dict[str, Any]:
         "portable_attn": portable_attn.__version__,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
-    root = Path(__file__).resolve().parent.parent
-    try:
-        git = ["git", "-C", str(root)]
-        info["commit"] = subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        info["dirty"] = bool(status.strip())
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = "unknown"
+    info.update(report.git_state())
     try:
         from threadpoolctl import threadpool_info
 

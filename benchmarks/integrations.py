@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import report
 
 from portable_attn._timing import interleaved_seconds
 
@@ -245,21 +246,7 @@ def environment() -> dict[str, Any]:
             info[package] = md.version(package)
         except md.PackageNotFoundError:
             info[package] = None
-    root = Path(__file__).resolve().parent.parent
-    try:
-        git = ["git", "-C", str(root)]
-        info["commit"] = subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        info["dirty"] = bool(status.strip())
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = "unknown"
+    info.update(report.git_state())
     return info
 
 

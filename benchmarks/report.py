@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,25 @@ TARGETS = (
     Target("numpy", ("plain", "causal"), (4096,), "floor", 1.25),
     Target("jax", ("plain", "causal", "padding"), (1024, 4096), "jax.nn", 0.90),
 )
+
+
+def git_state() -> dict[str, Any]:
+    """The commit the benchmark ran at, and whether tracked files differed from it."""
+    root = Path(__file__).resolve().parent.parent
+    git = ["git", "-C", str(root)]
+    try:
+        commit = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown"}
+    return {"commit": commit, "dirty": bool(status.strip())}
 
 
 def load(results: str | Path = RESULTS) -> dict[str, dict[str, Any] | None]:

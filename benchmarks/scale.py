@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from portable_attn._timing import start_rss_watch, stop_rss_watch
+
 RESULTS = Path(__file__).parent / "results"
 B, H, L, D = 16, 8, 1024, 64
 CHUNKINGS = {"one chunk per sequence": L, "L chunked at 256": 256}
@@ -76,32 +78,6 @@ def _local_cluster(workers: int, env: str) -> Any:
         )
 
 
-def _start_rss_watch(dask_worker: Any) -> None:
-    """Poll this worker's RSS every 2 ms in a thread, from now on."""
-    import threading
-
-    import psutil
-
-    proc = psutil.Process()
-    state = {"base": proc.memory_info().rss, "peak": 0, "stop": threading.Event()}
-
-    def poll() -> None:
-        while not state["stop"].is_set():
-            state["peak"] = max(state["peak"], proc.memory_info().rss)
-            state["stop"].wait(0.002)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    dask_worker._portable_attn_rss = (state, thread)
-
-
-def _stop_rss_watch(dask_worker: Any) -> int:
-    state, thread = dask_worker._portable_attn_rss
-    state["stop"].set()
-    thread.join()
-    return max(0, state["peak"] - state["base"])
-
-
 def _mib(n: float) -> float:
     return round(n / 2**20, 1)
 
@@ -133,11 +109,11 @@ class _Cluster:
         return out.sum(axis=(1, 2, 3))  # one number per sequence comes back
 
     def run(self, label: str) -> float:
-        self.client.run(_start_rss_watch)
+        self.client.run(start_rss_watch)
         start = time.perf_counter()
         self.client.compute(self.calls[label], sync=True)
         elapsed = time.perf_counter() - start
-        self.last_growth = sorted(_mib(g) for g in self.client.run(_stop_rss_watch).values())
+        self.last_growth = sorted(_mib(g) for g in self.client.run(stop_rss_watch).values())
         return elapsed
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from portable_attn import scaled_dot_product_attention
 from portable_attn._reference import reference_attention
+from portable_attn._timing import start_rss_watch, stop_rss_watch
 
 pytestmark = pytest.mark.backends("dask", reason="Dask-only: a dask.distributed cluster")
 
@@ -143,33 +144,6 @@ MEM_H, MEM_L, MEM_D, MEM_CHUNK = 2, 16384, 32, 2048
 RSS_GROWTH_BOUND = 64 * 2**20
 
 
-def _start_rss_watch(dask_worker):
-    """Poll this worker's RSS every 2 ms in a thread, from now on."""
-    import threading
-
-    import psutil
-
-    proc = psutil.Process()
-    state = {"base": proc.memory_info().rss, "peak": 0, "stop": threading.Event()}
-
-    def poll():
-        while not state["stop"].is_set():
-            state["peak"] = max(state["peak"], proc.memory_info().rss)
-            state["stop"].wait(0.002)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    dask_worker._portable_attn_rss = (state, thread)
-
-
-def _stop_rss_watch(dask_worker) -> int:
-    """Stop the poll; return the peak RSS growth over the RSS when it started."""
-    state, thread = dask_worker._portable_attn_rss
-    state["stop"].set()
-    thread.join()
-    return max(0, state["peak"] - state["base"])
-
-
 def _long_inputs(length: int, chunk: int):
     import dask.array as da
 
@@ -187,11 +161,11 @@ def test_worker_memory_grows_by_less_than_four_chunk_pairs(client):
     q, k, v = client.persist(list(_long_inputs(MEM_L, MEM_CHUNK)))
     distributed.wait([q, k, v])  # the inputs (4 MiB each) are in memory before the watch
     out = scaled_dot_product_attention(q, k, v, is_causal=True)
-    client.run(_start_rss_watch)
+    client.run(start_rss_watch)
     try:
         total = client.compute(out.sum(), sync=True)
     finally:
-        growth = client.run(_stop_rss_watch)
+        growth = client.run(stop_rss_watch)
     assert np.isfinite(total)
     assert len(growth) == 2
     assert all(0 <= g < RSS_GROWTH_BOUND for g in growth.values()), {

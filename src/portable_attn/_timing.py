@@ -15,7 +15,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Interleaved", "interleaved_seconds", "median_seconds"]
+__all__ = [
+    "Interleaved",
+    "interleaved_seconds",
+    "median_seconds",
+    "start_rss_watch",
+    "stop_rss_watch",
+]
 
 
 def _no_sync(_: Any) -> None:
@@ -152,3 +158,35 @@ def interleaved_seconds(
         for name in names[shift:] + names[:shift]:
             samples[name].append(_sample(fns[name], sync, number))
     return Interleaved(samples)
+
+
+def start_rss_watch(dask_worker: Any) -> None:
+    """Poll this process's resident memory every 2 ms in a thread, from now on.
+
+    Run in each Dask worker (``client.run(start_rss_watch)``); the peak growth is
+    read back by :func:`stop_rss_watch`. Used by the Dask memory test and
+    ``benchmarks/scale.py``.
+    """
+    import threading
+
+    import psutil  # comes with dask.distributed
+
+    proc = psutil.Process()
+    state = {"base": proc.memory_info().rss, "peak": 0, "stop": threading.Event()}
+
+    def poll() -> None:
+        while not state["stop"].is_set():
+            state["peak"] = max(state["peak"], proc.memory_info().rss)
+            state["stop"].wait(0.002)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    dask_worker._portable_attn_rss = (state, thread)
+
+
+def stop_rss_watch(dask_worker: Any) -> int:
+    """Stop the poll of :func:`start_rss_watch`; return the peak RSS growth in bytes."""
+    state, thread = dask_worker._portable_attn_rss
+    state["stop"].set()
+    thread.join()
+    return max(0, state["peak"] - state["base"])
