@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
 import numpy as np
+import report
 
 import portable_attn._lib._call as call_module
 from portable_attn import scaled_dot_product_attention as sdpa
@@ -95,9 +95,8 @@ def main() -> int:
                 f"{1e3 * res.medians[name]:7.1f} ms   ratio {ratio:.2f}",
                 flush=True,
             )
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     out = {
-        "commit": commit.strip(),
+        **report.git_state(),
         "numpy": np.__version__,
         "shape": {"B": 1, "H": H, "L": length, "D": D, "documents": DOCS},
         "dtype": "float32",

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import report
+
 from portable_attn._timing import start_rss_watch, stop_rss_watch
 
 RESULTS = Path(__file__).parent / "results"
@@ -388,6 +390,7 @@ def main() -> int:
         "repetitions": reps,
         "load_average_before": load_before,
         "load_average_after": _load(),
+        **report.git_state(),
     }
     result = {
         "environment": environment,

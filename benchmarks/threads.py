@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
 import numpy as np
+import report
 
 from portable_attn._lib._call import prepare
 from portable_attn._threads import available_workers, threaded_attention
@@ -53,8 +53,7 @@ def main() -> int:
                 f"one thread {row['one_thread_ms']:8.1f} ms  ratio {ratio:.2f}",
                 flush=True,
             )
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    out = {"commit": commit.strip(), "numpy": np.__version__, "rows": rows}
+    out = {**report.git_state(), "numpy": np.__version__, "rows": rows}
     (RESULTS / "threads.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

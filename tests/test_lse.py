@@ -50,12 +50,11 @@ def test_lse_against_oracle(backend, xp, path, with_sinks, kw):
     assert np.isneginf(expected[..., 1]).all() != with_sinks  # the empty row: -inf or sink
 
 
-def test_lse_of_half_inputs_is_float32(backend, xp):
-    if not backend.supports("float16"):
-        pytest.skip("no float16 here")
-    q, k, v = (backend.asarray(a, "float16") for a in qkv(**problem))
+@pytest.mark.dtypes("float16", "bfloat16")
+def test_lse_of_half_inputs_is_float32(backend, xp, dtype):
+    q, k, v = (backend.asarray(a, dtype) for a in qkv(**problem))
     out, lse = scaled_dot_product_attention(q, k, v, return_lse=True, block_size=(2, 3))
-    assert out.dtype == backend.dtype("float16")
+    assert out.dtype == backend.dtype(dtype)
     assert lse.dtype == backend.dtype("float32")
 
 

@@ -381,10 +381,10 @@ def _pair_task(
     )
     cut = (*pair.batch, pair.heads)  # slices of the small whole arrays
     slopes, sinks = (_cut_heads(xp, x, cut) for x in (slopes, sinks))
-    extra = {"sinks": sinks, "q_segments": q_segments, "kv_segments": kv_segments}
-    extra = {name: x for name, x in extra.items() if x is not None}  # fields newer than ours
     terms = ScoreTerms(
-        **extra,
+        sinks=sinks,
+        q_segments=q_segments,
+        kv_segments=kv_segments,
         mask=mask,
         q_lengths=None if q_lengths is None else _cut_lengths(q_lengths, pair.batch),
         kv_lengths=None if kv_lengths is None else _cut_lengths(kv_lengths, pair.batch),

@@ -27,7 +27,8 @@ How the path is chosen (`block_size`, `implementation`):
 
   1. ``implementation=None`` on a library whose native kernel is fused
      (:func:`~._lib._compat.fused_native_kernel`: torch SDPA) and a call the
-     kernel can express (no softcap, ``score_mod``, ALiBi or dropout): the
+     kernel can express (see :func:`~._native.unsupported_reason`: no softcap,
+     ``score_mod``, ALiBi, dropout, sinks or ``return_lse``): the
      native kernel, with every mask in its own broadcast shape -- except where
      causal/window structure lets the tiled path skip at least
      :data:`SKIP_FRACTION_FOR_TILED` of the (query block, key block) pairs
