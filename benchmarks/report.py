@@ -70,7 +70,10 @@ TARGETS = (
 
 
 def git_state() -> dict[str, Any]:
-    """The commit the benchmark ran at, and whether tracked files differed from it."""
+    """The commit the benchmark ran at, and whether tracked files differed from it.
+
+    The results folder does not count: a run of several benchmarks rewrites it.
+    """
     root = Path(__file__).resolve().parent.parent
     git = ["git", "-C", str(root)]
     try:
@@ -85,7 +88,8 @@ def git_state() -> dict[str, Any]:
         ).stdout
     except (OSError, subprocess.CalledProcessError):
         return {"commit": "unknown"}
-    return {"commit": commit, "dirty": bool(status.strip())}
+    changed = [line for line in status.splitlines() if "benchmarks/results/" not in line]
+    return {"commit": commit, "dirty": bool(changed)}
 
 
 def load(results: str | Path = RESULTS) -> dict[str, dict[str, Any] | None]:
