@@ -249,11 +249,11 @@ class TestTasks:
 
     def test_many_key_chunks_merge_as_a_tree(self, backend):
         """9 key chunks: merges of at most DASK_MERGE_FAN_IN, in two levels."""
-        from portable_attn._path_policy import DASK_MERGE_FAN_IN
+        from portable_attn._lib._policy import DASK_MERGE_FAN_IN
 
         (q, k, v), (q_np, k_np, v_np) = _problem(64, 8, lq=64, lk=72)
         out = scaled_dot_product_attention(q, k, v)
-        from portable_attn._dask import _merge_task
+        from portable_attn._paths._dask import _merge_task
 
         graph = dict(out.__dask_graph__().layers[out.name])
         merges = [task for task in graph.values() if task[0] is _merge_task]

@@ -17,7 +17,8 @@ from _helpers import qkv
 from portable_attn import get_alibi_slopes
 from portable_attn._lib._call import prepare
 from portable_attn._lib._merge import merge_partials
-from portable_attn._partial import partial_attention
+from portable_attn._lib._policy import choose_path
+from portable_attn._paths._partial import partial_attention
 from portable_attn._reference import reference_attention
 
 B, HQ, HKV, LQ, LK, D = 2, 4, 2, 6, 11, 8
@@ -38,7 +39,8 @@ def _merge_parts(backend, q, k, v, *, mask=None, bias=None, block_size=None, **k
             backend.asarray(v[..., start:stop, :]),
             **kw,
         )
-        out, lse = partial_attention(call, kv_start=start, kv_total=LK, block_size=block_size)
+        path = choose_path(call, block_size, "portable")
+        out, lse = partial_attention(call, path, kv_start=start, kv_total=LK)
         outs.append(out)
         lses.append(lse)
     merged, lse = merge_partials(

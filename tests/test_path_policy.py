@@ -1,4 +1,4 @@
-"""Every routing decision of ``portable_attn._path_policy``, pinned (not its timing).
+"""Every routing decision of ``portable_attn._lib._policy``, pinned (not its timing).
 
 Each test asks :func:`choose_path` which path a call takes, on every backend, and
 checks the values of the routed call against the float64 oracle where the
@@ -10,10 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import portable_attn._path_policy as policy
+import dataclasses
+
+import portable_attn._lib._policy as policy
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import prepare
-from portable_attn._path_policy import Path, choose_path, default_tiles
+from portable_attn._lib._path import DaskGrid, Dense, Empty, Native, Tiled
+from portable_attn._lib._policy import choose_path, default_tiles
 from portable_attn._reference import reference_attention
 
 
@@ -27,9 +30,18 @@ def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
     return data, [backend.asarray(a) for a in data]
 
 
+def _route(path):
+    """The route of a path, without the fold decision (pinned by its own tests)."""
+    if isinstance(path, Dense | Tiled):
+        return dataclasses.replace(path, fold=False)
+    if isinstance(path, DaskGrid):
+        return dataclasses.replace(path, inner=_route(path.inner))
+    return path
+
+
 def _path(backend, *, block_size=None, implementation=None, shape=None, **kwargs):
     _, (q, k, v) = _arrays(backend, **(shape or {}))
-    return choose_path(prepare(q, k, v, **kwargs), block_size, implementation)
+    return _route(choose_path(prepare(q, k, v, **kwargs), block_size, implementation))
 
 
 def _halves(n):
@@ -38,12 +50,13 @@ def _halves(n):
 
 def _dask(lq=9, lk=9, inner=policy.EAGER_TILES):
     """The Dask path: one task per (Lq chunk, Lk chunk) pair, `inner` tiles inside it."""
-    return Path("dask", (_halves(lq), _halves(lk)), inner=inner)
+    inner = Dense() if inner is None else Tiled(*inner)
+    return DaskGrid(_halves(lq), _halves(lk), inner, policy.DASK_MERGE_FAN_IN)
 
 
 def _portable(backend, lq=9, lk=9):
     """The portable path of a call with block_size None: Dask follows its Lq/Lk chunks."""
-    return _dask(lq, lk) if backend.family == "dask" else Path("dense")
+    return _dask(lq, lk) if backend.family == "dask" else Dense()
 
 
 def _fused(backend):
@@ -52,7 +65,7 @@ def _fused(backend):
 
 class TestDefaultRoute:
     def test_plain_and_square_causal_go_to_a_fused_native_kernel(self, backend):
-        expected = Path("native") if _fused(backend) else _portable(backend)
+        expected = Native() if _fused(backend) else _portable(backend)
         assert _path(backend) == expected
         assert _path(backend, is_causal=True) == expected
 
@@ -60,13 +73,13 @@ class TestDefaultRoute:
         bias = backend.asarray(np.zeros((9, 9)))
         mask = backend.asarray(np.ones((9, 9), dtype=bool))
         lengths = backend.asarray(np.array([5]))
-        expected = Path("native") if _fused(backend) else _portable(backend)
+        expected = Native() if _fused(backend) else _portable(backend)
         assert _path(backend, bias=bias) == expected
         assert _path(backend, mask=mask) == expected
         assert _path(backend, kv_lengths=lengths) == expected
         assert _path(backend, window=(2, 0)) == expected
         # bottom-right causal with Lq != Lk goes to the kernel as a mask
-        lq4 = Path("native") if _fused(backend) else _portable(backend, lq=4)
+        lq4 = Native() if _fused(backend) else _portable(backend, lq=4)
         assert _path(backend, is_causal=True, shape={"lq": 4}) == lq4
 
     @pytest.mark.parametrize(
@@ -85,9 +98,9 @@ class TestDefaultRoute:
         long = {"lq": 4096, "lk": 4096, "hq": 1, "hkv": 1}
         path = _path(backend, shape=long, is_causal=True, window=(256, 0))
         if _fused(backend):
-            assert path == Path("tiled", policy.EAGER_TILES)
+            assert path == Tiled(*policy.EAGER_TILES)
         # causal alone skips under half the pairs: the fused causal kernel stays
-        assert (_path(backend, shape=long, is_causal=True) == Path("native")) == _fused(backend)
+        assert (_path(backend, shape=long, is_causal=True) == Native()) == _fused(backend)
 
     def test_skipped_fraction(self, backend):
         def frac(lq, **kw):
@@ -103,7 +116,7 @@ class TestDefaultRoute:
         assert _path(backend, implementation="portable") == _portable(backend)
 
     def test_dense_forces_the_one_block_path(self, backend):
-        dense = _dask(inner=None) if backend.family == "dask" else Path("dense")  # per pair
+        dense = _dask(inner=None) if backend.family == "dask" else Dense()  # per pair
         assert _path(backend, block_size="dense") == dense
         assert _path(backend, block_size="dense", is_causal=True) == dense
         with pytest.raises(ValueError, match="implementation='native'"):
@@ -111,15 +124,15 @@ class TestDefaultRoute:
 
     def test_an_explicit_block_size_is_the_tiled_path(self, backend):
         def tiled(tiles):  # Dask: those tiles inside each chunk pair
-            return _dask(inner=tiles) if backend.family == "dask" else Path("tiled", tiles)
+            return _dask(inner=tiles) if backend.family == "dask" else Tiled(*tiles)
 
         assert _path(backend, block_size=4) == tiled((4, 4))
         assert _path(backend, block_size=(2, 3)) == tiled((2, 3))
         assert _path(backend, block_size=4, implementation="portable") == tiled((4, 4))
 
     def test_no_query_or_no_key_is_empty(self, backend):
-        assert _path(backend, shape={"lq": 0}) == Path("empty")
-        assert _path(backend, shape={"lk": 0}, block_size=4) == Path("empty")
+        assert _path(backend, shape={"lq": 0}) == Empty()
+        assert _path(backend, shape={"lk": 0}, block_size=4) == Empty()
 
 
 class TestAuto:
@@ -136,13 +149,13 @@ class TestAuto:
         data, (q, k, v) = _arrays(backend)
         mask_np = np.random.default_rng(1).random((9, 9)) < 0.7
         mask = backend.asarray(mask_np)
-        path = choose_path(prepare(q, k, v, mask=mask, softcap=5.0), None, None)
+        path = _route(choose_path(prepare(q, k, v, mask=mask, softcap=5.0), None, None))
         if backend.family == "dask":  # chunk pairs of 5 x 5 scores, tiled at 128 x 256 inside
             assert path == _portable(backend)
         elif backend.family == "jax":
-            assert path == Path("tiled", default_tiles(True, 9, 9))
+            assert path == Tiled(*default_tiles(True, 9, 9))
         else:
-            assert path == Path("tiled", policy.EAGER_TILES)
+            assert path == Tiled(*policy.EAGER_TILES)
         out = scaled_dot_product_attention(q, k, v, mask=mask, softcap=5.0)
         expected = reference_attention(*data, mask=mask_np, softcap=5.0)
         np.testing.assert_allclose(backend.to_numpy(out), expected, atol=1e-12, rtol=1e-10)
@@ -151,7 +164,7 @@ class TestAuto:
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
         path = _path(backend, softcap=5.0)
         if backend.family == "torch":
-            assert path == Path("tiled", policy.EAGER_TILES)
+            assert path == Tiled(*policy.EAGER_TILES)
         else:
             assert path == _portable(backend)
 
@@ -159,7 +172,7 @@ class TestAuto:
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
         path = _path(backend, block_size="auto", is_causal=True)
-        assert (path == Path("native")) == _fused(backend)
+        assert (path == Native()) == _fused(backend)
 
 
 class TestTracedTiles:
@@ -180,8 +193,8 @@ class TestTracedTiles:
 class TestNative:
     def test_native_is_taken_or_refused_with_the_reason(self, backend):
         if backend.family in ("torch", "jax"):
-            assert _path(backend, implementation="native") == Path("native")
-            assert _path(backend, implementation="native", block_size="auto") == Path("native")
+            assert _path(backend, implementation="native") == Native()
+            assert _path(backend, implementation="native", block_size="auto") == Native()
             with pytest.raises(ValueError, match=r"explicit block_size \(a portable path\)"):
                 _path(backend, implementation="native", block_size=4)
             with pytest.raises(ValueError, match="cannot express softcap"):
@@ -244,13 +257,16 @@ class TestDaskChunkTiles:
         )
         call = prepare(q, k, v, is_causal=True)
         grid = ((16,) * 4, (24,) * 4)
-        assert choose_path(call, None, None) == Path("dask", grid, inner=policy.EAGER_TILES)
+        fan_in = policy.DASK_MERGE_FAN_IN
+        assert _route(choose_path(call, None, None)) == DaskGrid(
+            *grid, Tiled(*policy.EAGER_TILES), fan_in
+        )
         monkeypatch.setattr(policy, "EAGER_TILES", (8, 16))
         # the tasks keep the chunks; the tiles inside a chunk pair are EAGER_TILES
-        assert choose_path(call, None, None) == Path("dask", grid, inner=(8, 16))
-        assert choose_path(call, "auto", None) == Path("dask", grid, inner=(8, 16))
-        assert choose_path(call, 4, None) == Path("dask", grid, inner=(4, 4))
-        assert choose_path(call, "dense", None) == Path("dask", grid)
+        assert _route(choose_path(call, None, None)) == DaskGrid(*grid, Tiled(8, 16), fan_in)
+        assert _route(choose_path(call, "auto", None)) == DaskGrid(*grid, Tiled(8, 16), fan_in)
+        assert _route(choose_path(call, 4, None)) == DaskGrid(*grid, Tiled(4, 4), fan_in)
+        assert _route(choose_path(call, "dense", None)) == DaskGrid(*grid, Dense(), fan_in)
         expected = reference_attention(*data, is_causal=True)
         for block_size in (None, "auto"):
             out = scaled_dot_product_attention(q, k, v, is_causal=True, block_size=block_size)
@@ -259,11 +275,11 @@ class TestDaskChunkTiles:
 
 class TestThreads:
     def test_numpy_runs_large_tiled_calls_in_threads(self, backend):
-        from portable_attn._threads import available_workers, can_limit_blas
+        from portable_attn._lib._cpu import available_workers, can_limit_blas
 
         big = {"lq": 2048, "lk": 2048, "hq": 8, "hkv": 8, "d": 2, "dv": 2}
         path = _path(backend, shape=big, softcap=5.0)  # 128 MiB of float64 scores
         threads = backend.family == "numpy" and can_limit_blas() and available_workers() > 1
-        assert path.workers == (available_workers() if threads else 1)
+        assert getattr(path, "workers", 1) == (available_workers() if threads else 1)
         small = _path(backend, shape={**big, "hq": 1, "hkv": 1}, softcap=5.0)
-        assert small.workers == 1  # under THREADS_MIN_SCORE_BYTES
+        assert getattr(small, "workers", 1) == 1  # under THREADS_MIN_SCORE_BYTES (or dense)

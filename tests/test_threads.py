@@ -9,7 +9,10 @@ from _helpers import assert_close, on_backend, qkv, randn
 from portable_attn._lib._call import prepare
 from portable_attn._lib._tiled import tiled_forward
 from portable_attn._reference import reference_attention
-from portable_attn._threads import available_workers, threaded_attention
+from portable_attn._lib._cpu import available_workers
+from portable_attn._lib._path import Tiled
+from portable_attn._lib._policy import fold_row_sums
+from portable_attn._paths._threads import threaded_attention
 
 pytestmark = pytest.mark.backends("numpy", reason="threads for NumPy's one-core ufuncs")
 
@@ -58,18 +61,9 @@ CASES = {
 def _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, dtype="float64", **kw):
     arrays = [backend.asarray(a, dtype) for a in (q, k, v)]
     call = prepare(*arrays, **on_backend(backend, kw))
-    threaded = threaded_attention(call, block_q, block_k, workers)
-    tiled = tiled_forward(
-        call.xp,
-        call.query,
-        call.key,
-        call.value,
-        call.bias,
-        call.terms,
-        call.plan,
-        block_q,
-        block_k,
-    )[0]
+    fold = fold_row_sums(call)
+    threaded, _ = threaded_attention(call, Tiled(block_q, block_k, fold, workers))
+    tiled, _ = tiled_forward(call, block_q, block_k, fold=fold)
     return call.finish(threaded), call.finish(tiled)
 
 
@@ -109,10 +103,11 @@ def test_fully_masked_rows_and_query_blocks_are_zero(backend):
 def test_float32_equals_tiled_path(backend, limit_blas, tasks_per_worker):
     q, k, v = (randn(1, 4, 300, 32, seed=s, dtype=np.float32) for s in range(3))
     call = prepare(q, k, v, is_causal=True)
-    threaded = threaded_attention(
-        call, 64, 128, 2, limit_blas=limit_blas, tasks_per_worker=tasks_per_worker
+    fold = fold_row_sums(call)
+    threaded, _ = threaded_attention(
+        call, Tiled(64, 128, fold, 2), limit_blas=limit_blas, tasks_per_worker=tasks_per_worker
     )
-    tiled = tiled_forward(call.xp, q, k, v, None, call.terms, call.plan, 64, 128)[0]
+    tiled, _ = tiled_forward(call, 64, 128, fold=fold)
     assert threaded.dtype == np.float32
     np.testing.assert_allclose(threaded, tiled, rtol=1e-6, atol=1e-7)
     expected = reference_attention(q, k, v, is_causal=True)
@@ -131,7 +126,7 @@ def test_available_workers_is_positive():
 
 
 def test_without_threadpoolctl(backend, monkeypatch):
-    import portable_attn._threads as threads
+    import portable_attn._lib._cpu as threads
 
     monkeypatch.setattr(threads, "_controller", lambda: None)  # as if it were not installed
     q, k, v = qkv(lq=17, lk=19)

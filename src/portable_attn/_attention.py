@@ -1,7 +1,7 @@
 """The public attention functions: docstrings, :func:`prepare`, the path, the run.
 
 Every check is in ``_lib/_validation.py`` (called by :func:`prepare`), the
-choice between the dense, tiled and native paths in ``_path_policy.py``, the
+choice of the path in ``_lib/_policy.py``, the paths in ``_paths/``, the
 numerics in ``_lib/``.
 """
 
@@ -10,14 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from ._autodiff import tiled_attention
-from ._dask import dask_attention
 from ._lib._call import prepare
-from ._lib._dense import dense_attention, dense_weights
+from ._lib._dense import dense_weights
+from ._lib._policy import choose_path
 from ._lib._validation import check_is_flag
-from ._native import native_attention
-from ._path_policy import choose_path
-from ._threads import threaded_attention
+from ._paths import run
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
@@ -96,7 +93,7 @@ def scaled_dot_product_attention(
         call (torch), and for Dask arrays chunked along ``Lq`` or ``Lk`` one
         tile per (query chunk, key chunk) pair, so no task holds more than one
         chunk pair of scores. The rules and their measured thresholds are in
-        one place, ``portable_attn._path_policy``.
+        one place, ``portable_attn._lib._policy``.
         ``"dense"``: always the dense path.
         An int (or a pair ``(block_q, block_k)``): the tiled path, exact online
         softmax over query and key blocks of this size; memory O(Lq + Lk) per
@@ -149,7 +146,7 @@ def scaled_dot_product_attention(
         expressible, honours the contract and is measured faster (torch's
         fused kernels, unless causal/window structure lets the tiled path skip
         most blocks); the portable path otherwise (rules in
-        ``portable_attn._path_policy``).
+        ``portable_attn._lib._policy``).
     return_lse : bool, default False
         Also return the row log-sum-exp ``log(exp(sink_h) + Σ_j exp(s_ij))`` over
         the visible keys (the sink term only with `sinks`), for
@@ -220,31 +217,7 @@ def scaled_dot_product_attention(
     )
     return_lse = check_is_flag("return_lse", return_lse)
     path = choose_path(call, block_size, implementation, return_lse=return_lse)
-    lse = None
-    if path.kind == "empty":
-        out = call.zeros(call.plan.q_len, call.plan.value_dim)
-        lse = call.empty_lse()
-    elif path.kind == "native":
-        out = native_attention(call)
-    elif path.kind == "dask":
-        out = dask_attention(call, path, with_lse=return_lse)
-    elif path.kind == "dense":
-        out = dense_attention(
-            call.xp,
-            call.query,
-            call.key,
-            call.value,
-            call.bias,
-            call.terms,
-            call.plan,
-            with_lse=return_lse,
-        )
-    elif path.workers > 1:
-        out = threaded_attention(call, *path.tiles, path.workers, with_lse=return_lse)
-    else:
-        out = tiled_attention(call, *path.tiles, with_lse=return_lse)
-    if return_lse and lse is None:
-        out, lse = out
+    out, lse = run(call, path, with_lse=return_lse)
     return (call.finish(out), call.finish_lse(lse)) if return_lse else call.finish(out)
 
 
@@ -336,5 +309,4 @@ def attention_weights(
     )
     if call.is_empty:
         return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))
-    w = dense_weights(call.xp, call.query, call.key, call.bias, call.terms, call.plan)
-    return call.finish(w)
+    return call.finish(dense_weights(call))

@@ -24,13 +24,16 @@ JAX 0.10 (``jax.shard_map``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._lib._call import prepare
+from ._lib._call import AttentionCall, prepare
 from ._lib._compat import library_name
+from ._lib._fields import field
 from ._lib._merge import merge_partials
-from ._partial import partial_attention
+from ._lib._policy import choose_path
+from ._paths._partial import partial_attention
 
 __all__ = ["sequence_parallel_attention"]
 
@@ -54,6 +57,9 @@ def sequence_parallel_attention(
     kv_lengths: Array | None = None,
     alibi_slopes: Array | None = None,
     score_mod: Callable[..., Array] | None = None,
+    sinks: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
     block_size: int | tuple[int, int] | None = None,
 ) -> Array:
     """Attention with keys/values split along ``Lk`` over the mesh axis `axis_name`.
@@ -61,7 +67,7 @@ def sequence_parallel_attention(
     Same result as :func:`portable_attn.scaled_dot_product_attention` with the
     same arguments (bottom-right causal alignment, zero rows for queries that
     see no key, float32 accumulation for half precision). Works eagerly and
-    under ``jax.jit``; differentiable with ``jax.grad``.
+    under ``jax.jit``; differentiable with ``jax.grad`` (eagerly too).
 
     Parameters
     ----------
@@ -78,10 +84,14 @@ def sequence_parallel_attention(
         Split along their last axis with the keys when it has length ``Lk``.
     block_size : int or (int, int), optional
         Tile each device's part (online softmax within the part too); default
-        one block per device.
+        as the library picks for one device's part.
     is_causal, scale, window, softcap, q_lengths, kv_lengths, alibi_slopes, score_mod
         As in :func:`portable_attn.scaled_dot_product_attention`; positions are
         those of the whole sequence.
+    sinks, q_segment_ids, kv_segment_ids
+        As in :func:`portable_attn.scaled_dot_product_attention`: the sink logit
+        joins the softmax once (on the first device's part); the key ids are
+        split with the keys.
 
     Returns
     -------
@@ -94,11 +104,12 @@ def sequence_parallel_attention(
         ``Lk`` not a multiple of the size of `axis_name`, an unknown axis name,
         or any error :func:`portable_attn.scaled_dot_product_attention` raises.
     """
-    for name, x in (("query", query), ("key", key), ("value", value)):
+    given = {"query": query, "key": key, "value": value}
+    for name, x in given.items():
         if library_name(x) not in ("jax", "numpy"):  # host NumPy arrays are placed by JAX
             msg = (
                 f"sequence_parallel_attention needs JAX (or NumPy) arrays, but `{name}` is a "
-                f"{library_name(x)} array; use scaled_dot_product_attention for it"
+                f"{_kind(x)}; use scaled_dot_product_attention for it"
             )
             raise TypeError(msg)
     import jax
@@ -107,33 +118,26 @@ def sequence_parallel_attention(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    def attention_call(a: dict[str, Array]) -> Any:  # on the whole arrays, or one part
-        return prepare(
-            a["query"],
-            a["key"],
-            a["value"],
-            mask=a.get("mask"),
-            bias=a.get("bias"),
-            is_causal=is_causal,
-            scale=scale,
-            window=window,
-            softcap=softcap,
-            q_lengths=a.get("q_lengths"),
-            kv_lengths=a.get("kv_lengths"),
-            alibi_slopes=a.get("alibi_slopes"),
-            score_mod=score_mod,
-        )
+    def on_jax(x: Array | None) -> Array | None:  # host NumPy arrays become JAX arrays
+        return x if x is None or library_name(x) != "numpy" else jnp.asarray(x)
 
-    given = {
-        "mask": mask,
-        "bias": bias,
-        "q_lengths": q_lengths,
-        "kv_lengths": kv_lengths,
-        "alibi_slopes": alibi_slopes,
-    }
-    arrays = {"query": query, "key": key, "value": value}
-    arrays |= {name: x for name, x in given.items() if x is not None}
-    plan = attention_call(arrays).plan  # every check, on the whole arrays
+    call = prepare(  # every check, on the whole arrays
+        *(on_jax(x) for x in (query, key, value)),
+        mask=on_jax(mask),
+        bias=on_jax(bias),
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        q_lengths=on_jax(q_lengths),
+        kv_lengths=on_jax(kv_lengths),
+        alibi_slopes=on_jax(alibi_slopes),
+        score_mod=score_mod,
+        sinks=on_jax(sinks),
+        q_segment_ids=on_jax(q_segment_ids),
+        kv_segment_ids=on_jax(kv_segment_ids),
+    )
+    plan = call.plan
     if axis_name not in mesh.shape:
         msg = f"`axis_name` {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}"
         raise ValueError(msg)
@@ -145,24 +149,28 @@ def sequence_parallel_attention(
         )
         raise ValueError(msg)
     part_len = plan.kv_len // parts
+    arrays, skeleton = call.flatten()
 
-    def split_keys(x: Array) -> Any:  # the key axis of K/V, and of a mask/bias that has it
-        return P(*([None] * (x.ndim - 2)), axis_name, None)
+    def spec(name: str, x: Array) -> Any:
+        """Split a field along its key axis over `axis_name` where it has all Lk keys."""
+        axes = field(name).axes
+        if "lk" not in axes or plan.kv_len <= 1:
+            return P()
+        dim = x.ndim - len(axes) + axes.index("lk")
+        if dim < 0 or x.shape[dim] != plan.kv_len:
+            return P()  # broadcast along the keys
+        return P(*([None] * dim), axis_name, *([None] * (x.ndim - dim - 1)))
 
-    def split_last(x: Array) -> Any:
-        if x.ndim >= 1 and x.shape[-1] == plan.kv_len and plan.kv_len > 1:
-            return P(*([None] * (x.ndim - 1)), axis_name)
-        return P()
-
-    specs = {"query": P(), "key": split_keys(key), "value": split_keys(value)}
-    for name in given:
-        if name in arrays:
-            specs[name] = split_last(arrays[name]) if name in ("mask", "bias") else P()
+    specs = {name: spec(name, x) for name, x in arrays.items()}
 
     def local(a: dict[str, Array]) -> Array:
-        start = lax.axis_index(axis_name) * part_len
+        index = lax.axis_index(axis_name)
+        if "sinks" in a:  # the sink logit counts once per row: in the first part only
+            a = {**a, "sinks": jnp.where(index == 0, a["sinks"], -jnp.inf)}
+        part = skeleton.unflatten(a, kv_len=part_len)
+        path = choose_path(part, block_size, "portable")  # the policy, for one part
         out, lse = partial_attention(
-            attention_call(a), kv_start=start, kv_total=plan.kv_len, block_size=block_size
+            part, path, kv_start=index * part_len, kv_total=plan.kv_len
         )
         merged, _ = merge_partials(
             jnp,
@@ -174,12 +182,32 @@ def sequence_parallel_attention(
         )
         return merged
 
-    # Lay every input out as its spec says (inside jit: a sharding constraint; a K/V
-    # already split along Lk over `axis_name` moves nothing).
-    arrays = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:  # older JAX: only the experimental location (untested here)
         from jax.experimental.shard_map import shard_map
     run = shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())
-    out = run(arrays).astype(plan.result_dtype)
-    return out[0] if query.ndim == key.ndim == value.ndim == 2 else out
+    with _mesh_context(jax, mesh):  # eager jax.grad traces the layout under the mesh too
+        # Lay every input out as its spec says (inside jit: a sharding constraint; a K/V
+        # already split along Lk over `axis_name` moves nothing).
+        arrays = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
+        out = run(arrays)
+    return call.finish(out)
+
+
+def _kind(x: Any) -> str:
+    """How an argument that is not an array is named in an error."""
+    if x is None:
+        return "None, not an array"
+    return f"{library_name(x)} array" if hasattr(x, "shape") else f"{type(x).__name__}"
+
+
+@contextlib.contextmanager
+def _mesh_context(jax: Any, mesh: Any) -> Iterator[None]:
+    """Enter `mesh` as the current mesh where this JAX has such a context (``jax.set_mesh``)."""
+    enter = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "use_mesh", None)
+    if enter is None:  # older JAX: the mesh object is its own context
+        with mesh:
+            yield
+        return
+    with enter(mesh):
+        yield

@@ -36,8 +36,9 @@ from ._compat import (
     pins_devices,
     reads_host_values,
 )
+from ._fields import FIELDS
 from ._masks import SegmentBlocks, arange
-from ._scores import AttentionPlan, ScoreTerms
+from ._scores import AttentionPlan, ScoreTerms, empty_result
 
 __all__ = ["ATTENTION_KEYWORDS", "AttentionCall", "prepare", "signed_lengths"]
 
@@ -88,6 +89,52 @@ class AttentionCall:
         full = (*plan.batch, plan.num_q_heads, *shape)
         return self.xp.zeros(full, dtype=plan.compute_dtype, **on_device(plan.device))
 
+    def empty_result(self) -> tuple[Array, Array]:
+        """Output and lse of a call none of whose rows sees a key (:func:`empty_result`)."""
+        return empty_result(self.xp, self.plan, self.terms.sinks)
+
+    def flatten(self) -> tuple[dict[str, Array], AttentionCall]:
+        """Split the call into its arrays and a skeleton that holds everything else.
+
+        Returns
+        -------
+        arrays : dict of str to array
+            Every field of :data:`~._fields.FIELDS` that holds an array (a float
+            `scale` is static, not an array), by name, in declaration order.
+        skeleton : AttentionCall
+            The call with those fields set to None: the static part, for
+            :meth:`unflatten` (a JAX custom-VJP closure, a Dask task's argument).
+        """
+        arrays: dict[str, Array] = {}
+        changes: dict[str, dict[str, Any]] = {"call": {}, "terms": {}, "plan": {}}
+        owners = {"call": self, "terms": self.terms, "plan": self.plan}
+        for f in FIELDS:
+            x = getattr(owners[f.owner], f.name)
+            if x is not None and not isinstance(x, (int, float)):
+                arrays[f.name] = x
+                changes[f.owner][f.name] = None
+        plan = dataclasses.replace(self.plan, **changes["plan"]) if changes["plan"] else self.plan
+        terms = self.terms
+        if changes["terms"]:
+            terms = dataclasses.replace(terms, **changes["terms"])
+        skeleton = dataclasses.replace(self, plan=plan, terms=terms, **changes["call"])
+        return arrays, skeleton
+
+    def unflatten(self, arrays: dict[str, Array], **plan_changes: Any) -> AttentionCall:
+        """Put `arrays` (by field name) into this call (a skeleton); inverse of :meth:`flatten`.
+
+        `plan_changes` replace static plan fields too (the shapes of a part).
+        """
+        changes: dict[str, dict[str, Any]] = {"call": {}, "terms": {}, "plan": plan_changes}
+        for f in FIELDS:
+            if f.name in arrays:
+                changes[f.owner][f.name] = arrays[f.name]
+        plan = dataclasses.replace(self.plan, **changes["plan"]) if changes["plan"] else self.plan
+        terms = self.terms
+        if changes["terms"]:
+            terms = dataclasses.replace(terms, **changes["terms"])
+        return dataclasses.replace(self, plan=plan, terms=terms, **changes["call"])
+
     def finish(self, out: Array) -> Array:
         """Cast a result to the promoted input dtype and drop the head axis of 2-D calls."""
         if out.dtype != self.plan.result_dtype:
@@ -98,14 +145,6 @@ class AttentionCall:
         """Return a row log-sum-exp (..., Hq, Lq, 1) as (..., Hq, Lq), in the compute dtype."""
         lse = lse[..., 0]
         return lse[0, ...] if self.drop_head else lse
-
-    def empty_lse(self) -> Array:
-        """Return the log-sum-exp of a call with no key: ``-inf``, or the sink logit."""
-        plan = self.plan
-        lse = self.zeros(plan.q_len, 1) - self.xp.inf
-        if self.terms.sinks is not None:
-            lse = self.xp.broadcast_to(self.terms.sinks, lse.shape)
-        return lse
 
 
 def prepare(
@@ -227,8 +266,8 @@ def signed_lengths(xp: Any, x: Array) -> Array:
 
 _PLAN_CACHE: dict[Any, AttentionPlan] = {}
 _PLAN_CACHE_SIZE = 256
-#: ScoreTerms hold no array when no model-building argument is given: one per offset
-_PLAIN_TERMS: dict[int, ScoreTerms] = {}
+#: ScoreTerms holding no array: when no model-building argument is given
+_PLAIN_TERMS = ScoreTerms()
 
 
 def _meta(x: Array | None) -> Any:
@@ -379,15 +418,7 @@ def _score_terms(
         and q_segment_ids is None
         and kv_segment_ids is None
     ):  # the common call: none of them given
-        if mask is not None:
-            return plan, ScoreTerms(mask=mask, offset=plan.offset)
-        terms = _PLAIN_TERMS.get(plan.offset)
-        if terms is None:
-            terms = ScoreTerms(offset=plan.offset)
-            if len(_PLAIN_TERMS) >= _PLAN_CACHE_SIZE:
-                _PLAIN_TERMS.clear()
-            _PLAIN_TERMS[plan.offset] = terms
-        return plan, terms
+        return plan, (_PLAIN_TERMS if mask is None else ScoreTerms(mask=mask))
     logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
     lengths = {}
     for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
@@ -395,11 +426,7 @@ def _score_terms(
             v.check_lengths(xp, name, x, plan.batch)
             x = signed_lengths(xp, x)
             lengths[name] = xp.reshape(x, (*x.shape, 1, 1, 1))  # (*batch, 1, 1, 1)
-    offset: Any = plan.offset
-    if lengths:
-        q_len = lengths.get("q_lengths", plan.q_len)
-        kv_len = lengths.get("kv_lengths", plan.kv_len)
-        offset = kv_len - q_len  # i' = i + kv_len[b] - q_len[b]
+    if lengths:  # i' = i + kv_len[b] - q_len[b] (Alignment.offset)
         plan = dataclasses.replace(plan, has_lengths=True)
     slopes = alibi_slopes
     if slopes is not None:
@@ -432,7 +459,6 @@ def _score_terms(
         mask=mask,
         q_lengths=lengths.get("q_lengths"),
         kv_lengths=lengths.get("kv_lengths"),
-        offset=offset,
         alibi_slopes=slopes,
         score_mod=score_mod,
         batch_index=batch_index,

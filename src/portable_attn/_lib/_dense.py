@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ._call import AttentionCall
 from ._scores import (
     AttentionPlan,
     ScoreTerms,
     allowed_block,
-    fold_row_sums,
     heads_to_rows,
     logits_block,
+    rows_may_be_empty,
     rows_to_heads,
     scaled_query_rows,
     scores_block,
@@ -30,19 +31,6 @@ class _Exp(NamedTuple):
     may_be_empty: bool
 
 
-def _rows_may_be_empty(bias: Any | None, terms: ScoreTerms, allowed: Any | None) -> bool:
-    """Whether some row can end up with no visible key (a mask, or -inf from bias/score_mod).
-
-    ALiBi counts too: a huge slope can push a whole row's scores to -inf.
-    """
-    return (
-        allowed is not None
-        or bias is not None
-        or terms.score_mod is not None
-        or terms.alibi_slopes is not None
-    )
-
-
 def _exp_logits(
     xp: Any,
     q: Any,
@@ -58,7 +46,7 @@ def _exp_logits(
     capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
     scores = scores_block(xp, capped, bias, terms, plan, whole_q, whole_k)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
-    may_be_empty = _rows_may_be_empty(bias, terms, allowed)
+    may_be_empty = rows_may_be_empty(bias, terms, plan)
     exp_logits, sums, shift = masked_exp(
         xp, scores, allowed, rows_may_be_empty=may_be_empty, row_sum=row_sum, sink=terms.sinks
     )
@@ -77,27 +65,18 @@ def _dropout(xp: Any, weights: Any, terms: ScoreTerms) -> Any:
     return xp.where(terms.dropout_keep, weights, 0.0)
 
 
-def dense_attention(
-    xp: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    bias: Any | None,
-    terms: ScoreTerms,
-    plan: AttentionPlan,
-    *,
-    with_lse: bool = False,
-) -> Any:
+def dense_attention(call: AttentionCall, *, fold: bool = False, with_lse: bool = False) -> Any:
     """Attention output, shape (*batch, Hq, Lq, Dv), in the compute dtype.
 
     The normalisation is applied after the second matmul: dividing the
     ``(Lq, Dv)`` output is cheaper than dividing the ``(Lq, Lk)`` weights.
-    Where :func:`fold_row_sums` says so, the row sums come from the same
+    With `fold` (decided by the path policy), the row sums come from the same
     matmul, with a column of ones appended to V (``[P V | P 1]``), instead of
     another pass over the ``(Lq, Lk)`` weights. `with_lse` also returns the
     row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for rows with no visible key.
     """
-    fold = fold_row_sums(q, terms, plan)
+    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    terms, plan = call.terms, call.plan
     e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold)
     row_sum = e.row_sum
     exp_logits = heads_to_rows(xp, _dropout(xp, e.weights, terms), plan.num_kv_heads)
@@ -118,11 +97,10 @@ def dense_attention(
     return out, xp.where(row_sum == 0.0, -xp.inf, lse)
 
 
-def dense_weights(
-    xp: Any, q: Any, k: Any, bias: Any | None, terms: ScoreTerms, plan: AttentionPlan
-) -> Any:
+def dense_weights(call: AttentionCall) -> Any:
     """Attention weights, shape (*batch, Hq, Lq, Lk), in the compute dtype."""
-    e = _exp_logits(xp, q, k, bias, terms, plan)
+    xp, terms = call.xp, call.terms
+    e = _exp_logits(xp, call.query, call.key, call.bias, terms, call.plan)
     weights = _normalise(xp, e.weights, e.row_sum, e.may_be_empty)
     if terms.dropout_keep is not None:
         weights = _dropout(xp, weights, terms) * terms.dropout_scale

@@ -12,16 +12,157 @@ one per block. All positions use the bottom-right alignment of the library::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ._compat import on_device
 
-__all__ = ["SegmentBlocks", "arange", "padding_allowed", "segment_allowed", "structure_allowed"]
+__all__ = [
+    "Alignment",
+    "Band",
+    "SegmentBlocks",
+    "arange",
+    "padding_allowed",
+    "segment_allowed",
+    "structure_allowed",
+]
+
+Range = tuple[int, int]
 
 
 def arange(xp: Any, start: int, stop: int, device: Any) -> Any:
     """Positions ``start .. stop - 1`` next to the inputs (`device` may be None)."""
     return xp.arange(start, stop, **on_device(device))
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Where the queries and keys of a call sit in the whole sequences: the one alignment.
+
+    A whole call has the defaults. A part of a call (a Dask chunk pair, a block
+    placed by :func:`portable_attn._paths._partial.place_block`) starts at
+    `q_start` / `kv_start` of `q_total` / `kv_total` queries and keys. Query ``i``
+    of the part is aligned on the key axis at ``i' = i + offset`` (see
+    :meth:`offset`): bottom-right, ``i' = i + Lk - Lq`` for a whole call.
+    """
+
+    q_start: int = 0
+    kv_start: int = 0
+    q_total: int | None = None  # None: the call's own Lq
+    kv_total: int | None = None  # None: the call's own Lk
+
+    def static_offset(self, q_len: int, kv_len: int) -> int:
+        """``i' - i`` from shapes alone: ``Lk_total - Lq_total + q_start - kv_start``."""
+        q_total = q_len if self.q_total is None else self.q_total
+        kv_total = kv_len if self.kv_total is None else self.kv_total
+        return kv_total - q_total + self.q_start - self.kv_start
+
+    def offset(self, q_len: int, kv_len: int, q_lengths: Any, kv_lengths: Any) -> Any:
+        """``i' - i``: static, or per sequence (*batch, 1, 1, 1) when lengths are given.
+
+        The lengths are those of this call's own positions (a part's are already
+        shifted by its start), so ``i' = i + kv_len[b] - q_len[b]`` in local indices.
+        """
+        if q_lengths is None and kv_lengths is None:
+            return self.static_offset(q_len, kv_len)
+        q_total = q_len if self.q_total is None else self.q_total
+        kv_total = kv_len if self.kv_total is None else self.kv_total
+        kv = kv_total - self.kv_start if kv_lengths is None else kv_lengths
+        q = q_total - self.q_start if q_lengths is None else q_lengths
+        return kv - q
+
+
+@dataclass(frozen=True)
+class Band:
+    """The causal / sliding-window band: the one place it is computed.
+
+    Query ``i`` (aligned at ``i' = i + offset``) may see key ``j`` iff
+    ``i' - left <= j <= i' + right``; a None side is unbounded. Causal is
+    ``right = min(right, 0)``.
+    """
+
+    left: int | None = None
+    right: int | None = None
+
+    @classmethod
+    def of(cls, is_causal: bool, window: tuple[int | None, int | None] | None) -> Band:
+        """The band of ``is_causal`` and ``window=(left, right)``."""
+        left, right = window if window is not None else (None, None)
+        if is_causal:
+            right = 0 if right is None else min(right, 0)
+        return cls(left, right)
+
+    @property
+    def restricts(self) -> bool:
+        """Whether the band hides anything at all."""
+        return self.left is not None or self.right is not None
+
+    def allowed(
+        self, xp: Any, q_range: Range, k_range: Range, offset: Any, device: Any = None
+    ) -> Any | None:
+        """Return the "may attend" array of a block of queries and keys, or None.
+
+        Parameters
+        ----------
+        xp : namespace
+            Array namespace to build the array in.
+        q_range, k_range : (int, int)
+            Half-open ranges ``[start, stop)`` of query and key positions.
+        offset : int or integer array of shape (*batch, 1, 1, 1)
+            ``i' - i`` (:meth:`Alignment.offset`).
+        device : device, optional
+            Device of the inputs.
+
+        Returns
+        -------
+        array of bool, shape (bq, bk), or (*batch, 1, bq, bk) with an array offset
+            None when the band restricts nothing.
+        """
+        if not self.restricts:
+            return None
+        if isinstance(offset, int):
+            q_pos = arange(xp, q_range[0] + offset, q_range[1] + offset, device)[:, None]
+        else:
+            q_pos = arange(xp, q_range[0], q_range[1], device)[:, None] + offset  # (.., bq, 1)
+        k_pos = arange(xp, k_range[0], k_range[1], device)[None, :]  # (1, bk)
+        allowed = None
+        if self.right is not None:
+            allowed = k_pos <= q_pos + self.right  # (bq, bk)
+        if self.left is not None:
+            lower = k_pos >= q_pos - self.left  # (bq, bk)
+            allowed = lower if allowed is None else xp.logical_and(allowed, lower)
+        return allowed
+
+    def visibility(self, q_range: Range, k_range: Range, offset: int | None) -> str:
+        """``"skip"`` when the band hides the whole block, else ``"partial"`` or ``"full"``.
+
+        `offset` None: the alignment depends on values (lengths): every block is "partial".
+        """
+        if offset is None:
+            return "partial"
+        first_q, last_q = q_range[0] + offset, q_range[1] - 1 + offset
+        first_k, last_k = k_range[0], k_range[1] - 1
+        if self.right is not None and first_k > last_q + self.right:
+            return "skip"  # every key is right of every query's band
+        if self.left is not None and last_k < first_q - self.left:
+            return "skip"  # every key is left of every query's band
+        full_right = self.right is None or last_k <= first_q + self.right
+        full_left = self.left is None or first_k >= last_q - self.left
+        return "full" if full_right and full_left else "partial"
+
+    def empties_rows(self, q_len: int, kv_len: int, offset: int | None) -> bool:
+        """Whether some query row sees no key through the band alone (None offset: maybe)."""
+        if not self.restricts:
+            return False
+        if offset is None:
+            return True
+        if q_len == 0 or kv_len == 0:
+            return kv_len == 0 < q_len
+        first_q, last_q = offset, offset + q_len - 1
+        # a row is empty iff its band [i' - left, i' + right] misses [0, Lk)
+        return (self.right is not None and first_q + self.right < 0) or (
+            self.left is not None and last_q - self.left > kv_len - 1
+        )
 
 
 def structure_allowed(
@@ -34,47 +175,8 @@ def structure_allowed(
     window: tuple[int | None, int | None] | None,
     device: Any = None,
 ) -> Any | None:
-    """Return the causal/window "may attend" array for a block of queries and keys.
-
-    Parameters
-    ----------
-    xp : namespace
-        Array namespace to build the array in.
-    q_range, k_range : (int, int)
-        Half-open ranges ``[start, stop)`` of query and key positions.
-    offset : int or integer array of shape (*batch, 1, 1, 1)
-        ``Lk - Lq`` (or ``kv_len - q_len`` per sequence when lengths are given):
-        added to query positions to align them on the key axis.
-    is_causal : bool
-        Apply ``j <= i'``.
-    window : (int or None, int or None) or None
-        ``(left, right)`` band around ``i'``; None sides are unbounded.
-    device : device, optional
-        Device of the inputs.
-
-    Returns
-    -------
-    array of bool, shape (q_stop - q_start, k_stop - k_start), or None
-        (with an array offset: shape (*batch, 1, bq, bk)). None when neither
-        causal nor any window side restricts anything.
-    """
-    left, right = window if window is not None else (None, None)
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    if left is None and right is None:
-        return None
-    if isinstance(offset, int):
-        q_pos = arange(xp, q_range[0] + offset, q_range[1] + offset, device)[:, None]  # (Lq, 1)
-    else:
-        q_pos = arange(xp, q_range[0], q_range[1], device)[:, None] + offset  # (..., 1, Lq, 1)
-    k_pos = arange(xp, k_range[0], k_range[1], device)[None, :]  # (1, Lk)
-    allowed = None
-    if right is not None:
-        allowed = k_pos <= q_pos + right  # (Lq, Lk)
-    if left is not None:
-        lower = k_pos >= q_pos - left  # (Lq, Lk)
-        allowed = lower if allowed is None else xp.logical_and(allowed, lower)
-    return allowed
+    """:meth:`Band.allowed` of ``Band.of(is_causal, window)`` (for :func:`causal_mask`)."""
+    return Band.of(is_causal, window).allowed(xp, q_range, k_range, offset, device)
 
 
 def padding_allowed(

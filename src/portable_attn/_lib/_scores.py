@@ -11,26 +11,31 @@ heads, ``G = Hq // Hkv``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._compat import on_device, traces_python_loops
-from ._masks import arange, padding_allowed, segment_allowed, structure_allowed
+from ._compat import on_device
+from ._masks import Alignment, Band, arange, padding_allowed, segment_allowed
 
 __all__ = [
     "AttentionPlan",
     "ScoreTerms",
     "alibi_distance",
     "allowed_block",
+    "block_visibility",
     "capped_logits",
+    "empty_result",
     "heads_to_rows",
+    "hidden_by_value",
     "logits_block",
+    "query_offset",
     "raw_logits_block",
+    "rows_may_be_empty",
     "rows_to_heads",
     "scaled_query_rows",
     "scores_block",
-    "fold_row_sums",
     "slice_block",
     "with_ones_column",
 ]
@@ -59,6 +64,8 @@ class AttentionPlan:
     device: Any
     has_lengths: bool = False
     key_dim: int = 0
+    #: where these queries and keys sit in the whole sequences (a part of a call)
+    align: Alignment = Alignment()
 
     @property
     def groups(self) -> int:
@@ -67,8 +74,13 @@ class AttentionPlan:
 
     @property
     def offset(self) -> int:
-        """``Lk - Lq``: the bottom-right alignment of queries on the key axis."""
-        return self.kv_len - self.q_len
+        """``i' - i`` from shapes alone (``Lk - Lq`` for a whole call): see :class:`Alignment`."""
+        return self.align.static_offset(self.q_len, self.kv_len)
+
+    @functools.cached_property
+    def band(self) -> Band:
+        """The causal / window band of the call."""
+        return Band.of(self.is_causal, self.window)
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ class ScoreTerms:
     """The per-call arrays of the score pipeline other than Q, K, V and the bias.
 
     Every array already has the shape it broadcasts with: masks have at least two
-    dims (..., Lq|1, Lk|1); lengths, offsets and the batch index are
+    dims (..., Lq|1, Lk|1); lengths and the batch index are
     (*batch, 1, 1, 1); ALiBi slopes are (..., Hq, 1, 1). Only the ALiBi slopes
     receive a gradient (in the tiled backward and through autodiff).
     """
@@ -84,7 +96,6 @@ class ScoreTerms:
     mask: Any | None = None
     q_lengths: Any | None = None
     kv_lengths: Any | None = None
-    offset: Any = 0
     alibi_slopes: Any | None = None
     score_mod: Callable[..., Any] | None = None
     batch_index: Any | None = None
@@ -135,20 +146,6 @@ def rows_to_heads(xp: Any, x: Any, num_q_heads: int) -> Any:
 def scaled_query_rows(xp: Any, q: Any, plan: AttentionPlan) -> Any:
     """``scale · Q`` as (..., Hkv, G*Lq, Dk): scaling Q costs Lq·Dk, not Lq·Lk."""
     return heads_to_rows(xp, q * plan.scale, plan.num_kv_heads)
-
-
-def fold_row_sums(q: Any, terms: ScoreTerms, plan: AttentionPlan) -> bool:
-    """Whether to take the row sums of P from ``P @ [V | 1]`` instead of a pass over P.
-
-    Not with dropout (it drops weights from ``P V`` but not from the sums), and
-    not for traced libraries (JAX): XLA fuses the sum into the ``exp`` pass
-    already, and the wider matmul measured 4-11% slower under ``jax.jit``.
-    Eager libraries save one pass over every (bq, bk) block (NumPy: 3-7%), but
-    building ``[V | 1]`` copies V: it pays only when each K/V head has more query
-    rows (G * Lq) than V has columns (decoding, Lq = 1, copied V for nothing).
-    """
-    rows = plan.groups * plan.q_len
-    return terms.dropout_keep is None and not traces_python_loops(q) and rows > plan.value_dim
 
 
 def with_ones_column(xp: Any, v: Any, plan: AttentionPlan) -> Any:
@@ -210,18 +207,9 @@ def allowed_block(
     ``segments=False`` the segment ids (for blocks known to lie in one segment).
     """
     parts = [slice_block(terms.mask, q_range, k_range)]  # (..., Hq|1, bq|1, bk|1)
-    if structural:
-        parts.append(
-            structure_allowed(
-                xp,
-                q_range,
-                k_range,
-                offset=terms.offset,
-                is_causal=plan.is_causal,
-                window=plan.window,
-                device=plan.device,
-            )
-        )  # (bq, bk) or (*batch, 1, bq, bk)
+    if structural and plan.band.restricts:  # (bq, bk) or (*batch, 1, bq, bk)
+        offset = query_offset(plan, terms)
+        parts.append(plan.band.allowed(xp, q_range, k_range, offset, plan.device))
     parts.append(
         padding_allowed(xp, q_range, k_range, terms.q_lengths, terms.kv_lengths, plan.device)
     )
@@ -270,6 +258,71 @@ def alibi_distance(
     xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range
 ) -> Any:
     """``|i' - j|`` with ``i' = i + offset``, as floats: (bq, bk) or (*batch, 1, bq, bk)."""
-    q_pos = arange(xp, q_range[0], q_range[1], plan.device)[:, None] + terms.offset
+    q_pos = arange(xp, q_range[0], q_range[1], plan.device)[:, None] + query_offset(plan, terms)
     k_pos = arange(xp, k_range[0], k_range[1], plan.device)[None, :]
     return xp.astype(xp.abs(q_pos - k_pos), plan.compute_dtype)
+
+
+def query_offset(plan: AttentionPlan, terms: ScoreTerms) -> Any:
+    """``i' - i`` of the call: an int, or (*batch, 1, 1, 1) with lengths (:class:`Alignment`)."""
+    return plan.align.offset(plan.q_len, plan.kv_len, terms.q_lengths, terms.kv_lengths)
+
+
+def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str:
+    """``"skip"``, ``"partial"`` or ``"full"``: what the band shows of a block (:class:`Band`).
+
+    With sequence lengths the alignment depends on array values, so every block is
+    "partial".
+    """
+    return plan.band.visibility(q_range, k_range, None if plan.has_lengths else plan.offset)
+
+
+def hidden_by_value(bias: Any | None, terms: ScoreTerms) -> bool:
+    """Whether anything but the band can hide an entry or make a score ``-inf``.
+
+    A mask, lengths or segment ids hide entries; a bias, ``score_mod`` or ALiBi (a
+    huge slope) can give ``-inf`` scores. Without any of them only the band hides
+    entries: a block the band shows in "full" has a finite score in every row.
+    """
+    return (
+        terms.hides_by_value
+        or bias is not None
+        or terms.score_mod is not None
+        or terms.alibi_slopes is not None
+    )
+
+
+def rows_may_be_empty(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) -> bool:
+    """Whether some query row can end up with no visible key: the one answer to that question.
+
+    Either something value-dependent hides entries (:func:`hidden_by_value`) or the
+    band alone leaves a row without keys (``Lq > Lk`` with causal, say).
+    """
+    offset = None if plan.has_lengths else plan.offset
+    return hidden_by_value(bias, terms) or plan.band.empties_rows(
+        plan.q_len, plan.kv_len, offset
+    )
+
+
+def empty_result(
+    xp: Any, plan: AttentionPlan, sinks: Any | None, *, rows: int | None = None
+) -> tuple[Any, Any]:
+    """The result of rows that see no key: the one definition of it.
+
+    Returns
+    -------
+    out : array, shape (*batch, Hq, rows, Dv)
+        Zeros (``rows`` defaults to the plan's ``Lq``), in the compute dtype.
+    lse : array, shape (*batch, Hq, rows, 1)
+        ``-inf`` (no term in the softmax), or the sink logit with `sinks`
+        (..., Hq, 1, 1): the sink is then the row's only term.
+    """
+    rows = plan.q_len if rows is None else rows
+    shape = (*plan.batch, plan.num_q_heads, rows)
+    kw = on_device(plan.device)
+    out = xp.zeros((*shape, plan.value_dim), dtype=plan.compute_dtype, **kw)
+    if sinks is not None:
+        lse = xp.broadcast_to(sinks, (*shape, 1))  # already in the compute dtype
+    else:
+        lse = xp.full((*shape, 1), -xp.inf, dtype=plan.compute_dtype, **kw)
+    return out, lse

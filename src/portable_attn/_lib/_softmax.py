@@ -35,9 +35,10 @@ def masked_exp(
     allowed : array of bool, broadcastable to `logits`, or None
         Positions that may be attended to; the others contribute exactly 0.
     rows_may_be_empty : bool, default True
-        False when nothing can hide a whole row (no mask, bias, ``score_mod``
-        or ALiBi): the guard for an all ``-inf`` row is then skipped, which
-        only matters for non-finite inputs, and those propagate anyway.
+        False when no row can be all ``-inf``
+        (:func:`portable_attn._lib._scores.rows_may_be_empty`): the guard for
+        such a row is then skipped, which only matters for non-finite inputs,
+        and those propagate anyway.
     row_sum : bool, default True
         False skips the pass for the row sums (a caller that gets them from
         ``exp_logits @ [V | 1]``) and returns None for them.
@@ -62,7 +63,7 @@ def masked_exp(
     row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
     if sink is not None:
         row_max = xp.maximum(row_max, sink)
-    if rows_may_be_empty or allowed is not None or sink is not None:
+    if rows_may_be_empty or sink is not None:
         row_max = xp.where(row_max == -xp.inf, 0.0, row_max)  # empty rows: exp(-inf) = 0
     exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)
     if not row_sum:

@@ -18,17 +18,22 @@ register the backward with torch and JAX live in ``portable_attn._autodiff``.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Collection
+from typing import Any
 
+from ._call import AttentionCall
 from ._compat import on_device
+from ._path import Blocks
 from ._scores import (
     AttentionPlan,
     ScoreTerms,
     alibi_distance,
     allowed_block,
+    block_visibility,
     capped_logits,
-    fold_row_sums,
+    empty_result,
     heads_to_rows,
+    hidden_by_value,
     raw_logits_block,
     rows_to_heads,
     scaled_query_rows,
@@ -40,20 +45,15 @@ from ._softmax import safe_denominator
 
 __all__ = [
     "Blocks",
-    "pair_visibility",
-    "TiledGrads",
     "block_ranges",
     "block_visibility",
+    "pair_visibility",
     "sum_to_shape",
     "tiled_backward",
     "tiled_forward",
 ]
 
 Range = tuple[int, int]
-
-
-#: A block size, or the sizes of consecutive blocks (a Dask array's chunks).
-Blocks = int | tuple[int, ...]
 
 
 def block_ranges(length: int, size: Blocks) -> list[Range]:
@@ -69,30 +69,6 @@ def block_ranges(length: int, size: Blocks) -> list[Range]:
         msg = f"block sizes {size} do not add up to the length {length}"
         raise ValueError(msg)
     return [(end - n, end) for n, end in zip(size, ends, strict=True) if n > 0]
-
-
-def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str:
-    """``"skip"`` when causal/window hide the whole block, else ``"partial"`` or ``"full"``.
-
-    Query ``i`` sees key ``j`` iff ``i' - left <= j <= i' + right`` with
-    ``i' = i + Lk - Lq``; causal sets ``right = min(right, 0)``. With sequence
-    lengths the alignment depends on array values, so every block is "partial".
-    """
-    if plan.has_lengths:
-        return "partial"
-    left, right = plan.window if plan.window is not None else (None, None)
-    if plan.is_causal:
-        right = 0 if right is None else min(right, 0)
-    first_q, last_q = q_range[0] + plan.offset, q_range[1] - 1 + plan.offset
-    first_k, last_k = k_range
-    last_k -= 1
-    if right is not None and first_k > last_q + right:
-        return "skip"  # every key is right of every query's band
-    if left is not None and last_k < first_q - left:
-        return "skip"  # every key is left of every query's band
-    full_right = right is None or last_k <= first_q + right
-    full_left = left is None or first_k >= last_q - left
-    return "full" if full_right and full_left else "partial"
 
 
 def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
@@ -141,22 +117,6 @@ def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
     return xp.zeros(shape, dtype=plan.compute_dtype, **on_device(plan.device))
 
 
-def _may_hide_rows(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) -> bool:
-    """Whether a row can be all ``-inf`` in a block that causal/window mark "full".
-
-    A mask or lengths hide entries; a bias, ``score_mod`` or ALiBi can give
-    ``-inf`` too. Without any of them only the causal/window structure hides
-    entries, and only in "partial" blocks.
-    """
-    return (
-        terms.hides_by_value
-        or plan.has_lengths
-        or bias is not None
-        or terms.score_mod is not None
-        or terms.alibi_slopes is not None
-    )
-
-
 def pair_visibility(plan: AttentionPlan, terms: ScoreTerms, q_range: Range, k_range: Range) -> str:
     """:func:`block_visibility`, and ``"skip"`` for pairs host segment ids keep apart."""
     vis = block_visibility(plan, q_range, k_range)
@@ -186,27 +146,22 @@ def _sink_start(
 
 
 def tiled_forward(
-    xp: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    bias: Any | None,
-    terms: ScoreTerms,
-    plan: AttentionPlan,
+    call: AttentionCall,
     block_q: Blocks,
     block_k: Blocks,
     *,
+    fold: bool = False,
     q_ranges: list[Range] | None = None,
     v_ones: Any | None = None,
     stop_gradient: Any | None = None,
 ) -> tuple[Any, Any]:
     """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
 
-    ``lse`` is ``+inf`` for rows with no visible key, so that recomputed
-    probabilities ``exp(s - lse)`` are 0 there.
+    ``lse`` is ``-inf`` for rows with no visible key (and no sink): the one
+    convention of every path (:func:`empty_result`).
 
     Per visible block: one score matmul, a row max, ``exp(s - m)`` (the max
-    subtracted in place) and, where :func:`fold_row_sums` says so, one matmul
+    subtracted in place) and, with `fold` (decided by the path policy), one matmul
     with ``[V | 1]``, which gives the weighted sum and the row sums of the
     weights together (no separate pass for the sum); the running sum then rides
     along as the last column of the accumulator, so one rescale ``alpha * acc``
@@ -222,13 +177,14 @@ def tiled_forward(
     zero, and leaving it out of the graph avoids a NaN that XLA's optimised
     program produced for it (GQA, 2x2 tiles, a position-dependent score_mod).
     """
+    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    terms, plan = call.terms, call.plan
     hkv, hq = plan.num_kv_heads, plan.num_q_heads
     dv = plan.value_dim
     k_blocks = block_ranges(plan.kv_len, block_k)
-    fold = fold_row_sums(q, terms, plan)  # the row sums ride along as a last column of P V
-    if fold and v_ones is None:
+    if fold and v_ones is None:  # the row sums ride along as a last column of P V
         v_ones = with_ones_column(xp, v, plan)
-    hide_rows = _may_hide_rows(bias, terms, plan)
+    hide_rows = hidden_by_value(bias, terms)
     # Without a score_mod the block scores are always a fresh array of ours (a
     # matmul, softcap, bias, ALiBi or where result) that autodiff has not saved:
     # subtracting the max in place is safe. (JAX arrays rebind on ``-=``; the
@@ -284,11 +240,12 @@ def tiled_forward(
                     l_sum, acc = alpha * l_sum + p_sum, alpha * acc + pv
             m = m_new
         bq = q_range[1] - q_range[0]
-        if m is None:  # every key block hidden for this query block: zero rows
-            shape = (*plan.batch, hq, bq, 1)
-            m, l_sum = _zeros(xp, shape, plan), _zeros(xp, shape, plan)
-            acc = _zeros(xp, (*plan.batch, hq, bq, dv), plan)
-        elif fold:
+        if m is None:  # every key block hidden for this query block (no sink): zero rows
+            out_blk, lse_blk = empty_result(xp, plan, None, rows=bq)
+            outs.append(out_blk)
+            lses.append(lse_blk)
+            continue
+        if fold:
             acc, l_sum = acc[..., :dv], acc[..., dv:]
         if terms.dropout_keep is not None:
             acc = acc * terms.dropout_scale
@@ -297,24 +254,11 @@ def tiled_forward(
         m_safe = m if rows_seen else xp.where(m == -xp.inf, 0.0, m)
         lse = m_safe + xp.log(denominator)
         if not rows_seen:
-            lse = xp.where(l_sum == 0.0, xp.inf, lse)
+            lse = xp.where(l_sum == 0.0, -xp.inf, lse)
         lses.append(xp.broadcast_to(lse, (*plan.batch, hq, bq, 1)))
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
     return out, lse
-
-
-class TiledGrads(NamedTuple):
-    """Gradients of :func:`tiled_backward`; None for those not asked for."""
-
-    dq: Any
-    dk: Any
-    dv: Any
-    dbias: Any | None
-    dslopes: Any | None
-    dscale: Any | None  # 0-d, for a learned `scale`
-    dsoftcap: Any | None  # 0-d, for a learned `softcap`
-    dsinks: Any | None = None  # shaped like the sinks term, (..., Hq, 1, 1)
 
 
 def _combine(xp: Any, parts: list[Any], axis: int, concatenate: bool) -> Any:
@@ -329,37 +273,38 @@ def _combine(xp: Any, parts: list[Any], axis: int, concatenate: bool) -> Any:
 
 
 def tiled_backward(
-    xp: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    bias: Any | None,
-    terms: ScoreTerms,
+    call: AttentionCall,
     out: Any,
     lse: Any,
     dout: Any,
-    plan: AttentionPlan,
     block_q: Blocks,
     block_k: Blocks,
     *,
-    need_bias_grad: bool,
-    need_slope_grad: bool = False,
-    need_scale_grad: bool = False,
-    need_softcap_grad: bool = False,
-    need_sink_grad: bool = False,
+    need: Collection[str] = (),
     dlse: Any | None = None,
-) -> TiledGrads:
-    """Gradients of the tiled attention, each shaped like its input (see :class:`TiledGrads`).
+) -> dict[str, Any]:
+    """Gradients of the tiled attention by field name, each shaped like its input.
 
-    Parameters are the forward's inputs (compute dtype, explicit head axis), its
+    Parameters are the call of the forward (compute dtype, explicit head axis), its
     output and ``lse``, and the output cotangent `dout` (..., Hq, Lq, Dv). The
-    ``need_*`` flags ask for the gradients of the bias, the ALiBi slopes and a
-    learned (0-d array) `scale` or `softcap` of the plan and the `sinks`. `dlse`
-    (..., Hq, Lq, 1) is the cotangent of the row log-sum-exp, when it is an output:
-    ``d lse_i / d s_ij = p_ij``, so it enters as ``D_i - dlse_i`` below.
+    gradients of ``query``, ``key`` and ``value`` are always computed; `need` names
+    the other differentiable fields (:data:`~._fields.FIELDS`) whose gradients are
+    wanted: ``bias``, ``alibi_slopes``, ``sinks`` and a learned (0-d array)
+    ``scale`` or ``softcap``. `dlse` (..., Hq, Lq, 1) is the cotangent of the row
+    log-sum-exp, when it is an output: ``d lse_i / d s_ij = p_ij``, so it enters as
+    ``D_i - dlse_i`` below.
     """
+    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    terms, plan = call.terms, call.plan
+    need_bias_grad = "bias" in need
+    need_slope_grad = "alibi_slopes" in need
+    need_sink_grad = "sinks" in need
+    need_scale_grad = "scale" in need
+    need_softcap_grad = "softcap" in need
     hkv, hq = plan.num_kv_heads, plan.num_q_heads
     k_blocks = block_ranges(plan.kv_len, block_k)
+    # an empty row's lse is -inf; as +inf, its recomputed exp(s - lse) = exp(-inf) is 0
+    lse = xp.where(lse == -xp.inf, xp.inf, lse)
     # D_i = rowsum(dO * O): the softmax Jacobian's correction term, (..., Hq, Lq, 1)
     delta = xp.sum(dout * out, axis=-1, keepdims=True)
     if dlse is not None:
@@ -444,7 +389,9 @@ def tiled_backward(
         dscale = xp.sum(dq * q) / plan.scale
     if need_softcap_grad and dsoftcap is None:  # no block visible
         dsoftcap = xp.zeros_like(plan.softcap)
-    return TiledGrads(dq, dk, dv, dbias, dslopes, dscale, dsoftcap, dsinks)
+    grads = {"query": dq, "key": dk, "value": dv, "bias": dbias, "alibi_slopes": dslopes}
+    grads |= {"scale": dscale, "softcap": dsoftcap, "sinks": dsinks}
+    return {name: g for name, g in grads.items() if g is not None}
 
 
 def _kv_grad(xp: Any, sums: list[Any], x: Any, k_blocks: list[Range], plan: AttentionPlan) -> Any:

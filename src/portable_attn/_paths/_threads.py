@@ -20,53 +20,17 @@ arrays without autodiff (no backward is needed or provided).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._lib._call import AttentionCall
-from ._lib._merge import empty_rows_to_neg_inf
-from ._lib._scores import fold_row_sums, with_ones_column
-from ._lib._tiled import Blocks, block_ranges, pair_visibility, tiled_forward
+from .._lib._call import AttentionCall
+from .._lib._cpu import available_workers, blas_limited
+from .._lib._path import Blocks, Tiled
+from .._lib._scores import with_ones_column
+from .._lib._tiled import block_ranges, pair_visibility, tiled_forward
 
-__all__ = ["available_workers", "can_limit_blas", "threaded_attention"]
-
-
-def available_workers() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
-@functools.cache
-def _controller() -> Any | None:
-    """Return a cached ``threadpoolctl.ThreadpoolController``, or None without threadpoolctl."""
-    try:
-        import threadpoolctl
-    except ImportError:
-        return None
-    return threadpoolctl.ThreadpoolController()
-
-
-def can_limit_blas() -> bool:
-    """Whether BLAS threads can be limited during a call (threadpoolctl is importable)."""
-    return _controller() is not None
-
-
-@contextlib.contextmanager
-def _blas_limited(limit: bool) -> Iterator[None]:
-    """Limit BLAS to one thread per calling thread inside the block (if threadpoolctl is there)."""
-    controller = _controller() if limit else None
-    if controller is None:
-        yield
-        return
-    with controller.limit(limits=1, user_api="blas"):
-        yield
+__all__ = ["available_workers", "threaded_attention"]
 
 
 @functools.cache
@@ -99,27 +63,23 @@ def _balanced_chunks(call: AttentionCall, q_ranges: list[Any], block_k: Blocks, 
 
 def threaded_attention(
     call: AttentionCall,
-    block_q: Blocks,
-    block_k: Blocks,
-    workers: int,
+    path: Tiled,
     *,
     limit_blas: bool = True,
     tasks_per_worker: int = 1,
-    with_lse: bool = False,
-) -> Any:
-    """Compute the tiled path's output (..., Hq, Lq, Dv), its query blocks in `workers` threads.
+) -> tuple[Any, Any]:
+    """The tiled path's output (..., Hq, Lq, Dv) and lse, its query blocks in threads.
 
-    Computes exactly ``tiled_forward(call.xp, call.query, call.key, call.value,
-    call.bias, call.terms, call.plan, block_q, block_k)[0]``.
+    Computes exactly ``tiled_forward(call, path.block_q, path.block_k, fold=path.fold)``
+    with the query blocks in ``path.workers`` threads.
 
     Parameters
     ----------
     call : AttentionCall
         A prepared call with NumPy arrays and a value (no autodiff).
-    block_q, block_k : int or tuple of int
-        The tiles, as for the tiled path.
-    workers : int
-        Threads; 1 (or a single query block) computes in the calling thread.
+    path : Tiled
+        The tiles, the folding of the row sums and the threads; ``workers=1`` (or
+        a single query block) computes in the calling thread.
         :func:`available_workers` gives the cores this process may use.
     limit_blas : bool, default True
         Limit BLAS to one thread per worker during the call (needs threadpoolctl;
@@ -127,34 +87,37 @@ def threaded_attention(
     tasks_per_worker : int, default 1
         Runs of query blocks per worker (balanced by their visible key blocks);
         more runs balance better on a machine with other load.
-    with_lse : bool, default False
-        Also return the row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for empty rows.
+
+    Returns
+    -------
+    out : array, shape (..., Hq, Lq, Dv)
+    lse : array, shape (..., Hq, Lq, 1)
+        ``-inf`` for rows with no visible key (and no sink).
     """
-    xp, plan, terms = call.xp, call.plan, call.terms
+    plan = call.plan
+    block_q, block_k = path.block_q, path.block_k
     q_ranges = block_ranges(plan.q_len, block_q)
-    n_runs = min(len(q_ranges), max(1, workers) * max(1, tasks_per_worker))
-    workers = min(workers, n_runs)
-    args = (xp, call.query, call.key, call.value, call.bias, terms, plan, block_q, block_k)
+    n_runs = min(len(q_ranges), max(1, path.workers) * max(1, tasks_per_worker))
+    workers = min(path.workers, n_runs)
     if workers <= 1:
-        out, lse = tiled_forward(*args)
-        return (out, empty_rows_to_neg_inf(xp, lse)) if with_lse else out
+        return tiled_forward(call, block_q, block_k, fold=path.fold)
     # the [V | 1] of the tiled path, built once and shared by every run
-    fold = fold_row_sums(call.query, terms, plan)
-    v_ones = with_ones_column(xp, call.value, plan) if fold else None
+    v_ones = with_ones_column(call.xp, call.value, plan) if path.fold else None
 
     # One output array of ours, each query block written into its rows as it is done
     # (NumPy only: no concatenation holding every block twice).
     out = call.zeros(plan.q_len, plan.value_dim)
-    lse = call.zeros(plan.q_len, 1) if with_lse else None
+    lse = call.zeros(plan.q_len, 1)
 
     def run(ranges: list[Any]) -> None:
         for q_range in ranges:
-            block, block_lse = tiled_forward(*args, q_ranges=[q_range], v_ones=v_ones)
+            block, block_lse = tiled_forward(
+                call, block_q, block_k, fold=path.fold, q_ranges=[q_range], v_ones=v_ones
+            )
             out[..., q_range[0] : q_range[1], :] = block
-            if lse is not None:
-                lse[..., q_range[0] : q_range[1], :] = block_lse
+            lse[..., q_range[0] : q_range[1], :] = block_lse
 
     runs = _balanced_chunks(call, q_ranges, block_k, n_runs)
-    with _blas_limited(limit_blas):
+    with blas_limited(limit_blas):
         list(_pool(workers).map(run, runs))
-    return (out, empty_rows_to_neg_inf(xp, lse)) if with_lse else out
+    return out, lse

@@ -18,12 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._lib._call import AttentionCall
-from ._lib._compat import on_device
-from ._lib._merge import empty_rows_to_neg_inf
-from ._lib._scores import AttentionPlan
-from ._lib._tiled import tiled_forward
-from ._path_policy import choose_path
+from .._lib._call import AttentionCall
+from .._lib._compat import on_device
+from .._lib._masks import Alignment
+from .._lib._path import Dense, Empty, Path, Tiled
+from .._lib._tiled import tiled_forward
 
 __all__ = ["partial_attention", "place_block", "shift_keys"]
 
@@ -44,7 +43,6 @@ def shift_keys(call: AttentionCall, kv_start: int | Array, kv_total: int) -> Att
     if kv_len is None:
         kv_len = xp.asarray(kv_total, **on_device(plan.device))
     local = kv_len - kv_start  # key j_part is valid iff j_part + start < length
-    q_len = plan.q_len if terms.q_lengths is None else terms.q_lengths
     mod = terms.score_mod
     if mod is not None:
         inner = mod
@@ -52,26 +50,10 @@ def shift_keys(call: AttentionCall, kv_start: int | Array, kv_total: int) -> Att
         def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
             return inner(scores, batch, head, q_idx, kv_idx + kv_start)
 
-    new_terms = dataclasses.replace(terms, kv_lengths=local, offset=local - q_len, score_mod=mod)
+    new_terms = dataclasses.replace(terms, kv_lengths=local, score_mod=mod)
     return dataclasses.replace(
         call, plan=dataclasses.replace(plan, has_lengths=True), terms=new_terms
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlacedPlan(AttentionPlan):
-    """A plan for a part of the queries and keys: `offset` is the whole sequence's alignment.
-
-    ``offset`` is ``i' - i`` for local query and key indices: ``Lk - Lq`` of the
-    whole sequence plus ``q_start - kv_start``, not ``kv_len - q_len`` of the part.
-    """
-
-    placed_offset: int = 0
-
-    @property
-    def offset(self) -> int:
-        """``Lk_total - Lq_total + q_start - kv_start``: the part's alignment on the key axis."""
-        return self.placed_offset
 
 
 def place_block(
@@ -102,13 +84,8 @@ def place_block(
         past the end).
     """
     plan, terms = call.plan, call.terms
-    placed = kv_total - q_total + q_start - kv_start  # i' - j for local i, j
-    offset: Any = placed
     q_lengths, kv_lengths = terms.q_lengths, terms.kv_lengths
-    if plan.has_lengths:
-        q_len = q_total if q_lengths is None else q_lengths
-        kv_len = kv_total if kv_lengths is None else kv_lengths
-        offset = (kv_len - kv_start) - (q_len - q_start)  # i' = i + kv_len - q_len, shifted
+    if plan.has_lengths:  # the part's valid lengths: i' = i + kv_len - q_len, shifted
         q_lengths = None if q_lengths is None else q_lengths - q_start
         kv_lengths = None if kv_lengths is None else kv_lengths - kv_start
     mod = terms.score_mod
@@ -118,20 +95,20 @@ def place_block(
         def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
             return inner(scores, batch, head, q_idx + q_start, kv_idx + kv_start)
 
-    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(AttentionPlan)}
-    new_plan = _PlacedPlan(**fields, placed_offset=placed)
+    align = Alignment(q_start=q_start, kv_start=kv_start, q_total=q_total, kv_total=kv_total)
+    new_plan = dataclasses.replace(plan, align=align)
     new_terms = dataclasses.replace(
-        terms, q_lengths=q_lengths, kv_lengths=kv_lengths, offset=offset, score_mod=mod
+        terms, q_lengths=q_lengths, kv_lengths=kv_lengths, score_mod=mod
     )
     return dataclasses.replace(call, plan=new_plan, terms=new_terms)
 
 
 def partial_attention(
     call: AttentionCall,
+    path: Path,
     *,
     kv_start: int | Array,
     kv_total: int,
-    block_size: int | tuple[int, int] | str | None = None,
     q_start: int | None = None,
     q_total: int | None = None,
 ) -> tuple[Array, Array]:
@@ -142,13 +119,14 @@ def partial_attention(
     call : AttentionCall
         Prepared from the query, this part's keys and values (B..., Hkv,
         Lk_part, D), and the key axis of `mask`/`bias` cut to the part.
+    path : Path
+        How the part is computed: :class:`Tiled` (its tiles), :class:`Dense` (one
+        block) or :class:`Empty`; the caller's policy decided it.
     kv_start : int or integer array of shape ()
         Position of this part's first key in the whole sequence (may be traced,
         e.g. ``lax.axis_index(...) * Lk_part``).
     kv_total : int
         Number of keys in the whole sequence.
-    block_size : int, (int, int) or "dense", optional
-        Tile the part; default one block.
     q_start, q_total : int, optional
         The queries are a part too: placed at `q_start` of `q_total` (both
         static ints, and `kv_start` then as well; see :func:`place_block`).
@@ -161,7 +139,7 @@ def partial_attention(
         in it).
     lse : array, shape (B..., Hq, Lq, 1), compute dtype
         Row log-sum-exp of this part's scores, ``-inf`` for rows with no visible
-        key in it.
+        key in it (the sink logit with sinks).
     """
     if q_start is None:
         call = shift_keys(call, kv_start, kv_total)
@@ -171,13 +149,12 @@ def partial_attention(
             call, q_start=q_start, kv_start=int(kv_start), q_total=total, kv_total=kv_total
         )
     plan = call.plan
-    path = choose_path(call, block_size, "portable")
-    if path.kind == "empty":
-        out = call.zeros(plan.q_len, plan.value_dim)
-        return out, call.zeros(plan.q_len, 1) - call.xp.inf  # lse -inf: no key
-    tiles = path.tiles or (plan.q_len, plan.kv_len)
-    xp = call.xp
-    out, lse = tiled_forward(
-        xp, call.query, call.key, call.value, call.bias, call.terms, plan, *tiles
-    )
-    return out, empty_rows_to_neg_inf(xp, lse)
+    match path:
+        case Empty():
+            return call.empty_result()
+        case Tiled(block_q=block_q, block_k=block_k, fold=fold):
+            return tiled_forward(call, block_q, block_k, fold=fold)
+        case Dense(fold=fold):  # one block, with its lse
+            return tiled_forward(call, plan.q_len, plan.kv_len, fold=fold)
+    msg = f"a part is computed by a Tiled, Dense or Empty path, not {path!r}"
+    raise TypeError(msg)

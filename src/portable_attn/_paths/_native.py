@@ -9,11 +9,11 @@ index arithmetic, and rows that see no key are given a harmless all-visible
 mask for the kernel and zeroed afterwards (the kernels would otherwise return
 NaN or uniform rows there), so their gradients are zero too.
 
-What each kernel can express is :func:`unsupported_reason`: torch SDPA and
+What each kernel can express, and *when* a call is routed here, is decided by
+the policy (:func:`portable_attn._lib._policy.unsupported_reason`): torch SDPA and
 ``jax.nn.dot_product_attention`` (which needs Dv == Dk, and whose softmax is
 float32 even for float64) take masks, bias, lengths, windows and GQA; softcap,
-``score_mod``, ALiBi and dropout are not expressible. *When* a call is routed
-here is decided in ``portable_attn._path_policy``.
+``score_mod``, ALiBi and dropout are not expressible.
 """
 
 from __future__ import annotations
@@ -22,65 +22,29 @@ import dataclasses
 import math
 from typing import Any
 
-from ._lib._call import AttentionCall
-from ._lib._compat import has_native_kernel, library_name
-from ._lib._masks import arange
-from ._lib._scores import AttentionPlan, allowed_block
-from ._lib._tiled import block_visibility
-from ._lib._validation import array_or_none
+from .._lib._call import AttentionCall
+from .._lib._compat import library_name
+from .._lib._masks import arange
+from .._lib._scores import (
+    AttentionPlan,
+    allowed_block,
+    block_visibility,
+    hidden_by_value,
+    rows_may_be_empty,
+)
+from .._lib._validation import array_or_none
 
-__all__ = ["native_attention", "unsupported_reason"]
-
-
-def unsupported_reason(
-    call: AttentionCall, *, explicit_block_size: bool = False, return_lse: bool = False
-) -> str | None:
-    """Why `call` cannot go to its library's native kernel, or None when it can.
-
-    `explicit_block_size` is an int, a pair or "dense": a request for a portable
-    tiled path. `return_lse`: neither kernel returns the log-sum-exp publicly.
-    """
-    plan, terms = call.plan, call.terms
-    if not has_native_kernel(call.query):
-        lib = library_name(call.query)
-        return f"there is no native attention kernel for {lib} arrays (torch and jax only)"
-    unsupported = [
-        name
-        for name, used in (
-            ("softcap", plan.softcap is not None),
-            ("score_mod", terms.score_mod is not None),
-            ("alibi_slopes", terms.alibi_slopes is not None),
-            ("dropout_mask", terms.dropout_keep is not None),
-            ("sinks", terms.sinks is not None),
-            ("return_lse", return_lse),
-            ("an explicit block_size (a portable path)", explicit_block_size),
-        )
-        if used
-    ]
-    if unsupported:
-        return f"the native kernel cannot express {', '.join(unsupported)}"
-    if library_name(call.query) == "jax" and plan.value_dim != plan.key_dim:
-        return (
-            "jax.nn.dot_product_attention needs `value` axis -1 (Dv) == `key` axis -1 "
-            f"(Dk), but got Dv={plan.value_dim} and Dk={plan.key_dim}"
-        )
-    return None
+__all__ = ["native_attention"]
 
 
-def _visible_rows(
-    xp: Any, allowed: Any | None, bias: Any | None, plan: AttentionPlan, *, structure_only: bool
-) -> Any:
+def _visible_rows(xp: Any, allowed: Any | None, bias: Any | None) -> Any:
     """Rows that see at least one key with a finite score, at the smallest deciding shape.
 
     The ``any`` runs over `allowed` (and the finite entries of `bias`) as they
     are, never broadcast to (B..., Hq, Lq, Lk): a padding mask (B, 1, 1, Lk)
-    gives (B, 1, 1, 1). None when no row can be empty: nothing hides anything,
-    or only causal/window structure with ``Lq <= Lk`` (every query then sees its
-    own aligned position ``i' = i + Lk - Lq``, which lies in ``[0, Lk)``).
+    gives (B, 1, 1, 1).
     """
     if allowed is None and bias is None:
-        return None
-    if structure_only and bias is None and plan.q_len <= plan.kv_len:
         return None
     ok = allowed
     if bias is not None:
@@ -99,14 +63,12 @@ def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any |
     None when this shortcut does not apply.
     """
     mask = terms.mask
-    left = None if plan.window is None else plan.window[0]
+    left = plan.band.left
     if mask is None or mask.shape[-2] != 1 or plan.has_lengths or left is not None:
         return None
     if terms.q_segments is not None:  # rows differ by their segment
         return None
-    right = None if plan.window is None else plan.window[1]
-    if plan.is_causal:
-        right = 0 if right is None else min(right, 0)
+    right = plan.band.right
     any_key = xp.any(mask, axis=-1, keepdims=True)  # (..., 1, 1)
     if right is None:
         return any_key
@@ -118,6 +80,8 @@ def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any |
 def native_attention(call: AttentionCall) -> Any:
     """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the compute dtype.
 
+    The kernels return no log-sum-exp (the policy never routes ``return_lse`` here).
+
     Every mask keeps its own broadcast shape: a padding mask or `kv_lengths`
     stays (B, 1, 1, Lk), causal structure is (Lq, Lk), and structure that hides
     nothing (bottom-right causal with ``Lq == 1``: decoding) is no mask at all.
@@ -128,7 +92,7 @@ def native_attention(call: AttentionCall) -> Any:
     # The kernels' own causal flags are top-left aligned: ours is passed as a mask,
     # except with Lq == Lk, where both alignments agree and the fused causal kernel
     # can be used (it takes no mask beside it).
-    plain = not terms.hides_by_value and bias is None
+    plain = not hidden_by_value(bias, terms)
     square = plan.q_len == plan.kv_len
     kernel_causal = plan.is_causal and plan.window is None and square and plain
     hides_nothing = block_visibility(plan, whole_q, whole_k) == "full"
@@ -138,10 +102,12 @@ def native_attention(call: AttentionCall) -> Any:
     )
     structural = not (kernel_causal or hides_nothing or decoding)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
-    structure_only = not terms.hides_by_value
-    visible = None if bias is not None else _visible_rows_of_key_mask(xp, terms, plan)
-    if visible is None:
-        visible = _visible_rows(xp, allowed, bias, plan, structure_only=structure_only)
+    visible = None
+    if rows_may_be_empty(bias, terms, plan):
+        if bias is None:
+            visible = _visible_rows_of_key_mask(xp, terms, plan)
+        if visible is None:
+            visible = _visible_rows(xp, allowed, bias)
     if visible is not None:  # give empty rows something finite to chew on, zero them later
         if allowed is not None:
             allowed = xp.logical_or(allowed, xp.logical_not(visible))

@@ -7,9 +7,11 @@ that Dask's own schedulers run):
 - one task per (batch chunk, head chunk, query chunk, key chunk) that causal/window
   structure does not hide entirely (:func:`block_visibility` ``== "skip"``: no task).
   It receives the chunks themselves (NumPy or CuPy arrays inside the worker), builds
-  an :class:`AttentionCall` for them in their own namespace, places it at the chunk's
-  absolute query and key positions (:func:`portable_attn._partial.place_block`) and
-  runs the portable tiled forward on it (:func:`portable_attn._partial.partial_attention`):
+  an :class:`AttentionCall` for them in their own namespace (the call's
+  :meth:`~AttentionCall.unflatten` of the blocks of every array field), places it at
+  the chunk's absolute query and key positions
+  (:func:`portable_attn._paths._partial.place_block`) and runs the path the policy
+  chose for the pairs (:func:`portable_attn._paths._partial.partial_attention`):
   the same kernel every backend runs. It returns the pair's normalised output and
   row log-sum-exp;
 - a `score_mod` runs inside the task on one-chunk Dask arrays (:func:`_on_dask`), so a
@@ -18,14 +20,15 @@ that Dask's own schedulers run):
   `score_mod`, batch and heads are one chunk;
 - per query chunk, the partials of its key chunks are combined by the exact
   online-softmax merge (:func:`portable_attn._lib._merge.merge_partials`) in a tree
-  of :data:`~portable_attn._path_policy.DASK_MERGE_FAN_IN` partials per task; its
+  of ``DaskGrid.merge_fan_in`` partials per task; its
   root is the output chunk (rows that see no key are zero). A query chunk with one
   visible key chunk needs no merge: its pair task returns the output chunk.
 
-Masks, biases and dropout masks are rechunked to the (query chunk, key chunk) grid
-(axes of size one stay broadcast); lengths, ALiBi slopes and a learned scale or
-softcap are small and reach every task whole. Nothing is computed here: the result
-is a lazy Dask array. Dask has no automatic differentiation, so there is no backward.
+Every array field (:data:`~portable_attn._lib._fields.FIELDS`) is rechunked to the
+grid along the axes its declaration names (axes of size one stay broadcast): Q, K, V,
+masks, biases, segment ids, lengths, ALiBi slopes, sinks; a learned scale or softcap
+is one chunk. Nothing is computed here: the result is a lazy Dask array. Dask has no
+automatic differentiation, so there is no backward.
 
 Legend: ``B...`` batch, ``Hq``/``Hkv`` query/key heads, ``G = Hq // Hkv``, ``Lq``,
 ``Lk`` queries and keys, ``Dk``/``Dv`` features.
@@ -41,35 +44,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._lib._call import AttentionCall
-from ._lib._compat import array_namespace, device, library_name, on_device
-from ._lib._masks import arange
-from ._lib._merge import merge_partials
-from ._lib._scores import AttentionPlan, ScoreTerms
-from ._lib._tiled import block_visibility
+from .._lib._call import AttentionCall
+from .._lib._compat import array_namespace, device, library_name
+from .._lib._fields import field
+from .._lib._masks import arange
+from .._lib._merge import merge_partials
+from .._lib._path import DaskGrid, Dense, Tiled
+from .._lib._scores import block_visibility, empty_result
 from ._partial import partial_attention
-from ._path_policy import DASK_MERGE_FAN_IN, Path
 
 __all__ = ["dask_attention"]
 
 Array = Any
 Range = tuple[int, int]
 
-# The grid axes an operand's dimensions follow (batch axes are "b0", "b1", ...).
-_QUERY = ("hq", "lq", "dk")
-_KEY = ("hkv", "lk", "dk")
-_VALUE = ("hkv", "lk", "dv")
-_SCORES = ("hq", "lq", "lk")  # mask, bias, dropout mask
-
-
 @dataclass(frozen=True)
 class _Kernel:
-    """What every task of one call shares: the whole call's plan and static terms."""
+    """What every task of one call shares: the call without its arrays, the inner path."""
 
-    plan: AttentionPlan
-    score_mod: Callable[..., Array] | None
-    dropout_scale: float
-    block_size: tuple[int, int] | str  # the tiles inside a chunk pair, or "dense"
+    skeleton: AttentionCall  # AttentionCall.flatten()'s skeleton, without a namespace
+    names: tuple[str, ...]  # the array fields each pair task receives, in order
+    inner: Dense | Tiled  # the path each pair task runs on its chunks
     with_lse: bool = False  # the output chunks come with their row log-sum-exp
 
 
@@ -84,7 +79,7 @@ class _Pair:
     final: bool  # the only visible key chunk of its query chunk: return the output alone
 
 
-def dask_attention(call: AttentionCall, path: Path, *, with_lse: bool = False) -> Any:
+def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = False) -> Any:
     """Attention of a Dask call as a lazy Dask array, one task per visible chunk pair.
 
     Parameters
@@ -92,9 +87,9 @@ def dask_attention(call: AttentionCall, path: Path, *, with_lse: bool = False) -
     call : AttentionCall
         A validated call whose arrays are Dask arrays: query (B..., Hq, Lq, Dk),
         key (B..., Hkv, Lk, Dk), value (B..., Hkv, Lk, Dv).
-    path : Path
-        ``kind == "dask"``: `tiles` is the (Lq chunks, Lk chunks) grid, `inner` the
-        tiles inside each chunk pair (None: one block per pair).
+    path : DaskGrid
+        The (Lq chunks, Lk chunks) grid, the path inside each chunk pair and the
+        merge fan-in.
     with_lse : bool, default False
         Also return the row log-sum-exp.
 
@@ -112,51 +107,24 @@ def dask_attention(call: AttentionCall, path: Path, *, with_lse: bool = False) -
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 
-    plan, terms = call.plan, call.terms
+    plan = call.plan
     grid = _grid(call, path)
-    if terms.score_mod is not None:
+    if call.terms.score_mod is not None:
         _check_score_mod(call, grid)
-    nb = len(plan.batch)
-    batch_axes = tuple(f"b{i}" for i in range(nb))
-    operands = {
-        "q": (call.query, batch_axes + _QUERY),
-        "k": (call.key, batch_axes + _KEY),
-        "v": (call.value, batch_axes + _VALUE),
-        "bias": (call.bias, batch_axes + _SCORES),
-        "mask": (terms.mask, batch_axes + _SCORES),
-        "keep": (terms.dropout_keep, batch_axes + _SCORES),
-        # packed-sequence ids (*batch, 1, Lq, 1) and (*batch, 1, 1, Lk), where given
-        "q_segments": (terms.q_segments, batch_axes + _SCORES),
-        "kv_segments": (terms.kv_segments, batch_axes + _SCORES),
-    }
-    aligned = {
-        name: _align(da, x, axes, grid) for name, (x, axes) in operands.items() if x is not None
-    }
-    whole = {  # small arrays, one chunk each, given whole to every task
-        name: _one_chunk(da, x)
-        for name, x in (
-            ("q_lengths", terms.q_lengths),
-            ("kv_lengths", terms.kv_lengths),
-            ("slopes", terms.alibi_slopes),
-            ("sinks", terms.sinks),
-            ("scale", plan.scale),
-            ("softcap", plan.softcap),
-        )
-        if x is not None and library_name(x) == "dask"
-    }
-    kernel = _Kernel(
-        plan=plan,
-        score_mod=terms.score_mod,
-        dropout_scale=terms.dropout_scale,
-        block_size="dense" if path.inner is None else path.inner,
-        with_lse=with_lse,
+    batch_axes = tuple(f"b{i}" for i in range(len(plan.batch)))
+    arrays, skeleton = call.flatten()
+    # every array field on the grid: the axes of its declaration, after the batch axes
+    aligned = {n: _align(da, x, batch_axes + field(n).axes, grid) for n, x in arrays.items()}
+    names = tuple(aligned)
+    sinks_arg = names.index("sinks") if "sinks" in names else None
+    kernel = _Kernel(dataclasses.replace(skeleton, xp=None), names, path.inner, with_lse)
+    deps = [x for x, _ in aligned.values()]
+    name = "attention-" + tokenize(
+        plan, call.terms.score_mod, path, with_lse, [x.name for x in deps], grid
     )
-    deps = [x for x, _ in aligned.values()] + list(whole.values())
-    name = "attention-" + tokenize(kernel, [x.name for x in deps], grid)
     pair_name, merge_name, both_name = f"{name}-pair", f"{name}-merge", f"{name}-both"
     lse_name = f"{name}-lse"
     lse_dsk: dict[Any, Any] = {}
-    whole_keys = {n: (x.name,) + (0,) * x.ndim for n, x in whole.items()}
     ranges = {axis: _ranges(chunks) for axis, chunks in grid.items()}
 
     dsk: dict[Any, Any] = {}
@@ -180,25 +148,24 @@ def dask_attention(call: AttentionCall, path: Path, *, with_lse: bool = False) -
                 index["lq"] = qi
                 if not visible:  # every key hidden by causal/window: zero rows
                     pair = _Pair(b_ranges, h_range, q_range, (0, 0), final=True)
-                    q_key = _block_key(aligned["q"], {**index, "lk": 0})
-                    sinks = whole_keys.get("sinks")
-                    dsk[out_key] = (_zeros_task, kernel, pair, q_key, sinks)
+                    keys = {"lk": 0, **index}
+                    args = [_block_key(aligned[n], keys) for n in names]
+                    dsk[out_key] = (_zeros_task, kernel, pair, *args)
                     continue
                 parts = []
                 for ki in visible:
                     final = len(visible) == 1
                     pair = _Pair(b_ranges, h_range, q_range, k_ranges[ki], final=final)
                     keys = {"lk": ki, **index}
-                    args = [_block_key(aligned.get(n), keys) for n in _BLOCK_ARGS]
-                    args += [whole_keys.get(n) for n in _WHOLE_ARGS]
-                    if ki != visible[0]:  # a sink logit counts once per row: in one partial
-                        args[_SINKS_ARG] = None
+                    args = [_block_key(aligned[n], keys) for n in names]
+                    if ki != visible[0] and sinks_arg is not None:  # a sink counts once a row
+                        args[sinks_arg] = None
                     key = out_key if final else (pair_name, *b_idx, hi, qi, ki)
                     dsk[key] = (_pair_task, kernel, pair, *args)
                     parts.append(key)
                 if len(parts) > 1:
                     root = (merge_name, *b_idx, hi, qi)
-                    _merge_tree(dsk, parts, out_key, root, alone=not with_lse)
+                    _merge_tree(dsk, parts, out_key, root, path.merge_fan_in, not with_lse)
 
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
     rows = (*(grid[a] for a in batch_axes), grid["hq"], grid["lq"])
@@ -210,17 +177,11 @@ def dask_attention(call: AttentionCall, path: Path, *, with_lse: bool = False) -
     return out, da.Array(lse_graph, lse_name, (*rows, (1,)), meta=meta)
 
 
-#: The per-block arguments of a pair task, in order, and the whole (small) ones.
-_BLOCK_ARGS = ("q", "k", "v", "bias", "mask", "keep", "q_segments", "kv_segments")
-_WHOLE_ARGS = ("q_lengths", "kv_lengths", "slopes", "scale", "softcap", "sinks")
-_SINKS_ARG = len(_BLOCK_ARGS) + _WHOLE_ARGS.index("sinks")
-
-
 # ---------------------------------------------------------------------------
 # the grid and the operands aligned to it
 
 
-def _grid(call: AttentionCall, path: Path) -> dict[str, tuple[int, ...]]:
+def _grid(call: AttentionCall, path: DaskGrid) -> dict[str, tuple[int, ...]]:
     """Chunks of every grid axis: batch axes, heads (whole GQA groups), Lq, Lk, features."""
     plan = call.plan
     nb = len(plan.batch)
@@ -241,7 +202,8 @@ def _grid(call: AttentionCall, path: Path) -> dict[str, tuple[int, ...]]:
         head_bounds = set()
     grid["hq"] = _chunks_from(head_bounds, plan.num_q_heads)
     grid["hkv"] = tuple(n // g for n in grid["hq"])
-    grid["lq"], grid["lk"] = (tuple(int(n) for n in c) for c in path.tiles or ())
+    grid["lq"] = tuple(int(n) for n in path.q_chunks)
+    grid["lk"] = tuple(int(n) for n in path.k_chunks)
     grid["dk"], grid["dv"] = (plan.key_dim,), (plan.value_dim,)
     return grid
 
@@ -302,10 +264,6 @@ def _align(da: Any, x: Array, axes: tuple[str, ...], grid: dict) -> tuple[Array,
     return x, tuple(roles)
 
 
-def _one_chunk(da: Any, x: Array) -> Array:
-    return x if x.npartitions == 1 else x.rechunk(x.shape)
-
-
 def _block_key(aligned: tuple[Array, tuple] | None, index: dict[str, int]) -> Any:
     """Return the key of the block of an aligned operand that a chunk pair reads, or None."""
     if aligned is None:
@@ -314,20 +272,22 @@ def _block_key(aligned: tuple[Array, tuple] | None, index: dict[str, int]) -> An
     return (x.name, *(0 if role is None else index.get(role, 0) for role in roles))
 
 
-def _merge_tree(dsk: dict, parts: list[Any], out_key: Any, prefix: tuple, *, alone: bool) -> None:
-    """Merge `parts` DASK_MERGE_FAN_IN at a time; the root goes under `out_key`.
+def _merge_tree(
+    dsk: dict, parts: list[Any], out_key: Any, prefix: tuple, fan_in: int, alone: bool
+) -> None:
+    """Merge `parts` `fan_in` at a time; the root goes under `out_key`.
 
     The root returns the output alone when `alone`, else ``(out, lse)``.
     """
     level = 0
-    while len(parts) > DASK_MERGE_FAN_IN:
+    while len(parts) > fan_in:
         merged = []
-        for g in range(0, len(parts), DASK_MERGE_FAN_IN):
-            group = parts[g : g + DASK_MERGE_FAN_IN]
+        for g in range(0, len(parts), fan_in):
+            group = parts[g : g + fan_in]
             if len(group) == 1:
                 merged.append(group[0])
                 continue
-            key = (*prefix, level, g // DASK_MERGE_FAN_IN)
+            key = (*prefix, level, g // fan_in)
             dsk[key] = (_merge_task, False, group)
             merged.append(key)
         parts, level = merged, level + 1
@@ -338,114 +298,53 @@ def _merge_tree(dsk: dict, parts: list[Any], out_key: Any, prefix: tuple, *, alo
 # what runs in the tasks (on NumPy or CuPy chunks)
 
 
-def _pair_task(
-    kernel: _Kernel,
-    pair: _Pair,
-    q: Array,
-    k: Array,
-    v: Array,
-    bias: Array | None,
-    mask: Array | None,
-    keep: Array | None,
-    q_segments: Array | None,
-    kv_segments: Array | None,
-    q_lengths: Array | None,
-    kv_lengths: Array | None,
-    slopes: Array | None,
-    scale: Array | None,
-    softcap: Array | None,
-    sinks: Array | None,
-) -> Array | tuple[Array, Array]:
-    """Compute one chunk pair: its output (..., Hq_c, bq, Dv) and lse (..., Hq_c, bq, 1).
-
-    Returns the output alone when the pair is the only visible one of its query chunk.
-    """
-    plan = kernel.plan
-    xp = array_namespace(query=q, key=k, value=v)
-    batch = tuple(e - s for s, e in pair.batch)
+def _chunk_call(kernel: _Kernel, pair: _Pair, blocks: tuple[Array | None, ...]) -> AttentionCall:
+    """The call of one chunk pair: its blocks of every array field, in their own namespace."""
+    arrays = {n: x for n, x in zip(kernel.names, blocks, strict=True) if x is not None}
+    q = arrays["query"]
+    xp = array_namespace(query=q)
+    skeleton = kernel.skeleton
+    plan = skeleton.plan
     (h0, h1), (qs, qe), (ks, ke) = pair.heads, pair.q, pair.k
-    changes: dict[str, Any] = {}
-    if scale is not None:
-        changes["scale"] = scale
-    if softcap is not None:
-        changes["softcap"] = softcap
-    chunk_plan = dataclasses.replace(
-        plan,
-        batch=batch,
+    call = skeleton.unflatten(
+        arrays,
+        batch=tuple(e - s for s, e in pair.batch),
         num_q_heads=h1 - h0,
         num_kv_heads=(h1 - h0) // plan.groups,
         q_len=qe - qs,
         kv_len=ke - ks,
         device=device(q),
-        **changes,
     )
-    cut = (*pair.batch, pair.heads)  # slices of the small whole arrays
-    slopes, sinks = (_cut_heads(xp, x, cut) for x in (slopes, sinks))
-    terms = ScoreTerms(
-        sinks=sinks,
-        q_segments=q_segments,
-        kv_segments=kv_segments,
-        mask=mask,
-        q_lengths=None if q_lengths is None else _cut_lengths(q_lengths, pair.batch),
-        kv_lengths=None if kv_lengths is None else _cut_lengths(kv_lengths, pair.batch),
-        alibi_slopes=slopes,
-        score_mod=_head_shifted(_on_dask(kernel.score_mod), h0),
-        batch_index=_batch_index(xp, plan, pair, device(q)) if kernel.score_mod else None,
-        dropout_keep=keep,
-        dropout_scale=kernel.dropout_scale,
-    )
-    call = AttentionCall(
-        xp=xp,
-        query=q,
-        key=k,
-        value=v,
-        bias=bias,
-        plan=chunk_plan,
-        terms=terms,
-        drop_head=False,
-    )
+    terms = call.terms
+    if terms.score_mod is not None:
+        mod = _head_shifted(_on_dask(terms.score_mod), h0)
+        terms = dataclasses.replace(terms, score_mod=mod)
+    return dataclasses.replace(call, xp=xp, terms=terms)
+
+
+def _pair_task(kernel: _Kernel, pair: _Pair, *blocks: Array | None) -> Any:
+    """Compute one chunk pair: its output (..., Hq_c, bq, Dv) and lse (..., Hq_c, bq, 1).
+
+    `blocks` are the pair's blocks of the fields ``kernel.names`` (None for a sink
+    that another pair of the query chunk counts). Returns the output alone when the
+    pair is the only visible one of its query chunk.
+    """
+    call = _chunk_call(kernel, pair, blocks)
+    whole = kernel.skeleton.plan
     out, lse = partial_attention(
         call,
-        kv_start=ks,
-        kv_total=plan.kv_len,
-        q_start=qs,
-        q_total=plan.q_len,
-        block_size=kernel.block_size,
+        kernel.inner,
+        kv_start=pair.k[0],
+        kv_total=whole.kv_len,
+        q_start=pair.q[0],
+        q_total=whole.q_len,
     )
-    full = (*batch, h1 - h0, qe - qs)
+    xp, plan = call.xp, call.plan
+    full = (*plan.batch, plan.num_q_heads, plan.q_len)
     out = xp.broadcast_to(out, (*full, plan.value_dim))
     if pair.final and not kernel.with_lse:
         return out
     return out, xp.broadcast_to(lse, (*full, 1))
-
-
-def _cut_heads(xp: Any, x: Array | None, ranges: tuple[Range, ...]) -> Array | None:
-    """Cut a per-head array (..., Hq, 1, 1) (ALiBi slopes, sinks) to a block's batch and heads."""
-    if x is None:
-        return None
-    x = _cut(x[..., 0, 0], ranges)
-    return xp.reshape(x, (*x.shape, 1, 1))
-
-
-def _cut(x: Array, ranges: tuple[Range, ...]) -> Array:
-    """Slice `x` (aligned to the right with `ranges`) to them; axes of size one stay."""
-    offset = len(ranges) - x.ndim
-    index = tuple(
-        slice(None) if n == 1 else slice(*ranges[offset + i]) for i, n in enumerate(x.shape)
-    )
-    return x[index]
-
-
-def _cut_lengths(x: Array, batch: tuple[Range, ...]) -> Array:
-    """Lengths (*batch, 1, 1, 1) cut to the batch ranges of one block."""
-    return _cut(x, (*batch, (0, 1), (0, 1), (0, 1)))
-
-
-def _batch_index(xp: Any, plan: AttentionPlan, pair: _Pair, dev: Any) -> Array:
-    """Return the flat batch index of `score_mod` for one block, (*batch_block, 1, 1, 1)."""
-    flat = xp.reshape(arange(xp, 0, math.prod(plan.batch), dev), plan.batch)
-    index = flat[tuple(slice(*r) for r in pair.batch)]
-    return xp.reshape(index, (*index.shape, 1, 1, 1))
 
 
 def _on_dask(score_mod: Callable[..., Array] | None) -> Callable[..., Array] | None:
@@ -492,22 +391,11 @@ def _merge_task(alone: bool, parts: list[tuple[Array, Array]]) -> Any:
     return out if alone else (out, lse)
 
 
-def _zeros_task(kernel: _Kernel, pair: _Pair, q: Array, sinks: Array | None) -> Any:
-    """Return the output chunk of a query chunk that sees no key chunk: zeros.
+def _zeros_task(kernel: _Kernel, pair: _Pair, *blocks: Array | None) -> Any:
+    """Return the output chunk of a query chunk that sees no key chunk (:func:`empty_result`).
 
     With `with_lse`, also its log-sum-exp: ``-inf``, or the sink logit.
     """
-    plan = kernel.plan
-    xp = array_namespace(query=q)
-    shape = (
-        *(e - s for s, e in pair.batch),
-        pair.heads[1] - pair.heads[0],
-        pair.q[1] - pair.q[0],
-        plan.value_dim,
-    )
-    out = xp.zeros(shape, dtype=plan.compute_dtype, **on_device(device(q)))
-    if not kernel.with_lse:
-        return out
-    lse = xp.zeros((*shape[:-1], 1), dtype=plan.compute_dtype, **on_device(device(q))) - xp.inf
-    sinks = _cut_heads(xp, sinks, (*pair.batch, pair.heads))
-    return out, lse if sinks is None else xp.broadcast_to(sinks, lse.shape)
+    call = _chunk_call(kernel, pair, blocks)
+    out, lse = call.empty_result()
+    return (out, lse) if kernel.with_lse else out

@@ -1,0 +1,103 @@
+"""Every array field of an attention call, declared once with its role.
+
+A call (:class:`portable_attn._lib._call.AttentionCall`) carries Q, K, V and the
+model-building arrays. Each is declared here, once: where it lives (the call,
+its :class:`~._scores.ScoreTerms` or its :class:`~._scores.AttentionPlan`), its
+role and the grid axes of its trailing dimensions (leading ones are the batch).
+The drivers of the kernel -- the torch and JAX autodiff wrappers, the Dask tasks,
+the mesh code -- loop over :data:`FIELDS` through
+:meth:`~._call.AttentionCall.flatten` / :meth:`~._call.AttentionCall.unflatten`
+instead of naming fields, so adding a field touches its declaration here, its
+validation and the kernel code that uses it.
+
+Roles
+-----
+operand
+    Q, K, V: the kernel slices them along their sequence axis.
+block
+    Sliced per (query block, key block) with the scores: bias, mask, dropout
+    keep-mask, segment ids.
+whole
+    Read whole by every block: lengths, the ALiBi slopes, the batch index of
+    ``score_mod``.
+learned
+    A learned scalar or logit that receives gradients: an array `scale` or
+    `softcap` (0-d, in the plan) and the `sinks`.
+
+Static facts (shapes, a float scale, causal/window, dtypes, device, the
+alignment) are the plan's fields; callables and host objects (``score_mod``,
+the dropout factor, the host segment skipper) stay in the terms as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["FIELDS", "SCORE_AXES", "Field", "Role", "field"]
+
+
+class Role(enum.Enum):
+    """What the kernel does with a field (see the module docstring)."""
+
+    OPERAND = "operand"
+    BLOCK = "block"
+    WHOLE = "whole"
+    LEARNED = "learned"
+
+
+#: Grid axes of everything shaped like the scores (..., Hq, Lq, Lk), size-1 axes broadcast.
+SCORE_AXES = ("hq", "lq", "lk")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One array field of a call.
+
+    Attributes
+    ----------
+    name : str
+        Its attribute name on its owner.
+    owner : {"call", "terms", "plan"}
+        Where it lives.
+    role : Role
+    differentiable : bool
+        Receives a gradient under torch autograd and ``jax.grad``.
+    axes : tuple of str
+        Grid axes of its trailing dimensions: ``hq``/``hkv`` heads, ``lq``/``lk``
+        positions, ``dk``/``dv`` features. Leading dimensions are batch axes.
+        An axis of size one broadcasts.
+    """
+
+    name: str
+    owner: Literal["call", "terms", "plan"]
+    role: Role
+    differentiable: bool = False
+    axes: tuple[str, ...] = SCORE_AXES
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("query", "call", Role.OPERAND, True, ("hq", "lq", "dk")),
+    Field("key", "call", Role.OPERAND, True, ("hkv", "lk", "dk")),
+    Field("value", "call", Role.OPERAND, True, ("hkv", "lk", "dv")),
+    Field("bias", "call", Role.BLOCK, True),  # (..., Hq|1, Lq|1, Lk|1)
+    Field("mask", "terms", Role.BLOCK),  # (..., Hq|1, Lq|1, Lk|1)
+    Field("dropout_keep", "terms", Role.BLOCK),  # (..., Hq|1, Lq|1, Lk|1)
+    Field("q_segments", "terms", Role.BLOCK),  # (*batch, 1, Lq, 1)
+    Field("kv_segments", "terms", Role.BLOCK),  # (*batch, 1, 1, Lk)
+    Field("q_lengths", "terms", Role.WHOLE),  # (*batch, 1, 1, 1)
+    Field("kv_lengths", "terms", Role.WHOLE),  # (*batch, 1, 1, 1)
+    Field("batch_index", "terms", Role.WHOLE),  # (*batch, 1, 1, 1), for score_mod
+    Field("alibi_slopes", "terms", Role.WHOLE, True),  # (..., Hq, 1, 1)
+    Field("sinks", "terms", Role.LEARNED, True),  # (..., Hq, 1, 1)
+    Field("scale", "plan", Role.LEARNED, True, ()),  # 0-d when learned
+    Field("softcap", "plan", Role.LEARNED, True, ()),  # 0-d when learned
+)
+
+_BY_NAME = {f.name: f for f in FIELDS}
+
+
+def field(name: str) -> Field:
+    """The declaration of the field `name`."""
+    return _BY_NAME[name]

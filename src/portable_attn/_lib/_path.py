@@ -1,0 +1,71 @@
+"""What computes one call: the :data:`Path` union that the policy decides and the paths run.
+
+The policy (:mod:`portable_attn._lib._policy`) returns one of these and imports
+no path; the paths (:mod:`portable_attn._paths`) run one and import no policy.
+Every decision the policy makes for a call (tiles, threads, folding the row sums
+into ``P @ [V | 1]``, the Dask grid) is carried here, so a path never decides
+one again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Blocks", "DaskGrid", "Dense", "Empty", "Native", "Path", "Tiled"]
+
+#: A block size, or the sizes of consecutive blocks (a Dask array's chunks).
+Blocks = int | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Empty:
+    """No query, key or query head: zeros (and the empty-row lse), nothing computed."""
+
+
+@dataclass(frozen=True)
+class Dense:
+    """One block: the (Lq, Lk) scores built once (``_lib/_dense.py``).
+
+    `fold`: the row sums of the weights come from ``P @ [V | 1]``, not another pass.
+    """
+
+    fold: bool = False
+
+
+@dataclass(frozen=True)
+class Tiled:
+    """The online softmax over (query block, key block) pairs (``_lib/_tiled.py``).
+
+    `block_q`, `block_k`: the tiles (ints, or the sizes of consecutive blocks);
+    `fold`: as for :class:`Dense`, per block; `workers`: threads over the query
+    blocks (NumPy), 1 for the calling thread alone.
+    """
+
+    block_q: Blocks
+    block_k: Blocks
+    fold: bool = False
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class Native:
+    """The framework's fused kernel with our masks and empty-row contract (``_native.py``)."""
+
+
+@dataclass(frozen=True)
+class DaskGrid:
+    """Dask: one task per visible (query chunk, key chunk) pair, merged by a tree.
+
+    `q_chunks`, `k_chunks`: the chunk sizes along ``Lq`` and ``Lk``; `inner`: the
+    path each pair task runs on its chunks (:class:`Dense`: one block per pair);
+    `merge_fan_in`: partials merged per merge task.
+    """
+
+    q_chunks: tuple[int, ...]
+    k_chunks: tuple[int, ...]
+    inner: Dense | Tiled
+    merge_fan_in: int
+
+
+#: The path of one call: exactly one of these.
+Path = Empty | Dense | Tiled | Native | DaskGrid

@@ -1,0 +1,55 @@
+"""The paths that compute an attention call, each run as ``run(call, path, *, with_lse)``.
+
+One module per path; :func:`run` dispatches on the :data:`~portable_attn._lib._path.Path`
+the policy (:mod:`portable_attn._lib._policy`) chose, which no path imports:
+
+=================  =================================================================
+``Empty``          :meth:`AttentionCall.empty_result` (zeros, lse ``-inf`` or the sink)
+``Dense``          :func:`portable_attn._lib._dense.dense_attention`
+``Tiled``          :func:`._autodiff.tiled_attention` (the tiled kernel with its O(L)
+                   backward), or :func:`._threads.threaded_attention` with workers
+``Native``         :func:`._native.native_attention` (torch SDPA, ``jax.nn``)
+``DaskGrid``       :func:`._dask.dask_attention` (one task per visible chunk pair)
+=================  =================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._lib._call import AttentionCall
+from .._lib._dense import dense_attention
+from .._lib._path import DaskGrid, Dense, Empty, Native, Path, Tiled
+from ._autodiff import tiled_attention
+from ._dask import dask_attention
+from ._native import native_attention
+from ._threads import threaded_attention
+
+__all__ = ["run"]
+
+
+def run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any, Any]:
+    """Compute `call` on `path`: ``(out, lse)``, both in the compute dtype, head axis kept.
+
+    `out` is (..., Hq, Lq, Dv). `lse` is the row log-sum-exp (..., Hq, Lq, 1) with
+    `with_lse` (``-inf`` for a row with no visible key and no sink), else None.
+    """
+    match path:
+        case Empty():
+            out, lse = call.empty_result()
+        case Dense(fold=fold):
+            result = dense_attention(call, fold=fold, with_lse=with_lse)
+            out, lse = result if with_lse else (result, None)
+        case Tiled(workers=1):
+            out, lse = tiled_attention(call, path)
+        case Tiled():
+            out, lse = threaded_attention(call, path)
+        case Native():
+            out, lse = native_attention(call), None
+        case DaskGrid():
+            result = dask_attention(call, path, with_lse=with_lse)
+            out, lse = result if with_lse else (result, None)
+        case _:
+            msg = f"not a path: {path!r}"
+            raise TypeError(msg)
+    return out, (lse if with_lse else None)
