@@ -7,10 +7,10 @@ decision matters for what is computed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
-
-import dataclasses
 
 import portable_attn._lib._policy as policy
 from portable_attn import scaled_dot_product_attention

@@ -7,12 +7,12 @@ import pytest
 
 from _helpers import assert_close, on_backend, qkv, randn
 from portable_attn._lib._call import prepare
-from portable_attn._lib._tiled import tiled_forward
-from portable_attn._reference import reference_attention
 from portable_attn._lib._cpu import available_workers
 from portable_attn._lib._path import Tiled
 from portable_attn._lib._policy import fold_row_sums
+from portable_attn._lib._tiled import tiled_forward
 from portable_attn._paths._threads import threaded_attention
+from portable_attn._reference import reference_attention
 
 pytestmark = pytest.mark.backends("numpy", reason="threads for NumPy's one-core ufuncs")
 

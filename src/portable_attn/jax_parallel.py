@@ -24,12 +24,11 @@ JAX 0.10 (``jax.shard_map``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from ._lib._call import AttentionCall, prepare
-from ._lib._compat import library_name
+from ._lib._call import prepare
+from ._lib._compat import device, library_name
 from ._lib._fields import field
 from ._lib._merge import merge_partials
 from ._lib._policy import choose_path
@@ -167,11 +166,9 @@ def sequence_parallel_attention(
         index = lax.axis_index(axis_name)
         if "sinks" in a:  # the sink logit counts once per row: in the first part only
             a = {**a, "sinks": jnp.where(index == 0, a["sinks"], -jnp.inf)}
-        part = skeleton.unflatten(a, kv_len=part_len)
+        part = skeleton.unflatten(a, kv_len=part_len, device=device(a["query"]))
         path = choose_path(part, block_size, "portable")  # the policy, for one part
-        out, lse = partial_attention(
-            part, path, kv_start=index * part_len, kv_total=plan.kv_len
-        )
+        out, lse = partial_attention(part, path, kv_start=index * part_len, kv_total=plan.kv_len)
         merged, _ = merge_partials(
             jnp,
             out,
@@ -182,16 +179,31 @@ def sequence_parallel_attention(
         )
         return merged
 
+    mesh = _auto_mesh(jax, mesh)
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:  # older JAX: only the experimental location (untested here)
         from jax.experimental.shard_map import shard_map
     run = shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())
-    with _mesh_context(jax, mesh):  # eager jax.grad traces the layout under the mesh too
-        # Lay every input out as its spec says (inside jit: a sharding constraint; a K/V
-        # already split along Lk over `axis_name` moves nothing).
-        arrays = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
-        out = run(arrays)
-    return call.finish(out)
+    # Lay every input out as its spec says (inside jit: a sharding constraint; a K/V
+    # already split along Lk over `axis_name` moves nothing).
+    arrays = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
+    return call.finish(run(arrays))
+
+
+def _auto_mesh(jax: Any, mesh: Any) -> Any:
+    """`mesh` with its axes of the automatic type, the same devices and names.
+
+    ``jax.make_mesh`` makes explicit axes (JAX 0.10): the output would then carry the
+    mesh in its type, and an eager ``jax.grad`` of a loss of it asks for a mesh
+    context that it cannot enter. The collectives here name their axis themselves,
+    so the automatic type loses nothing.
+    """
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    types = getattr(mesh, "axis_types", None)
+    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
+        return mesh
+    auto = (axis_type.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def _kind(x: Any) -> str:
@@ -199,15 +211,3 @@ def _kind(x: Any) -> str:
     if x is None:
         return "None, not an array"
     return f"{library_name(x)} array" if hasattr(x, "shape") else f"{type(x).__name__}"
-
-
-@contextlib.contextmanager
-def _mesh_context(jax: Any, mesh: Any) -> Iterator[None]:
-    """Enter `mesh` as the current mesh where this JAX has such a context (``jax.set_mesh``)."""
-    enter = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "use_mesh", None)
-    if enter is None:  # older JAX: the mesh object is its own context
-        with mesh:
-            yield
-        return
-    with enter(mesh):
-        yield

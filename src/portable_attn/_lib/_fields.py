@@ -99,5 +99,5 @@ _BY_NAME = {f.name: f for f in FIELDS}
 
 
 def field(name: str) -> Field:
-    """The declaration of the field `name`."""
+    """Return the declaration of the field `name`."""
     return _BY_NAME[name]

@@ -86,10 +86,12 @@ class Band:
 
     @classmethod
     def of(cls, is_causal: bool, window: tuple[int | None, int | None] | None) -> Band:
-        """The band of ``is_causal`` and ``window=(left, right)``."""
+        """Return the band of ``is_causal`` and ``window=(left, right)``."""
         left, right = window if window is not None else (None, None)
         if is_causal:
             right = 0 if right is None else min(right, 0)
+        if left is None and right is None:
+            return _UNBOUNDED
         return cls(left, right)
 
     @property
@@ -163,6 +165,9 @@ class Band:
         return (self.right is not None and first_q + self.right < 0) or (
             self.left is not None and last_q - self.left > kv_len - 1
         )
+
+
+_UNBOUNDED = Band()
 
 
 def structure_allowed(

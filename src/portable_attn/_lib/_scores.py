@@ -11,7 +11,6 @@ heads, ``G = Hq // Hkv``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ __all__ = [
 ]
 
 Range = tuple[int, int]
+_WHOLE_CALL = Alignment()
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,9 @@ class AttentionPlan:
     device: Any
     has_lengths: bool = False
     key_dim: int = 0
-    #: where these queries and keys sit in the whole sequences (a part of a call)
-    align: Alignment = Alignment()
+    #: where these queries and keys sit in the whole sequences (a part of a call);
+    #: None: a whole call (a None default, which torch.compile can trace)
+    align: Alignment | None = None
 
     @property
     def groups(self) -> int:
@@ -75,11 +76,13 @@ class AttentionPlan:
     @property
     def offset(self) -> int:
         """``i' - i`` from shapes alone (``Lk - Lq`` for a whole call): see :class:`Alignment`."""
+        if self.align is None:
+            return self.kv_len - self.q_len
         return self.align.static_offset(self.q_len, self.kv_len)
 
-    @functools.cached_property
+    @property
     def band(self) -> Band:
-        """The causal / window band of the call."""
+        """The causal / window band of the call (:meth:`Band.of` its two options)."""
         return Band.of(self.is_causal, self.window)
 
 
@@ -265,7 +268,8 @@ def alibi_distance(
 
 def query_offset(plan: AttentionPlan, terms: ScoreTerms) -> Any:
     """``i' - i`` of the call: an int, or (*batch, 1, 1, 1) with lengths (:class:`Alignment`)."""
-    return plan.align.offset(plan.q_len, plan.kv_len, terms.q_lengths, terms.kv_lengths)
+    align = _WHOLE_CALL if plan.align is None else plan.align
+    return align.offset(plan.q_len, plan.kv_len, terms.q_lengths, terms.kv_lengths)
 
 
 def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str:
@@ -299,15 +303,13 @@ def rows_may_be_empty(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) 
     band alone leaves a row without keys (``Lq > Lk`` with causal, say).
     """
     offset = None if plan.has_lengths else plan.offset
-    return hidden_by_value(bias, terms) or plan.band.empties_rows(
-        plan.q_len, plan.kv_len, offset
-    )
+    return hidden_by_value(bias, terms) or plan.band.empties_rows(plan.q_len, plan.kv_len, offset)
 
 
 def empty_result(
     xp: Any, plan: AttentionPlan, sinks: Any | None, *, rows: int | None = None
 ) -> tuple[Any, Any]:
-    """The result of rows that see no key: the one definition of it.
+    """Return the result of rows that see no key: the one definition of it.
 
     Returns
     -------

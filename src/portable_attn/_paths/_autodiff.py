@@ -79,9 +79,7 @@ def _backward(
     dout, dlse = grads
     if dout is None:  # only the lse was used
         dout = call.xp.zeros_like(out)
-    return tiled_backward(
-        call, out, lse, dout, path.block_q, path.block_k, need=need, dlse=dlse
-    )
+    return tiled_backward(call, out, lse, dout, path.block_q, path.block_k, need=need, dlse=dlse)
 
 
 def _differentiable(names: tuple[str, ...]) -> tuple[str, ...]:

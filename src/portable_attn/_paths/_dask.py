@@ -50,13 +50,14 @@ from .._lib._fields import field
 from .._lib._masks import arange
 from .._lib._merge import merge_partials
 from .._lib._path import DaskGrid, Dense, Tiled
-from .._lib._scores import block_visibility, empty_result
+from .._lib._scores import block_visibility
 from ._partial import partial_attention
 
 __all__ = ["dask_attention"]
 
 Array = Any
 Range = tuple[int, int]
+
 
 @dataclass(frozen=True)
 class _Kernel:
@@ -299,7 +300,7 @@ def _merge_tree(
 
 
 def _chunk_call(kernel: _Kernel, pair: _Pair, blocks: tuple[Array | None, ...]) -> AttentionCall:
-    """The call of one chunk pair: its blocks of every array field, in their own namespace."""
+    """Build the call of one chunk pair from its blocks of every field, in their namespace."""
     arrays = {n: x for n, x in zip(kernel.names, blocks, strict=True) if x is not None}
     q = arrays["query"]
     xp = array_namespace(query=q)

@@ -68,7 +68,7 @@ def threaded_attention(
     limit_blas: bool = True,
     tasks_per_worker: int = 1,
 ) -> tuple[Any, Any]:
-    """The tiled path's output (..., Hq, Lq, Dv) and lse, its query blocks in threads.
+    """Compute the tiled path's output (..., Hq, Lq, Dv) and lse, its query blocks in threads.
 
     Computes exactly ``tiled_forward(call, path.block_q, path.block_k, fold=path.fold)``
     with the query blocks in ``path.workers`` threads.
