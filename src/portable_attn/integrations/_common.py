@@ -100,8 +100,8 @@ def top_left_causal(
     if q_len == kv_len:
         return key, value, mask, bias, True
     if cut and q_len < kv_len and mask is None:
-        cut = None if bias is None else bias[..., :q_len]
-        return key[..., :q_len, :], value[..., :q_len, :], None, cut, True
+        bias_cut = None if bias is None else bias[..., :q_len]
+        return key[..., :q_len, :], value[..., :q_len, :], None, bias_cut, True
     device = getattr(key, "device", None)
     causal = causal_mask(q_len, kv_len, align="top-left", xp=xp, device=device)
     return key, value, causal if mask is None else xp.logical_and(mask, causal), bias, False

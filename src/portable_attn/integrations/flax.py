@@ -125,7 +125,7 @@ def attention_fn(
         # the shape Flax's dot_product_attention_weights draws, so the same key drops the same
         shape = (1,) * (q.ndim - 2) + lengths if broadcast_dropout else (*q.shape[:-1], lengths[1])
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
-    terms = {"mask": mask, "bias": bias, "is_causal": False}
+    terms: dict[str, Any] = {"mask": mask, "bias": bias, "is_causal": False}
     weight_terms = terms  # the sown weights cover every key: (batch..., Hq, Lq, Lk)
     k_out, v_out = k, v
     if is_causal:

@@ -169,7 +169,7 @@ def _define(keras: Any) -> type:
                 kept = keras.random.dropout(ones, rate, seed=self._dropout_layer.seed_generator)
                 keep = ops.not_equal(kept, 0)
             scale = self._inverse_sqrt_key_dim
-            terms = {"mask": mask, "is_causal": False, "scale": scale}
+            terms: dict[str, Any] = {"mask": mask, "is_causal": False, "scale": scale}
             weight_terms = terms  # the scores cover every key: (B, N, T, S)
             k_out, v_out = k, v
             if use_causal_mask:
