@@ -6,6 +6,8 @@ Not collected on its own (no ``test_`` prefix): Keras picks its backend once, at
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -127,3 +129,81 @@ def test_torch_gradients_match():
         grads.append([np_(v.value.grad) for v in layer.trainable_variables])
     for g_ours, g_ref in zip(grads[1], grads[0], strict=True):
         np.testing.assert_allclose(g_ours, g_ref, atol=1e-5)
+
+
+def projected(layer):
+    """The heads the layer's call hands to ``_compute_attention``: (B, T|S, N, key_dim)."""
+    return layer._query_dense(XQ), layer._key_dense(XV), layer._value_dense(XV)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_causal_compute_attention_scores_cover_every_key(training):
+    # issue 24: use_causal_mask=True with T < S returned scores of shape (B, N, T, T)
+    ref, ours = pair(dropout=0.3 if training else 0.0)
+    want, want_scores = ref._compute_attention(
+        *projected(ref), None, training, True, use_causal_mask=True
+    )
+    got, got_scores = ours._compute_attention(
+        *projected(ours), None, training, True, use_causal_mask=True
+    )
+    assert tuple(got_scores.shape) == tuple(want_scores.shape) == (B, 4, T, S)
+    np.testing.assert_allclose(np_(got_scores), np_(want_scores), atol=ATOL)
+    np.testing.assert_allclose(np_(got), np_(want), atol=ATOL)  # the same keys dropped
+
+
+def test_functional_model_scores_shape():
+    _, ours = pair()
+    query, value = keras.Input((T, F)), keras.Input((S, F))
+    outputs, scores = ours(query, value, return_attention_scores=True)
+    assert tuple(scores.shape) == (None, 4, T, S)  # Keras's own layer says (None, 4, T, T)
+    model = keras.Model([query, value], [outputs, keras.layers.Flatten()(scores)])
+    _, flat = model.predict([XQ, XV], verbose=0)
+    assert flat.shape == (B, 4 * T * S)
+
+
+def _model(layer, **call):
+    query, value = keras.Input((T, F)), keras.Input((S, F))
+    return keras.Model([query, value], layer(query, value, **call))
+
+
+def test_save_and_load(tmp_path):
+    # issue 24: load_model raised "Could not locate class 'MultiHeadAttention'"
+    ref, ours = pair()
+    model = _model(ours, use_causal_mask=True)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    (layer,) = [layer for layer in loaded.layers if isinstance(layer, MultiHeadAttention)]
+    assert layer.get_config() == ours.get_config()
+    want = np_(ref(XQ, XV, use_causal_mask=True))
+    np.testing.assert_allclose(np_(loaded([XQ, XV])), want, atol=ATOL)
+    np.testing.assert_allclose(np_(model([XQ, XV])), want, atol=ATOL)
+    # in a fresh process, importing the class (the documented recipe) is enough to load it
+    np.save(tmp_path / "xq.npy", XQ)
+    np.save(tmp_path / "xv.npy", XV)
+    code = f"""
+import numpy as np, keras
+from portable_attn.integrations.keras import MultiHeadAttention
+loaded = keras.models.load_model({str(path)!r})
+assert any(isinstance(layer, MultiHeadAttention) for layer in loaded.layers)
+xq, xv = np.load({str(tmp_path / "xq.npy")!r}), np.load({str(tmp_path / "xv.npy")!r})
+np.save({str(tmp_path / "out.npy")!r}, keras.ops.convert_to_numpy(loaded([xq, xv])))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), want, atol=ATOL)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mixed_precision_policies(policy, causal):
+    # issue 24: the NumPy backend raised for mixed_bfloat16, where Keras's layer runs
+    ref, ours = pair(dtype=policy)
+    ulp = 2.0**-7 if "bfloat16" in policy else 2.0**-10  # at 1: a few of them apart
+    calls = {"attention_mask": MASK, "use_causal_mask": causal, "return_attention_scores": True}
+    (want, want_scores), (got, got_scores) = ref(XQ, XV, **calls), ours(XQ, XV, **calls)
+    for a, b in ((got, want), (got_scores, want_scores)):
+        assert keras.backend.standardize_dtype(a.dtype) == ref.compute_dtype
+        assert keras.backend.standardize_dtype(b.dtype) == ref.compute_dtype
+        a, b = (np_(keras.ops.cast(x, "float32")) for x in (a, b))
+        np.testing.assert_allclose(a, b, rtol=4 * ulp, atol=4 * ulp)

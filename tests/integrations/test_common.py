@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from portable_attn import scaled_dot_product_attention
+from portable_attn import attention_weights, scaled_dot_product_attention
 from portable_attn.integrations._common import require, top_left_causal
 
 
@@ -43,7 +43,8 @@ except ImportError as e:
 
 @pytest.mark.parametrize(("lq", "lk"), [(4, 4), (3, 6), (6, 3)])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_top_left_causal(lq, lk, with_mask):
+@pytest.mark.parametrize("cut", [True, False])
+def test_top_left_causal(lq, lk, with_mask, cut):
     import array_api_compat.numpy as xp
 
     rng = np.random.default_rng(0)
@@ -57,7 +58,11 @@ def test_top_left_causal(lq, lk, with_mask):
     if other is not None:
         want_mask &= other
     want = scaled_dot_product_attention(q, k, v, mask=want_mask)
-    k2, v2, mask, bias, causal = top_left_causal(xp, k, v, other, None, lq)
+    k2, v2, mask, bias, causal = top_left_causal(xp, k, v, other, None, lq, cut=cut)
     assert bias is None
     got = scaled_dot_product_attention(q, k2, v2, mask=mask, is_causal=causal)
     np.testing.assert_allclose(got, want, atol=1e-12)
+    if not cut:  # the weights of every key, as the adapters return them
+        assert k2.shape == k.shape
+        weights = attention_weights(q, k2, mask=mask, is_causal=causal)
+        np.testing.assert_allclose(weights, attention_weights(q, k, mask=want_mask), atol=1e-12)

@@ -61,6 +61,19 @@ def test_nnx_is_causal_is_top_left(lk):
     np.testing.assert_allclose(run(ours, X, kv), run(ref, X, kv), atol=ATOL)
 
 
+@pytest.mark.parametrize("lk", [L, 14, 6])
+def test_nnx_is_causal_sows_weights_over_every_key(lk):
+    # issue 24: with Lq < Lk the keys cut for the output were cut from the weights too
+    ref, ours = nnx_pair()
+    kv = jax.random.normal(jax.random.key(1), (B, lk, F))
+    for layer in (ref, ours):
+        layer(X, kv, is_causal=True, deterministic=True, sow_weights=True)
+    (w_ref,) = ref.attention_weights.get_value()
+    (w_ours,) = ours.attention_weights.get_value()
+    assert w_ours.shape == w_ref.shape == (B, H, L, lk)
+    np.testing.assert_allclose(w_ours, w_ref, atol=ATOL)
+
+
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
 def test_nnx_dropout_drops_what_flax_drops(num_kv_heads):
     ref, ours = nnx_pair(num_kv_heads=num_kv_heads, dropout_rate=0.4)

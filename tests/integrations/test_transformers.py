@@ -312,3 +312,17 @@ def test_masked_calls_take_torch_sdpa(tmp_path, monkeypatch):
     with torch.no_grad():
         ours(ids, attention_mask=mask)
     assert calls == [True, True]  # one per layer, each with its mask
+
+
+def test_one_config_for_two_models_needs_a_copy():
+    # what docs/frameworks.md and register's docstring say, checked against transformers
+    config = LlamaConfig(**SMALL, num_hidden_layers=1, num_attention_heads=4)
+    shared = [
+        AutoModelForCausalLM.from_config(config, attn_implementation=a) for a in ("eager", NAME)
+    ]
+    assert [model.config._attn_implementation for model in shared] == [NAME, NAME]
+    copies = [
+        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=a)
+        for a in ("eager", NAME)
+    ]
+    assert [model.config._attn_implementation for model in copies] == ["eager", NAME]

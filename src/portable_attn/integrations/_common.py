@@ -43,7 +43,14 @@ def require(module: str, extra: str) -> ModuleType:
 
 
 def top_left_causal(
-    xp: Any, key: Any, value: Any, mask: Any | None, bias: Any | None, q_len: int
+    xp: Any,
+    key: Any,
+    value: Any,
+    mask: Any | None,
+    bias: Any | None,
+    q_len: int,
+    *,
+    cut: bool = True,
 ) -> tuple[Any, Any, Any | None, Any | None, bool]:
     """Express a framework's top-left causal mask in our arguments.
 
@@ -53,8 +60,12 @@ def top_left_causal(
     ``is_causal=True`` is used (the kernels' fused causal path). With
     ``Lq < Lk`` and no other mask, no query sees a key at or past ``Lq``, so
     the keys (and `bias`) are cut to the first ``Lq`` and the square case
-    applies (a static KV cache's prefill). Otherwise the top-left mask is
-    built and ANDed with `mask`.
+    applies (a static KV cache's prefill), unless `cut` is False. Otherwise
+    the top-left mask is built and ANDed with `mask`.
+
+    The cut gives the same attention output, but weights over ``Lq`` keys
+    only: a caller that returns the weights (Keras's scores, Flax's sown
+    weights, of shape (..., Lq, Lk)) computes them with ``cut=False``.
 
     Parameters
     ----------
@@ -70,11 +81,14 @@ def top_left_causal(
         The additive bias of the call.
     q_len : int
         ``Lq``.
+    cut : bool, default True
+        Whether the keys may be cut to the first ``Lq`` (when ``Lq < Lk`` and
+        `mask` is None). False: the keys are never cut, the mask is built.
 
     Returns
     -------
     key, value : array
-        The keys and values to use (cut to ``Lq`` keys or unchanged).
+        The keys and values to use (cut to ``Lq`` keys, or unchanged).
     mask : array of bool or None
         The mask to pass.
     bias : array or None
@@ -85,9 +99,9 @@ def top_left_causal(
     kv_len = key.shape[-2]
     if q_len == kv_len:
         return key, value, mask, bias, True
-    if q_len < kv_len and mask is None:
-        cut = None if bias is None else bias[..., :q_len]
-        return key[..., :q_len, :], value[..., :q_len, :], None, cut, True
+    if cut and q_len < kv_len and mask is None:
+        bias_cut = None if bias is None else bias[..., :q_len]
+        return key[..., :q_len, :], value[..., :q_len, :], None, bias_cut, True
     device = getattr(key, "device", None)
     causal = causal_mask(q_len, kv_len, align="top-left", xp=xp, device=device)
     return key, value, causal if mask is None else xp.logical_and(mask, causal), bias, False

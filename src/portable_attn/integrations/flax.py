@@ -26,7 +26,8 @@ no dropout arguments). What Flax means by its arguments, and what is passed on:
   softmax is computed in at least float32 either way;
 - ``precision``: applied to the matmuls with ``jax.default_matmul_precision``;
 - ``module``: with ``sow_weights=True`` the weights (after softmax, before
-  dropout) are sown as ``attention_weights``, as Flax does.
+  dropout) are sown as ``attention_weights``, as Flax does, of shape
+  ``(batch..., Hq, Lq, Lk)`` (every key, with ``is_causal`` too).
 
 Linen's ``force_fp32_for_softmax`` (always true here) and its quantization
 einsum hooks are not in the signature, so Linen does not pass them.
@@ -124,13 +125,20 @@ def attention_fn(
         # the shape Flax's dot_product_attention_weights draws, so the same key drops the same
         shape = (1,) * (q.ndim - 2) + lengths if broadcast_dropout else (*q.shape[:-1], lengths[1])
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
+    terms: dict[str, Any] = {"mask": mask, "bias": bias, "is_causal": False}
+    weight_terms = terms  # the sown weights cover every key: (batch..., Hq, Lq, Lk)
+    k_out, v_out = k, v
     if is_causal:
-        k, v, mask, bias, is_causal = top_left_causal(
-            array_namespace(k), k, v, mask, bias, q.shape[-2]
-        )
+        xp, q_len = array_namespace(k), q.shape[-2]
+        k_out, v_out, mask_out, bias_out, causal = top_left_causal(xp, k, v, mask, bias, q_len)
+        terms = {"mask": mask_out, "bias": bias_out, "is_causal": causal}
+        if module is not None:
+            _, _, mask_w, bias_w, causal_w = top_left_causal(
+                xp, k, v, mask, bias, q_len, cut=False
+            )
+            weight_terms = {"mask": mask_w, "bias": bias_w, "is_causal": causal_w}
         if keep is not None:
-            keep = keep[..., : k.shape[-2]]  # the keys top_left_causal may have cut
-    terms = {"mask": mask, "bias": bias, "is_causal": is_causal}
+            keep = keep[..., : k_out.shape[-2]]  # the keys top_left_causal may have cut
     context = (
         contextlib.nullcontext()
         if precision is None
@@ -138,11 +146,11 @@ def attention_fn(
     )
     with context:
         if module is not None:
-            _sow(module, attention_weights(q, k, **terms))
+            _sow(module, attention_weights(q, k, **weight_terms))
         out = scaled_dot_product_attention(
             q,
-            k,
-            v,
+            k_out,
+            v_out,
             **terms,
             dropout_p=dropout_rate if keep is not None else 0.0,
             dropout_mask=keep,

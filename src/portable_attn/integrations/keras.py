@@ -26,7 +26,18 @@ own arrays (``jax.Array``, ``torch.Tensor`` or ``numpy.ndarray``):
   ``keras.random.dropout`` from the layer's own seed generator, the draw
   Keras's layer makes, so the same seed drops the same weights;
 - ``return_attention_scores=True`` returns the weights before dropout, shape
-  (B, N, T, S), as Keras does.
+  (B, N, T, S), as Keras does (with ``use_causal_mask`` and ``T < S`` too);
+  while a functional model is traced, their symbolic shape is (B, N, T, S)
+  as well, where Keras's own layer declares (B, N, T, T);
+- dtype policies (``mixed_float16``, ``mixed_bfloat16``): the attention runs
+  in the layer's compute dtype, as Keras's does; on the NumPy backend, which
+  has no array-API bfloat16, bfloat16 heads are computed in float32 and the
+  results cast back to bfloat16;
+- saving: the class is registered with Keras as
+  ``"portable_attn>MultiHeadAttention"``, so a model saved with
+  ``model.save(path)`` loads with ``keras.models.load_model(path)`` once this
+  class has been imported (``from portable_attn.integrations.keras import
+  MultiHeadAttention``, which registers it).
 
 Only the default ``attention_axes`` of rank-3 inputs (B, T, dim) is supported;
 other ``attention_axes`` raise ValueError when the layer is built. While a
@@ -135,28 +146,104 @@ def _define(keras: Any) -> type:
             """
             if isinstance(query, keras.KerasTensor):  # symbolic tracing: shapes only
                 return super()._compute_attention(
-                    query, key, value, attention_mask, training, return_attention_scores
+                    query,
+                    key,
+                    value,
+                    attention_mask,
+                    training,
+                    return_attention_scores,
+                    use_causal_mask=use_causal_mask,
                 )
+            dtype = query.dtype
+            if _numpy_bfloat16(keras, query):
+                # NumPy has no array-API bfloat16: compute in float32, return bfloat16
+                query, key, value = (ops.cast(x, "float32") for x in (query, key, value))
             q, k, v = (ops.swapaxes(x, 1, 2) for x in (query, key, value))  # (B, N, L, D)
             mask = None
             if attention_mask is not None:
                 mask = ops.expand_dims(ops.cast(attention_mask, "bool"), 1)  # (B|1, 1, T, S)
-            is_causal = False
-            if use_causal_mask:
-                xp = array_namespace(k)
-                k, v, mask, _, is_causal = top_left_causal(xp, k, v, mask, None, q.shape[-2])
-            terms = {"mask": mask, "is_causal": is_causal, "scale": self._inverse_sqrt_key_dim}
             keep, rate = None, float(self._dropout)
-            if training and rate > 0.0:
+            if training and rate > 0.0:  # drawn over every key, as Keras's layer draws it
                 shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
                 ones = ops.ones(shape, dtype=self.compute_dtype)
                 kept = keras.random.dropout(ones, rate, seed=self._dropout_layer.seed_generator)
                 keep = ops.not_equal(kept, 0)
+            scale = self._inverse_sqrt_key_dim
+            terms: dict[str, Any] = {"mask": mask, "is_causal": False, "scale": scale}
+            weight_terms = terms  # the scores cover every key: (B, N, T, S)
+            k_out, v_out = k, v
+            if use_causal_mask:
+                xp, q_len = array_namespace(k), q.shape[-2]
+                k_out, v_out, mask_out, _, causal = top_left_causal(xp, k, v, mask, None, q_len)
+                terms = {"mask": mask_out, "is_causal": causal, "scale": scale}
+                if return_attention_scores:
+                    _, _, mask_w, _, causal_w = top_left_causal(
+                        xp, k, v, mask, None, q_len, cut=False
+                    )
+                    weight_terms = {"mask": mask_w, "is_causal": causal_w, "scale": scale}
+                if keep is not None:
+                    keep = keep[..., : k_out.shape[2]]  # the keys top_left_causal may have cut
             out = scaled_dot_product_attention(
-                q, k, v, **terms, dropout_p=rate if keep is not None else 0.0, dropout_mask=keep
+                q,
+                k_out,
+                v_out,
+                **terms,
+                dropout_p=rate if keep is not None else 0.0,
+                dropout_mask=keep,
             )
-            scores = attention_weights(q, k, **terms) if return_attention_scores else None
-            return ops.swapaxes(out, 1, 2), scores
+            out = ops.cast(ops.swapaxes(out, 1, 2), dtype)
+            scores = None
+            if return_attention_scores:
+                scores = ops.cast(attention_weights(q, k, **weight_terms), dtype)
+            return out, scores
+
+        def compute_output_spec(
+            self,
+            query: Any,
+            value: Any,
+            key: Any = None,
+            query_mask: Any = None,
+            value_mask: Any = None,
+            key_mask: Any = None,
+            attention_mask: Any = None,
+            return_attention_scores: bool = False,
+            training: bool | None = None,
+            use_causal_mask: bool = False,
+        ) -> Any:
+            """Declare the symbolic outputs, with scores of shape (B, N, T, S).
+
+            Keras's own layer declares scores of shape (B, N, T, T), which is
+            wrong when the value's length S differs from the query's T.
+
+            Parameters
+            ----------
+            query, value, key : KerasTensor
+                Shapes (B, T, dim), (B, S, dim), (B, S, dim).
+            query_mask, value_mask, key_mask, attention_mask, training, use_causal_mask
+                Unused: they do not change the shapes.
+            return_attention_scores : bool, default False
+                Also declare the scores.
+
+            Returns
+            -------
+            KerasTensor, or (KerasTensor, KerasTensor)
+                The output, shape (B, T, output dim), and the scores (B, N, T, S).
+            """
+            spec = super().compute_output_spec(query, value, key)
+            if not return_attention_scores:
+                return spec
+            shape = (query.shape[0], self.num_heads, query.shape[1], value.shape[1])
+            return spec, keras.KerasTensor(shape, dtype=self.compute_dtype)
 
     MultiHeadAttention.__module__ = __name__
-    return MultiHeadAttention
+    MultiHeadAttention.__qualname__ = "MultiHeadAttention"
+    # registered as "portable_attn>MultiHeadAttention": keras.models.load_model finds it
+    register = keras.saving.register_keras_serializable(package="portable_attn")
+    return register(MultiHeadAttention)
+
+
+def _numpy_bfloat16(keras: Any, x: Any) -> bool:
+    """Whether `x` is a NumPy array of bfloat16 (Keras's NumPy backend, a bfloat16 policy)."""
+    import numpy as np
+
+    return isinstance(x, np.ndarray) and keras.backend.standardize_dtype(x.dtype) == "bfloat16"

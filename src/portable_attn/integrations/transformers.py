@@ -61,6 +61,11 @@ def register(name: str = "portable_attn") -> str:
     ``model.set_attn_implementation(name)`` use it. Registering again under the
     same name replaces the earlier registration.
 
+    ``from_config`` writes ``attn_implementation`` into the config object it is
+    given, and the model keeps that object: two ``from_config`` calls with one
+    config (say ``"eager"`` and `name`, to compare them) silently give both
+    models the last setting. Give each model its own ``copy.deepcopy(config)``.
+
     Parameters
     ----------
     name : str, default "portable_attn"
