@@ -14,7 +14,7 @@ from ._autodiff import tiled_attention
 from ._dask import dask_attention
 from ._lib._call import prepare
 from ._lib._dense import dense_attention, dense_weights
-from ._lib._validation import check_is_flag
+from ._lib._validation import check_given, check_is_flag
 from ._native import native_attention
 from ._path_policy import choose_path
 from ._threads import threaded_attention
@@ -198,6 +198,7 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 8, 5, 32)
     """
+    check_given("value", value)
     call = prepare(
         query,
         key,

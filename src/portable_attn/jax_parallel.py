@@ -30,6 +30,7 @@ from typing import Any
 from ._lib._call import prepare
 from ._lib._compat import library_name
 from ._lib._merge import merge_partials
+from ._lib._validation import check_given
 from ._partial import partial_attention
 
 __all__ = ["sequence_parallel_attention"]
@@ -95,6 +96,7 @@ def sequence_parallel_attention(
         or any error :func:`portable_attn.scaled_dot_product_attention` raises.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
+        check_given(name, x)
         if library_name(x) not in ("jax", "numpy"):  # host NumPy arrays are placed by JAX
             msg = (
                 f"sequence_parallel_attention needs JAX (or NumPy) arrays, but `{name}` is a "
