@@ -13,7 +13,7 @@ from typing import Any, Literal
 from ._lib._call import prepare
 from ._lib._dense import dense_weights
 from ._lib._policy import choose_path
-from ._lib._validation import check_is_flag
+from ._lib._validation import check_given, check_is_flag
 from ._paths import run
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
@@ -195,6 +195,7 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 8, 5, 32)
     """
+    check_given("value", value)
     call = prepare(
         query,
         key,

@@ -32,6 +32,7 @@ from ._lib._compat import device, library_name
 from ._lib._fields import field
 from ._lib._merge import merge_partials
 from ._lib._policy import choose_path
+from ._lib._validation import check_given
 from ._paths._partial import partial_attention
 
 __all__ = ["sequence_parallel_attention"]
@@ -105,10 +106,11 @@ def sequence_parallel_attention(
     """
     given = {"query": query, "key": key, "value": value}
     for name, x in given.items():
+        check_given(name, x)
         if library_name(x) not in ("jax", "numpy"):  # host NumPy arrays are placed by JAX
             msg = (
                 f"sequence_parallel_attention needs JAX (or NumPy) arrays, but `{name}` is a "
-                f"{_kind(x)}; use scaled_dot_product_attention for it"
+                f"{library_name(x)} array; use scaled_dot_product_attention for it"
             )
             raise TypeError(msg)
     import jax
@@ -188,6 +190,22 @@ def sequence_parallel_attention(
     # already split along Lk over `axis_name` moves nothing).
     arrays = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
     return call.finish(run(arrays))
+
+
+def _auto_mesh(jax: Any, mesh: Any) -> Any:
+    """`mesh` with its axes of the automatic type, the same devices and names.
+
+    ``jax.make_mesh`` makes explicit axes (JAX 0.10): the output would then carry the
+    mesh in its type, and an eager ``jax.grad`` of a loss of it asks for a mesh
+    context that it cannot enter. The collectives here name their axis themselves,
+    so the automatic type loses nothing.
+    """
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    types = getattr(mesh, "axis_types", None)
+    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
+        return mesh
+    auto = (axis_type.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def _auto_mesh(jax: Any, mesh: Any) -> Any:

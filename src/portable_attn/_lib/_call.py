@@ -32,6 +32,7 @@ from ._compat import (
     default_integer_dtype,
     device,
     has_concrete_values,
+    ids_in_one_dtype,
     on_device,
     pins_devices,
     reads_host_values,
@@ -255,10 +256,12 @@ ATTENTION_KEYWORDS = tuple(
 
 
 def signed_lengths(xp: Any, x: Array) -> Array:
-    """Lengths as a signed integer array, so ``kv_len - q_len`` can go below zero."""
-    if not xp.isdtype(x.dtype, "unsigned integer"):
-        return x
-    return xp.astype(x, default_integer_dtype(xp))
+    """Lengths in the default integer dtype, so ``kv_len - q_len`` can go below zero.
+
+    Narrow dtypes are widened too: ``Lk - q_len`` overflowed int8 lengths (Lq = 300).
+    """
+    common = default_integer_dtype(xp)
+    return x if x.dtype == common else xp.astype(x, common)
 
 
 # ---------------------------------------------------------------------------
@@ -486,8 +489,8 @@ def _segments(
     elif kv_ids is None:
         v.check_self_segments("kv_segment_ids", "q_segment_ids", plan.q_len, plan.kv_len)
         kv_ids = q_ids
-    if q_ids.dtype != kv_ids.dtype:  # torch and array-api-strict refuse some promotions
-        q_ids, kv_ids = (xp.astype(x, default_integer_dtype(xp)) for x in (q_ids, kv_ids))
+    # one dtype, compared by value (torch and array-api-strict refuse some promotions)
+    q_ids, kv_ids = ids_in_one_dtype(xp, q_ids, kv_ids, names=("q_segment_ids", "kv_segment_ids"))
     blocks = None
     if reads_host_values(q_ids) and reads_host_values(kv_ids):  # NumPy: skip by value
         n = math.prod(plan.batch)

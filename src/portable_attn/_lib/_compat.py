@@ -28,6 +28,7 @@ __all__ = [
     "concrete_float",
     "has_concrete_values",
     "has_native_kernel",
+    "ids_in_one_dtype",
     "is_array_api_obj",
     "is_traced",
     "library_name",
@@ -39,6 +40,7 @@ __all__ = [
     "pins_devices",
     "reads_host_values",
     "size",
+    "stop_gradient",
     "traces_python_loops",
 ]
 
@@ -124,6 +126,26 @@ def concrete_float(x: Any) -> float:
     return float(x)
 
 
+def stop_gradient(x: Any) -> Any:
+    """Return `x` cut out of automatic differentiation: its gradient is taken as zero.
+
+    ``x.detach()`` for torch (eager, ``torch.compile`` and ``torch.func``),
+    ``jax.lax.stop_gradient`` for JAX (under ``jit``, ``grad``, ``vmap``); the
+    array itself for the libraries without autodiff. Used for the softmax's row-max
+    shift, whose exact gradient is zero: differentiating through the max only adds
+    terms that cancel, and compiled backwards (``torch.compile``, XLA) have turned
+    them into NaN.
+    """
+    lib = library_name(x)
+    if lib == "torch":
+        return x.detach()
+    if lib == "jax":
+        import jax
+
+        return jax.lax.stop_gradient(x)
+    return x
+
+
 def reads_host_values(x: Any) -> bool:
     """Whether values of `x` are host memory to read for free (NumPy): no sync, no trace.
 
@@ -184,6 +206,66 @@ def default_integer_dtype(xp: Any) -> Any:
     return xp.int64  # pragma: no cover - every supported namespace has the info object
 
 
+def ids_in_one_dtype(
+    xp: Any, a: Any, b: Any, *, names: tuple[str, str], common: Any = None
+) -> tuple[Any, Any]:
+    """Two integer arrays of ids in one dtype, equal there exactly where equal by value.
+
+    Ids of one dtype come back as they are. Otherwise both are cast to `common`
+    (the namespace's default integer dtype: int64, or int32 for JAX without
+    ``jax_enable_x64``), which is exact for every dtype that fits in it. An
+    unsigned dtype as wide as `common` (``uint64`` next to ``int64``) does not
+    fit: its values past ``iinfo(common).max`` wrap to negative numbers, so
+    ``2**64 - 1`` would match ``-1``. Such values equal no value of the other
+    side (which fits in `common`), and no negative id of the other side equals
+    an unsigned id: the wrapped values become ``-1`` and the other side's
+    negative ids ``-2``, which keeps "equal" exact between the two sides (only
+    they are compared with each other). Pairs where neither rule applies are
+    refused with a ValueError naming both arguments and dtypes.
+
+    Parameters
+    ----------
+    xp : namespace
+    a, b : integer arrays
+        The ids compared with each other (``q_segment_ids``, ``kv_segment_ids``).
+    names : (str, str)
+        The argument names of `a` and `b`, for the error message.
+    common : dtype, optional
+        The dtype to compare in; the default integer dtype of `xp` by default.
+    """
+    if a.dtype == b.dtype:
+        return a, b
+    common = default_integer_dtype(xp) if common is None else common
+    info = xp.iinfo(common)
+
+    def fits(x: Any) -> bool:
+        x_info = xp.iinfo(x.dtype)
+        return int(x_info.min) >= int(info.min) and int(x_info.max) <= int(info.max)
+
+    def wraps(x: Any) -> bool:  # unsigned, as wide as `common`: a bijection onto it
+        return xp.isdtype(x.dtype, "unsigned integer") and xp.iinfo(x.dtype).bits == info.bits
+
+    a_fits, b_fits = fits(a), fits(b)
+    if not (a_fits and b_fits) and not (a_fits and wraps(b)) and not (b_fits and wraps(a)):
+        msg = (
+            f"`{names[0]}` ({a.dtype}) and `{names[1]}` ({b.dtype}) cannot be compared "
+            f"exactly in one integer dtype ({common}): pass both ids in one dtype"
+        )
+        raise ValueError(msg)
+    a_cast, b_cast = xp.astype(a, common), xp.astype(b, common)
+    if a_fits and b_fits:
+        return a_cast, b_cast
+
+    def apart(x: Any, sentinel: int) -> Any:  # negative ids: `sentinel`, matching nothing
+        return xp.where(x < 0, sentinel, x)
+
+    if a_fits:  # b is the wrapping unsigned side
+        a_cast = apart(a_cast, -2) if xp.isdtype(a.dtype, "signed integer") else a_cast
+        return a_cast, apart(b_cast, -1)
+    b_cast = apart(b_cast, -2) if xp.isdtype(b.dtype, "signed integer") else b_cast
+    return apart(a_cast, -1), b_cast
+
+
 def namespace_or_numpy(xp: Any, *, caller: str = "", positional: Any = None) -> Any:
     """Return the namespace for a function that creates arrays: `xp`, or NumPy's.
 
@@ -210,6 +292,9 @@ def _namespace_of(name: str, x: Any) -> Any:
     cls = type(x)
     xp = _NAMESPACE_BY_TYPE.get(cls)
     if xp is None:
+        if x is None:
+            msg = f"`{name}` must be an array, but got None"
+            raise TypeError(msg)
         if not is_array_api_obj(x):
             msg = f"`{name}` must be an array, but got an object of type {cls.__qualname__!r}"
             raise TypeError(msg)
@@ -224,13 +309,17 @@ def _namespace_of(name: str, x: Any) -> Any:
 def array_namespace(**arrays: Any) -> Any:
     """Return the one array-API namespace shared by the named arrays.
 
-    ``None`` values are ignored. Arrays from different libraries raise a
-    :class:`TypeError` that names both arguments and both libraries.
+    ``None`` values are ignored (optional arguments), except for the first one
+    named: it is the call's main input (``query``, ``x``, ``weights``), and None
+    there raises a :class:`TypeError` "`query` must be an array, but got None".
+    Arrays from different libraries raise a :class:`TypeError` that names both
+    arguments and both libraries.
 
     Parameters
     ----------
     **arrays
-        The arrays keyed by argument name, e.g. ``query=q, key=k``.
+        The arrays keyed by argument name, e.g. ``query=q, key=k``; the first
+        one is required.
 
     Returns
     -------
@@ -238,8 +327,8 @@ def array_namespace(**arrays: Any) -> Any:
         The array-API compatible namespace (from ``array_api_compat``).
     """
     found_name = found_lib = xp = None
-    for name, x in arrays.items():
-        if x is None:
+    for i, (name, x) in enumerate(arrays.items()):
+        if x is None and i > 0:
             continue
         x_xp = _namespace_of(name, x)
         if xp is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ._call import AttentionCall
+from ._compat import stop_gradient
 from ._scores import (
     AttentionPlan,
     ScoreTerms,
@@ -48,7 +49,13 @@ def _exp_logits(
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
     may_be_empty = rows_may_be_empty(bias, terms, plan)
     exp_logits, sums, shift = masked_exp(
-        xp, scores, allowed, rows_may_be_empty=may_be_empty, row_sum=row_sum, sink=terms.sinks
+        xp,
+        scores,
+        allowed,
+        rows_may_be_empty=may_be_empty,
+        row_sum=row_sum,
+        sink=terms.sinks,
+        stop_gradient=stop_gradient,  # the shift cancels: its gradient is exactly zero
     )
     return _Exp(exp_logits, sums, shift, may_be_empty or terms.sinks is not None)
 

@@ -10,6 +10,7 @@ The replaced branch is a finite constant, so gradients stay finite too. NaN or
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["masked_exp", "safe_denominator"]
@@ -23,6 +24,7 @@ def masked_exp(
     rows_may_be_empty: bool = True,
     row_sum: bool = True,
     sink: Any | None = None,
+    stop_gradient: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, Any | None, Any]:
     """Return the unnormalised weights ``exp(logits - rowmax)``, their row sums, the shift.
 
@@ -46,6 +48,13 @@ def masked_exp(
         An extra logit per row (attention sinks): it takes part in the row max,
         and ``exp(sink - m)`` in the row sum; the caller adds it where the sums
         come from elsewhere.
+    stop_gradient : callable, optional
+        The library's stop-gradient (``_compat.stop_gradient``), applied to the
+        row max. The shift cancels exactly (``exp(s - m) / sum exp(s - m)`` and
+        ``m + log sum exp(s - m)`` do not depend on ``m``), so its true gradient
+        is zero; differentiating through the max instead gave NaN gradients in
+        compiled backwards (``torch.compile`` with a mask and a softcap). The
+        tiled path stops the gradient of its running max the same way.
 
     Returns
     -------
@@ -63,6 +72,8 @@ def masked_exp(
     row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
     if sink is not None:
         row_max = xp.maximum(row_max, sink)
+    if stop_gradient is not None:
+        row_max = stop_gradient(row_max)
     if rows_may_be_empty or sink is not None:
         row_max = xp.where(row_max == -xp.inf, 0.0, row_max)  # empty rows: exp(-inf) = 0
     exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)

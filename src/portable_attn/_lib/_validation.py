@@ -28,6 +28,7 @@ __all__ = [
     "check_count",
     "check_dropout",
     "check_floating",
+    "check_given",
     "check_implementation",
     "check_is_causal",
     "check_is_flag",
@@ -94,7 +95,15 @@ def check_mask_dtype(xp: Any, name: str, x: Any) -> None:
         raise TypeError(msg)
 
 
+def check_given(name: str, x: Any) -> None:
+    """Raise TypeError when a required array argument is None (a newcomer's slip)."""
+    if x is None:
+        msg = f"`{name}` must be an array, but got None"
+        raise TypeError(msg)
+
+
 def _check_rank(name: str, x: Any) -> None:
+    check_given(name, x)
     if x.ndim < 2:
         msg = (
             f"`{name}` must have at least 2 dimensions (..., L, D), "
@@ -388,7 +397,8 @@ def check_merge_parts(outs: Any, lses: Any) -> tuple[list[Any], list[Any]]:
             raise TypeError(msg)
         for i, x in enumerate(seq):
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-                msg = f"`{name}[{i}]` must be an array, but got {type(x).__name__}"
+                got = "None" if x is None else type(x).__name__
+                msg = f"`{name}[{i}]` must be an array, but got {got}"
                 raise TypeError(msg)
         parts.append(list(seq))
     if not parts[0]:

@@ -23,7 +23,7 @@ import functools
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import library_name
+from .._lib._compat import library_name, stop_gradient
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._tiled import tiled_backward, tiled_forward
@@ -49,22 +49,12 @@ def tiled_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
     elif call.terms.score_mod is None and lib == "jax":
         arrays, skeleton = call.flatten()
         return _jax_function(skeleton, path)(arrays)
-    stop = None  # plain autodiff through the loop (score_mod): the max shift needs none
-    if lib == "jax":
-        import jax
-
-        stop = jax.lax.stop_gradient
-    elif lib == "torch":
-        stop = _detach
-    return _forward(call, path, stop_gradient=stop)
+    # plain autodiff through the loop (score_mod): the max shift needs no gradient
+    return _forward(call, path, stop_gradient=stop_gradient)
 
 
 def _forward(call: AttentionCall, path: Tiled, **options: Any) -> tuple[Any, Any]:
     return tiled_forward(call, path.block_q, path.block_k, fold=path.fold, **options)
-
-
-def _detach(x: Any) -> Any:
-    return x.detach()
 
 
 def _backward(
