@@ -13,7 +13,7 @@ import pytest
 
 from _helpers import assert_close, qkv, randn
 from portable_attn import merge_attention, scaled_dot_product_attention
-from portable_attn._reference import central_differences, reference_attention, reference_lse
+from portable_attn.testing import central_differences, reference_attention, reference_lse
 
 PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 5, "lk": 9, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2

@@ -8,8 +8,8 @@ import pytest
 from _helpers import assert_close, on_backend, qkv, randn
 from portable_attn._lib._call import prepare
 from portable_attn._lib._tiled import tiled_forward
-from portable_attn._reference import reference_attention
 from portable_attn._threads import available_workers, threaded_attention
+from portable_attn.testing import reference_attention
 
 pytestmark = pytest.mark.backends("numpy", reason="threads for NumPy's one-core ufuncs")
 

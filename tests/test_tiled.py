@@ -23,7 +23,7 @@ from _helpers import (
 )
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._tiled import block_ranges, block_visibility
-from portable_attn._reference import reference_attention, structure
+from portable_attn.testing import reference_attention, structure
 
 problem = partial(qkv, lq=13, lk=11, dk=8, dv=5)  # lengths that no block size divides
 
