@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import report
+from _timing import interleaved_seconds
 
 from portable_attn._lib._call import prepare
 from portable_attn._threads import available_workers, threaded_attention
-from portable_attn._timing import interleaved_seconds
 
 RESULTS = Path(__file__).parent / "results"
 
