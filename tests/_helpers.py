@@ -174,6 +174,21 @@ def assert_close(
     )
 
 
+def float32_error_bound(value: np.ndarray, length: int, dtype: str = "float32") -> float:
+    """The largest error a `dtype` attention result may have against the float64 oracle.
+
+    Whatever order its sums run in (tiles, threads, BLAS kernels and library
+    versions all choose their own): each output is a weighted mean of the rows of
+    `value`, so at most ``max|value|``, reached through sums of `length` terms
+    (the keys, plus the head dimension of each score). Rounded in any order such
+    a sum is off by about ``sqrt(length)`` units of ``eps`` of its magnitude (the
+    worst case, ``length * eps``, does not occur in practice); this allows that,
+    about ten times what a float32 result is off on unit-scale data.
+    """
+    eps = float(np.finfo(dtype).eps)
+    return eps * float(np.sqrt(length)) * max(1.0, float(np.abs(value).max()))
+
+
 def half_precision_bound(
     backend: Backend, expected: np.ndarray, dtype: str, *, baseline_error: float = 0.0
 ) -> float:

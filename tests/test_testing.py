@@ -87,11 +87,11 @@ class TestAssertClose:
     def test_dtype_mismatch_fails(self, backend):
         a = randn(2, 3)
         f32 = backend.asarray(a, "float32")
-        with pytest.raises(AssertionError, match="dtype mismatch.*float32, expected float64"):
+        with pytest.raises(AssertionError, match=r"dtype mismatch.*float32, expected float64"):
             assert_close(f32, backend.asarray(a))
-        with pytest.raises(AssertionError, match="dtype mismatch.*float32, expected float64"):
+        with pytest.raises(AssertionError, match=r"dtype mismatch.*float32, expected float64"):
             assert_close(f32, a, xp=backend.xp)  # NumPy float64 data: float64 is expected
-        with pytest.raises(AssertionError, match="dtype mismatch.*float64, expected float32"):
+        with pytest.raises(AssertionError, match=r"dtype mismatch.*float64, expected float32"):
             assert_close(backend.asarray(a), a, xp=backend.xp, dtype=backend.dtype("float32"))
         assert_close(f32, a, xp=backend.xp, dtype=backend.dtype("float32"), atol=1e-6)
 
