@@ -7,7 +7,7 @@
 # Results: gpu-tests.xml, gpu-tests.json and gpu.json in $OUT (default benchmarks/results).
 #
 # Usage: bash benchmarks/gpu.sh
-#   PORTABLE_ATTN_GPU_VENV    the venv to use or create (default .venv-gpu); it sees the
+#   PORTABLE_ATTN_GPU_VENV    the venv to use or create (default .venv/gpu); it sees the
 #                             system's packages, so a machine with CUDA torch/JAX/CuPy
 #                             installed needs no download
 #   PORTABLE_ATTN_{TORCH,JAX,CUPY}_SPEC   pip specs for what is missing (defaults below)
@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}"
-VENV="${PORTABLE_ATTN_GPU_VENV:-.venv-gpu}"
+VENV="${PORTABLE_ATTN_GPU_VENV:-.venv/gpu}"
 mkdir -p "$OUT_DIR"
 
 nvidia-smi -L
