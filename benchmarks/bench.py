@@ -25,7 +25,7 @@ peers. Every output's dtype is asserted to be the inputs', and every
 implementation but the floor is compared with ours before it is timed; a
 mismatch is recorded, shown in the table and makes the run exit with 1.
 All implementations of a case are timed interleaved, round-robin, in this
-process (``portable_attn._timing``); ratios are medians of per-round ratios.
+process (``benchmarks/_timing.py``); ratios are medians of per-round ratios.
 Also measured: the per-call overhead on (1, 1, 8, 8) and the default call's
 peak memory at the largest L in a fresh process. Results go to
 ``<out>/cases-<backend>.json``. Never run it next to other work: the cores are
@@ -52,9 +52,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import report
+from _timing import interleaved_seconds
 
-from portable_attn._backends import make_backend
-from portable_attn._timing import interleaved_seconds
+from portable_attn.testing import make_backend
 
 RESULTS = Path(__file__).parent / "results"
 H, D = 8, 64
@@ -461,7 +461,7 @@ import json, os, sys, threading, time, tracemalloc
 import numpy as np
 backend, L, H, D, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 from portable_attn import scaled_dot_product_attention as sdpa
-from portable_attn._backends import make_backend
+from portable_attn.testing import make_backend
 table = make_backend(backend, exact=False)
 rng = np.random.default_rng(0)
 args = [table.asarray(rng.standard_normal((1, H, L, D), dtype=np.float32)) for _ in range(3)]

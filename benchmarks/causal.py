@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from _timing import interleaved_seconds
 
-from portable_attn._backends import make_backend
-from portable_attn._timing import interleaved_seconds
+from portable_attn.testing import make_backend
 
 RESULTS = Path(__file__).parent / "results"
 B, H, D = 1, 8, 64

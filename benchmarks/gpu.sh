@@ -1,49 +1,78 @@
 #!/usr/bin/env bash
-# GPU checks for a machine with an NVIDIA GPU (not run on CPU-only machines):
-#   1. the test suite on CuPy, torch CUDA and JAX GPU (their GPU kinds stop skipping);
-#   2. portable_attn against torch SDPA (flash) and jax.nn.dot_product_attention (cuDNN)
-#      at L up to 16384 in float16 and bfloat16, written to benchmarks/results/gpu.json.
-# Usage: bash benchmarks/gpu.sh   (needs network access to PyPI for the CUDA wheels)
+# The GPU checks, as one script for the first machine with an NVIDIA GPU (under 10 minutes
+# once the wheels are there):
+#   1. the test suite's GPU kinds (torch:cuda, jax:gpu, cupy), which skip on CPU-only machines;
+#   2. benchmarks/gpu.py: portable_attn against torch's FlashAttention and cuDNN SDPA kernels
+#      and jax.nn.dot_product_attention with cuDNN, float16 and bfloat16, L up to 16384.
+# Results: gpu-tests.xml, gpu-tests.json and gpu.json in $OUT (default benchmarks/results).
+#
+# Usage: bash benchmarks/gpu.sh
+#   PORTABLE_ATTN_GPU_VENV    the venv to use or create (default .venv/gpu); it sees the
+#                             system's packages, so a machine with CUDA torch/JAX/CuPy
+#                             installed needs no download
+#   PORTABLE_ATTN_{TORCH,JAX,CUPY}_SPEC   pip specs for what is missing (defaults below)
+#   PORTABLE_ATTN_GPU_TEST_TIMEOUT / PORTABLE_ATTN_GPU_TIMING_BUDGET   seconds (300 / 180)
+# The timing script's CPU dry run (no GPU needed): python benchmarks/gpu.py --cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-benchmarks/results}"
+VENV="${PORTABLE_ATTN_GPU_VENV:-.venv/gpu}"
+mkdir -p "$OUT_DIR"
+
 nvidia-smi -L
-python -m venv .venv-gpu
-. .venv-gpu/bin/activate
-pip install -q "${PORTABLE_ATTN_TORCH_CUDA_SPEC:-torch}" "${PORTABLE_ATTN_JAX_CUDA_SPEC:-jax[cuda12]}" \
-    "${PORTABLE_ATTN_CUPY_SPEC:-cupy-cuda12x}" ".[test]"
-python -m pytest -q --backend torch,jax,cupy
-python - <<'PY'
-import json
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+
+# install only what is missing: each module with the pip spec that provides it
+need=()
+"$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null \
+    || need+=("${PORTABLE_ATTN_TORCH_SPEC:-torch}")
+"$PY" -c "import jax; jax.devices('gpu')" 2>/dev/null \
+    || need+=("${PORTABLE_ATTN_JAX_SPEC:-jax[cuda12]}")
+"$PY" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" 2>/dev/null \
+    || need+=("${PORTABLE_ATTN_CUPY_SPEC:-cupy-cuda12x}")
+for module in pytest hypothesis array_api_strict array_api_compat threadpoolctl; do
+    "$PY" -c "import $module" 2>/dev/null || need+=("${module//_/-}")
+done
+if [ "${#need[@]}" -gt 0 ]; then
+    echo "installing: ${need[*]}"
+    "$PY" -m pip install -q "${need[@]}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import portable_attn, torch, jax; print('portable_attn', portable_attn.__version__, \
+'torch', torch.__version__, torch.version.cuda, 'jax', jax.__version__, jax.devices())"
+
+# 1. the GPU kinds of the suite (their ids name the device: torch:cuda, jax:gpu, cupy)
+tests_rc=0
+timeout "${PORTABLE_ATTN_GPU_TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider \
+    --backend torch,jax,cupy -k "cuda or gpu or cupy" \
+    --junitxml "$OUT_DIR/gpu-tests.xml" || tests_rc=$?
+"$PY" - "$OUT_DIR" "$tests_rc" <<'PY'
+import json, sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import jax, jax.numpy as jnp, numpy as np, torch
-from portable_attn import scaled_dot_product_attention as sdpa
-from portable_attn._backends import make_backend
-from portable_attn._timing import interleaved_seconds
-
-# the one backend table makes the arrays and synchronises; exact=False keeps each
-# library's own speed settings. The four implementations are timed interleaved.
-tb, jb = make_backend("torch:cuda", exact=False), make_backend("jax:gpu", exact=False)
-rng = np.random.default_rng(0)
-rows = []
-for dtype in ("float16", "bfloat16"):
-    for L in (1024, 4096, 16384):
-        for causal in (False, True):
-            data = [rng.standard_normal((1, 8, L, 64), dtype=np.float32) for _ in range(3)]
-            q, k, v = (tb.asarray(a, dtype) for a in data)
-            qj, kj, vj = (jb.asarray(tb.to_numpy(x), dtype) for x in (q, k, v))
-            t = lambda a: jnp.swapaxes(a, 1, 2)
-            cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=causal, implementation="cudnn"))
-            ours_j = jax.jit(lambda q, k, v: sdpa(q, k, v, is_causal=causal, block_size="auto", implementation="portable"))
-            fns = {
-                "torch_portable_ms": lambda: tb.sync(sdpa(q, k, v, is_causal=causal, block_size="auto", implementation="portable")),
-                "torch_sdpa_ms": lambda: tb.sync(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)),
-                "jax_portable_ms": lambda: jb.sync(ours_j(qj, kj, vj)),
-                "jax_cudnn_ms": lambda: jb.sync(cudnn(qj, kj, vj)),
-            }
-            medians = interleaved_seconds(fns, repeats=10).medians
-            row = {"dtype": dtype, "L": L, "causal": causal, **{name: 1e3 * s for name, s in medians.items()}}
-            rows.append(row)
-            print(row)
-Path("benchmarks/results/gpu.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+out, rc = Path(sys.argv[1]), int(sys.argv[2])
+summary = {"pytest_exit_code": rc}
+try:
+    suite = ET.parse(out / "gpu-tests.xml").getroot().find("testsuite")
+    summary |= {n: int(suite.get(n, 0)) for n in ("tests", "failures", "errors", "skipped")}
+    summary["failed"] = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+except (OSError, ET.ParseError) as exc:  # pytest timed out before writing it
+    summary["junit"] = f"not read: {exc}"
+(out / "gpu-tests.json").write_text(json.dumps(summary, indent=1) + "\n")
+print(json.dumps({k: v for k, v in summary.items() if k != "failed"}))
 PY
+
+# 2. the timings (cases that would start past the budget are listed as skipped)
+"$PY" benchmarks/gpu.py --out "$OUT_DIR/gpu.json" \
+    --budget-s "${PORTABLE_ATTN_GPU_TIMING_BUDGET:-180}"
+
+exit "$tests_rc"

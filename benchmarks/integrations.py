@@ -5,7 +5,7 @@
 
 Needs ``.[transformers,flax,keras]`` (``nox -s tests-integrations`` installs them). Each
 comparison is timed interleaved, round-robin, in one process
-(portable_attn._timing.interleaved_seconds); a ratio is the median of the per-round
+(``_timing.interleaved_seconds``, benchmarks/_timing.py); a ratio is the median of the per-round
 ratios ours / default, so drift of the shared machine hits both alike. Same dtype
 (float32) and the same weights on both sides; outputs are compared on the real tokens
 before anything is timed.
@@ -39,8 +39,7 @@ from typing import Any
 
 import numpy as np
 import report
-
-from portable_attn._timing import interleaved_seconds
+from _timing import interleaved_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results" / "integrations.json"
 TARGETS = {"transformers": 1.15, "flax": 1.10, "keras": 1.10}

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import report
+from _timing import interleaved_seconds
 
 import portable_attn._lib._call as call_module
 from portable_attn import scaled_dot_product_attention as sdpa
-from portable_attn._timing import interleaved_seconds
 
 RESULTS = Path(__file__).parent / "results"
 DOCS, DOC_LEN, H, D = 4, 1024, 8, 64

@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _timing
 import report
-
-from portable_attn._timing import start_rss_watch, stop_rss_watch
+from _timing import start_rss_watch, stop_rss_watch
 
 RESULTS = Path(__file__).parent / "results"
 B, H, L, D = 16, 8, 1024, 64
@@ -80,6 +80,12 @@ def _local_cluster(workers: int, env: str) -> Any:
         )
 
 
+def _ship_by_value(module: Any) -> None:
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+
+
 def _mib(n: float) -> float:
     return round(n / 2**20, 1)
 
@@ -93,6 +99,7 @@ class _Cluster:
         self.workers, self.env = workers, env
         self.cluster = _local_cluster(workers, env)
         self.client = distributed.Client(self.cluster)
+        _ship_by_value(_timing)  # the workers cannot import benchmarks/
         self.calls = {}
         for label, chunk in CHUNKINGS.items():
             self.calls[label] = self._call((B, H, L, D), (1, H, chunk, D))
@@ -292,8 +299,8 @@ def jax_run(devices: int, reps: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from portable_attn import scaled_dot_product_attention
-    from portable_attn._backends import make_backend
     from portable_attn._timing import median_seconds
+    from portable_attn.testing import make_backend
 
     sync = make_backend("jax", exact=False).sync
     mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices])

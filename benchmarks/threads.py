@@ -2,7 +2,7 @@
 
     python benchmarks/threads.py        # writes benchmarks/results/threads.json
 
-Evidence for ``THREADS_MIN_SCORE_BYTES`` in ``portable_attn/_path_policy.py``: the
+Evidence for ``THREADS_MIN_SCORE_BYTES`` in ``portable_attn/_lib/_policy.py``: the
 tiled path (blocks 128 x 256) computed by ``threaded_attention`` with one worker per
 core (BLAS limited to one thread each) and with one worker, interleaved, float32,
 B=1, H=8, D=64, plain and causal, per-round ratios. Never run it next to other work.
@@ -16,10 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import report
+from _timing import interleaved_seconds
 
 from portable_attn._lib._call import prepare
-from portable_attn._threads import available_workers, threaded_attention
-from portable_attn._timing import interleaved_seconds
+from portable_attn._lib._cpu import available_workers
+from portable_attn._lib._path import Tiled
+from portable_attn._lib._policy import fold_row_sums
+from portable_attn._paths._threads import threaded_attention
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -33,8 +36,12 @@ def main() -> int:
         for causal in (False, True):
             call = prepare(q, k, v, is_causal=causal)
             fns = {
-                "threads": lambda c=call: threaded_attention(c, 128, 256, workers),
-                "one thread": lambda c=call: threaded_attention(c, 128, 256, 1),
+                "threads": lambda c=call: threaded_attention(
+                    c, Tiled(128, 256, fold_row_sums(c), workers)
+                ),
+                "one thread": lambda c=call: threaded_attention(
+                    c, Tiled(128, 256, fold_row_sums(c), 1)
+                ),
             }
             res = interleaved_seconds(fns, repeats=7 if length < 4096 else 5)
             ratio = statistics.median(res.ratios("threads", "one thread"))

@@ -37,7 +37,7 @@ L, reps, H, D, BQ, BK = (int(a) for a in sys.argv[3:9])
 causal, backward = sys.argv[9] == "1", sys.argv[10] == "1"
 mode = sys.argv[11]  # "memory" or "time": separate processes, separate allocator settings
 from portable_attn import scaled_dot_product_attention as sdpa
-from portable_attn._backends import make_backend
+from portable_attn.testing import make_backend
 from portable_attn._timing import median_seconds
 table = make_backend(backend, exact=False)  # arrays and sync from the one backend table
 rng = np.random.default_rng(0)

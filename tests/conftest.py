@@ -31,12 +31,22 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from _backends import ALL_KINDS, FAMILIES, BackendCase, family_installed, family_of, make_case
-from _backends import unavailable_reason as _unavailable
+from portable_attn.testing import (
+    ALL_KINDS,
+    AUTODIFF_FAMILIES,
+    FAMILIES,
+    GPU_KINDS,
+    Backend,
+    family_installed,
+    family_of,
+    kind_supports,
+    make_backend,
+)
+from portable_attn.testing import unavailable_reason as _unavailable
 
 # The JAX sharding tests need a mesh of devices; on CPU, XLA creates host devices
-# on request, which must happen before anything imports JAX (_backends imports it
-# lazily). A run that sets its own device count keeps it.
+# on request, which must happen before anything imports JAX (portable_attn.testing
+# imports it lazily). A run that sets its own device count keeps it.
 _XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
     os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS} --xla_force_host_platform_device_count=8".strip()
@@ -48,15 +58,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 settings.load_profile("default")
-
-# What a backend can do, known without importing it (collection must not import
-# torch or JAX). The `backend` fixture checks these against each BackendCase it builds.
-AUTODIFF_FAMILIES = ("torch", "jax")  # BackendCase.has_autodiff
-DTYPE_FAMILIES = {  # BackendCase.supports(dtype), for the dtypes not every family has
-    "bfloat16": ("torch", "jax"),
-    "float16": tuple(f for f in FAMILIES if f != "array_api_strict"),  # not in the standard
-}
-GPU_KINDS = ("torch:cuda", "jax:gpu", "cupy")
 
 MARKERS = {
     "backends": "backends(*families, reason=None): run only on these backend families",
@@ -138,10 +139,6 @@ def _allowed(node, kinds: list[str]) -> tuple[list[str], list[str]]:
     return kinds, why
 
 
-def _supports(kind: str, dtype: str) -> bool:
-    return family_of(kind) in DTYPE_FAMILIES.get(dtype, FAMILIES)
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" not in metafunc.fixturenames:
         return
@@ -153,7 +150,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         argnames: tuple[str, ...] = ("backend",)
     else:
         dtypes = dtype_marker.args
-        cases = [(k, d) for k in kinds for d in dtypes if _supports(k, d)]
+        cases = [(k, d) for k in kinds for d in dtypes if kind_supports(k, d)]
         argnames = ("backend", "dtype")
         why.append(f"needs one of the dtypes {', '.join(dtypes)}")
     if not cases:
@@ -180,18 +177,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="; ".join(why)))
 
 
-_CASES: dict[str, BackendCase] = {}
-
-
-def _check_tables(case: BackendCase) -> None:
-    """The collection-time tables above must say what the backend case says."""
-    assert case.has_autodiff == (case.family in AUTODIFF_FAMILIES), case.kind
-    for dtype in DTYPE_FAMILIES:
-        assert case.supports(dtype) == _supports(case.kind, dtype), (case.kind, dtype)
-
-
 @pytest.fixture
-def backend(request: pytest.FixtureRequest) -> BackendCase:
+def backend(request: pytest.FixtureRequest) -> Backend:
     kind = request.param
     reason = _unavailable(kind)
     if reason is not None:
@@ -199,13 +186,9 @@ def backend(request: pytest.FixtureRequest) -> BackendCase:
         if family_of(kind) in requested and kind not in GPU_KINDS:
             pytest.fail(f"requested backend {kind!r} cannot run: {reason}")
         pytest.skip(reason)
-    if kind not in _CASES:
-        case = make_case(kind)
-        _check_tables(case)
-        _CASES[kind] = case
-    return _CASES[kind]
+    return make_backend(kind)  # cached
 
 
 @pytest.fixture
-def xp(backend: BackendCase):
+def xp(backend: Backend):
     return backend.xp

@@ -16,7 +16,7 @@ from _helpers import (
     run,
 )
 from portable_attn import attention_weights, scaled_dot_product_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 
 class TestScaledDotProductAttention:

@@ -15,7 +15,7 @@ import pytest
 
 from _helpers import randn
 from portable_attn import scaled_dot_product_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 pytestmark = pytest.mark.backends("dask", reason="Dask-only: chunked, lazy graphs")
 

@@ -14,14 +14,29 @@ because each chunk pair is one task whose tiles never build the pair's scores.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from portable_attn import scaled_dot_product_attention
-from portable_attn._reference import reference_attention
-from portable_attn._timing import start_rss_watch, stop_rss_watch
+from portable_attn.testing import reference_attention
+
+
+def _load_bench_timing():
+    """``benchmarks/_timing.py``, the one copy of the worker RSS watch (not in the package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "_timing.py"
+    spec = importlib.util.spec_from_file_location("portable_attn_bench_timing", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # cloudpickle ships it by value: by its name
+    spec.loader.exec_module(module)
+    return module
+
+
+_bench_timing = _load_bench_timing()
+start_rss_watch, stop_rss_watch = _bench_timing.start_rss_watch, _bench_timing.stop_rss_watch
 
 pytestmark = pytest.mark.backends("dask", reason="Dask-only: a dask.distributed cluster")
 
@@ -43,6 +58,7 @@ def client(request):
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import tests/
+    cloudpickle.register_pickle_by_value(_bench_timing)  # nor benchmarks/
     settings = {
         "distributed.worker.memory.target": False,  # no spilling to disk: memory is the test
         "distributed.worker.memory.spill": False,

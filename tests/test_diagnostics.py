@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from _helpers import assert_close, randn
-from portable_attn._reference import reference_weights
 from portable_attn.diagnostics import (
     attention_entropy,
     logit_stats,
@@ -14,6 +13,7 @@ from portable_attn.diagnostics import (
     scale_report,
     softmax_sensitivity,
 )
+from portable_attn.testing import reference_weights
 
 
 class TestEntropy:
@@ -38,7 +38,7 @@ class TestLogitStats:
         stats = logit_stats(backend.asarray(q), backend.asarray(k), mask=backend.asarray(mask),
                             is_causal=True)  # fmt: skip
         logits = np.einsum("bhqd,bhkd->bhqk", q, np.repeat(k, 2, axis=1)) / 4.0
-        from portable_attn._reference import structure
+        from portable_attn.testing import structure
 
         allowed = np.broadcast_to(mask & structure(6, 8, is_causal=True), logits.shape)
         per_head = [logits[:, h][allowed[:, h]] for h in range(4)]

@@ -13,7 +13,7 @@ import pytest
 import portable_attn as pa
 from _helpers import qkv
 from portable_attn import attention_weights, scaled_dot_product_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 
 @pytest.fixture

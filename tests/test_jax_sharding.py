@@ -13,7 +13,7 @@ import pytest
 
 from _helpers import randn
 from portable_attn import get_alibi_slopes, scaled_dot_product_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 pytestmark = pytest.mark.kinds("jax", reason="JAX CPU only: device meshes of host devices")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _helpers import qkv
+from _helpers import assert_close, qkv
 from portable_attn import attention_weights, scaled_dot_product_attention
-from portable_attn._reference import central_differences, reference_attention
+from portable_attn.testing import central_differences, reference_attention
 
 PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 5, "lk": 7, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
@@ -143,7 +143,7 @@ def test_torch_leaf_temperature(backend, path):
     import torch
 
     q, k, v = qkv(backend=backend, **problem)
-    temperature = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    temperature = scalar(backend, 0.3).requires_grad_(True)  # a leaf on the backend's device
     out = scaled_dot_product_attention(q, k, v, scale=temperature, block_size=PATHS[path])
     out.sum().backward()
     assert temperature.grad is not None
@@ -164,11 +164,12 @@ def test_traced_scale_under_jit(backend, path):
 
     jitted = jax.jit(f)(q, 0.3, 1.5)  # plain floats become tracers
     eager = f(q, 0.3, 1.5)
-    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-12)
+    assert_close(backend, jitted, eager, rtol=1e-12, atol=0.0)
     # a traced value is not read: a bad one is the caller's to avoid, not an error here
     grads = jax.jit(jax.grad(lambda s, c: f(q, s, c).sum(), argnums=(0, 1)))(0.3, 1.5)
     eager_grads = jax.grad(lambda s, c: f(q, s, c).sum(), argnums=(0, 1))(0.3, 1.5)
-    np.testing.assert_allclose(np.asarray(grads), np.asarray(eager_grads), rtol=1e-10)
+    for g, e in zip(grads, eager_grads, strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(e), rtol=1e-10)
 
 
 @pytest.mark.backends("torch", reason="torch.compile traces the scale")
@@ -176,15 +177,13 @@ def test_torch_compile_with_a_learned_scale(backend):
     import torch
 
     q, k, v = qkv(backend=backend, **problem)
-    temperature = torch.tensor(0.3, dtype=torch.float64)
+    temperature = scalar(backend, 0.3)
 
     def f(q, t):
         return scaled_dot_product_attention(q, k, v, scale=t, block_size=(2, 3))
 
     compiled = torch.compile(f, fullgraph=True, backend="eager")
-    np.testing.assert_allclose(
-        compiled(q, temperature).numpy(), f(q, temperature).numpy(), rtol=1e-12
-    )
+    assert_close(backend, compiled(q, temperature), f(q, temperature), rtol=1e-12, atol=0.0)
 
 
 @pytest.mark.backends("torch", reason="torch.func.vmap over a learned temperature")
@@ -194,7 +193,7 @@ def test_torch_vmap_over_the_temperature(backend, path):
     from torch.func import vmap
 
     q, k, v = qkv(backend=backend, **problem)
-    temperatures = torch.tensor([0.3, 0.5, 0.9], dtype=torch.float64)
+    temperatures = backend.asarray(np.array([0.3, 0.5, 0.9]))
 
     def f(t):
         return scaled_dot_product_attention(

@@ -70,15 +70,15 @@ class TestLengths:
         q, k, v = problem(hq=2, hkv=2, lq=9, lk=9)
         ql, kl = np.array([9, 6, 3]), np.array([9, 6, 3])
         ours, _ = run(backend, q, k, v, q_lengths=ql, kv_lengths=kl)
-        t = lambda a: jnp.swapaxes(jnp.asarray(a), 1, 2)  # noqa: E731  (B, L, H, D) layout
+        t = lambda a: jnp.swapaxes(backend.asarray(a), 1, 2)  # noqa: E731  (B, L, H, D) layout
         theirs = jax.nn.dot_product_attention(
             t(q),
             t(k),
             t(v),
-            query_seq_lengths=jnp.asarray(ql, dtype=jnp.int32),
-            key_value_seq_lengths=jnp.asarray(kl, dtype=jnp.int32),
+            query_seq_lengths=backend.asarray(ql, "int32"),
+            key_value_seq_lengths=backend.asarray(kl, "int32"),
         )
-        theirs = np.swapaxes(np.asarray(theirs), 1, 2)
+        theirs = np.swapaxes(backend.to_numpy(theirs), 1, 2)
         ours = backend.to_numpy(ours)
         for b, n in enumerate(ql):  # jax leaves padded query rows unspecified; compare valid rows
             np.testing.assert_allclose(ours[b, :, :n], theirs[b, :, :n], atol=1e-6)  # f32 softmax

@@ -19,7 +19,7 @@ from portable_attn._lib._call import prepare
 from portable_attn._lib._merge import merge_partials
 from portable_attn._lib._policy import choose_path
 from portable_attn._paths._partial import partial_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 B, HQ, HKV, LQ, LK, D = 2, 4, 2, 6, 11, 8
 PARTS = ((0, 3), (3, 4), (4, 11))  # uneven, one of a single key

@@ -7,7 +7,7 @@ import pytest
 
 from _helpers import assert_close, randn
 from portable_attn import init_mha_params, multi_head_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 
 class TestMultiHeadAttention:
@@ -38,11 +38,12 @@ class TestMultiHeadAttention:
         torch.manual_seed(0)
         mha = torch.nn.MultiheadAttention(
             12, 3, batch_first=True, kdim=8 if cross else None, vdim=8 if cross else None
-        )
-        x = torch.randn(2, 5, 12)
-        kv = torch.randn(2, 7, 8) if cross else x
-        padding = torch.zeros(2, kv.shape[1], dtype=torch.bool)
+        ).to(backend.device)
+        x = backend.asarray(randn(2, 5, 12), "float32")
+        kv = backend.asarray(randn(2, 7, 8, seed=1), "float32") if cross else x
+        padding = np.zeros((2, kv.shape[1]), dtype=bool)
         padding[1, -2:] = True  # PyTorch: True = ignore this key
+        padding = backend.asarray(padding)
         with torch.no_grad():
             expected, _ = mha(x, kv, kv, key_padding_mask=padding)
             if cross:

@@ -9,7 +9,7 @@ import pytest
 
 from _helpers import qkv as _qkv
 from portable_attn import scaled_dot_product_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 qkv = partial(_qkv, lq=6, lk=9, dk=8, dv=8)
 

@@ -17,7 +17,7 @@ from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import prepare
 from portable_attn._lib._path import DaskGrid, Dense, Empty, Native, Tiled
 from portable_attn._lib._policy import choose_path, default_tiles
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 
 def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):

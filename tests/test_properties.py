@@ -27,7 +27,7 @@ def problems(draw):
 
 
 def visible(mask, kw, lq, lk):
-    from portable_attn._reference import structure
+    from portable_attn.testing import structure
 
     return mask & structure(lq, lk, **kw)
 

@@ -9,7 +9,7 @@ import pytest
 
 from _helpers import PATHS, assert_close, qkv, randn, run
 from portable_attn import get_alibi_slopes, scaled_dot_product_attention
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 problem = partial(qkv, batch=(3,), lq=7, lk=9, dk=6, dv=6)
 

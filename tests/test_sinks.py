@@ -12,7 +12,7 @@ import pytest
 
 from _helpers import assert_close, check, qkv, randn
 from portable_attn import attention_weights, scaled_dot_product_attention
-from portable_attn._reference import central_differences
+from portable_attn.testing import central_differences
 
 PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 5, "lk": 7, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
@@ -142,7 +142,7 @@ def test_torch_vmap_over_sinks(backend, path):
     from torch.func import grad, vmap
 
     q, k, v = qkv(backend=backend, **problem)
-    many = torch.as_tensor(randn(3, 4, seed=2))
+    many = backend.asarray(randn(3, 4, seed=2))
 
     def f(s):
         return scaled_dot_product_attention(q, k, v, sinks=s, block_size=PATHS[path])

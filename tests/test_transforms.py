@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import PATHS, qkv
+from _helpers import PATHS, assert_close, qkv
 from portable_attn import attention_weights, get_alibi_slopes, scaled_dot_product_attention
 
 small = partial(qkv, lq=3, lk=6, dk=5, dv=3)  # GQA: Hq=4, Hkv=2; Lq=3 < Lk=6
@@ -29,18 +29,17 @@ class TestJax:
                 q, k, v, mask=mask, is_causal=True, softcap=4.0, window=(2, None)
             )
 
-        np.testing.assert_allclose(jax.jit(f)(q, k, v, mask), f(q, k, v, mask), atol=1e-13)
+        assert_close(backend, jax.jit(f)(q, k, v, mask), f(q, k, v, mask), atol=1e-13, rtol=0)
         w = jax.jit(lambda q, k: attention_weights(q, k, is_causal=True))(q, k)
-        np.testing.assert_allclose(w, attention_weights(q, k, is_causal=True), atol=1e-13)
+        assert_close(backend, w, attention_weights(q, k, is_causal=True), atol=1e-13, rtol=0)
 
     def test_vmap_equals_eager(self, backend):
         import jax
 
         q, k, v = small(backend=backend)
         vmapped = jax.vmap(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True))
-        np.testing.assert_allclose(
-            vmapped(q, k, v), scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-13
-        )
+        eager = scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert_close(backend, vmapped(q, k, v), eager, atol=1e-13, rtol=0)
 
     @pytest.mark.parametrize("block_size", PATHS)
     def test_all_model_arguments_under_jit(self, backend, block_size):
@@ -67,7 +66,7 @@ class TestJax:
             )
 
         eager = f(q, k, v, ql, kl, slopes, keep)
-        np.testing.assert_allclose(jax.jit(f)(q, k, v, ql, kl, slopes, keep), eager, atol=1e-13)
+        assert_close(backend, jax.jit(f)(q, k, v, ql, kl, slopes, keep), eager, atol=1e-13, rtol=0)
 
 
 @pytest.mark.backends("torch", reason="torch.compile")
@@ -104,13 +103,15 @@ class TestTorchFunc:
 
         tiled, dense = f(2), f("dense")
         grad = torch.func.grad(lambda q: tiled(q).sum())(q)
-        np.testing.assert_allclose(grad, torch.func.grad(lambda q: dense(q).sum())(q), atol=1e-12)
+        assert_close(
+            backend, grad, torch.func.grad(lambda q: dense(q).sum())(q), atol=1e-12, rtol=0
+        )
         jac = torch.func.jacrev(tiled)(q)
-        np.testing.assert_allclose(jac, torch.func.jacrev(dense)(q), atol=1e-12)
+        assert_close(backend, jac, torch.func.jacrev(dense)(q), atol=1e-12, rtol=0)
         batch = torch.stack([q, 2 * q, -q])
         vg = torch.func.vmap(torch.func.grad(lambda q: tiled(q).sum()))(batch)
         vd = torch.func.vmap(torch.func.grad(lambda q: dense(q).sum()))(batch)
-        np.testing.assert_allclose(vg, vd, atol=1e-12)
+        assert_close(backend, vg, vd, atol=1e-12, rtol=0)
 
 
 @pytest.mark.backends("jax", reason="jax.jacfwd")
@@ -123,4 +124,4 @@ def test_forward_mode_on_the_tiled_path_is_refused_clearly(backend):
         jax.jacfwd(lambda q: scaled_dot_product_attention(q, k, v, block_size=2))(q)
     jac = jax.jacfwd(lambda q: scaled_dot_product_attention(q, k, v, block_size="dense"))(q)
     rev = jax.jacrev(lambda q: scaled_dot_product_attention(q, k, v, block_size=2))(q)
-    np.testing.assert_allclose(np.asarray(jac), np.asarray(rev), atol=1e-12)
+    assert_close(backend, jac, rev, atol=1e-12, rtol=0)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import ATTENTION_KEYWORDS
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 NAMES = ("query", "key", "value", "block_size", "implementation", *ATTENTION_KEYWORDS)
 

@@ -1,15 +1,16 @@
 """The one backend table: every array library the project runs on, by kind.
 
 This is the one place that knows how each library converts NumPy data to its
-arrays and back, how it synchronises a device and how it differentiates. The
-test suite (through thin pytest glue in ``tests/_backends.py``), the
-``portable-attn check`` command line and the benchmarks all use it; the
-attention itself never does (it is written once against the array API).
+arrays and back, how it synchronises a device and how it differentiates. It is
+public as :mod:`portable_attn.testing`, which the test suite, the
+``portable-attn check`` command line and the benchmarks all use; the attention
+itself never does (it is written once against the array API).
 
 A backend *family* is a library (``numpy``, ``torch``...); each family has one
 or more *kinds* (``numpy`` and ``numpy_readonly``; ``torch`` and
 ``torch:cuda``...). Every library is imported lazily, when a kind of it is asked
-about, so importing this module imports none of them.
+about, so importing this module imports none of them, and what each kind can
+do (its dtypes, automatic differentiation, its device) is plain data here.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ from ._lib._compat import library_name
 
 __all__ = [
     "ALL_KINDS",
+    "AUTODIFF_FAMILIES",
     "DTYPES",
+    "DTYPE_FAMILIES",
     "FAMILIES",
+    "GPU_KINDS",
     "MODULES",
+    "TEST_ONLY_KINDS",
     "Backend",
     "configure",
     "family_installed",
     "family_of",
+    "has_autodiff",
+    "kind_supports",
     "make_backend",
     "to_numpy",
     "unavailable_reason",
@@ -41,13 +48,19 @@ __all__ = [
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy", "numpy_readonly"),
-    "array_api_strict": ("array_api_strict",),
+    "array_api_strict": ("array_api_strict", "array_api_strict:device1"),
     "torch": ("torch", "torch:cuda"),
     "jax": ("jax", "jax:gpu"),
     "cupy": ("cupy",),
     "dask": ("dask",),
 }
-"""The kinds of each family; the first kind of a family runs on the CPU (CuPy: GPU)."""
+"""The kinds of each family; the first kind of a family runs on the CPU (CuPy: GPU).
+
+``numpy_readonly`` gives read-only NumPy inputs; ``array_api_strict:device1``
+puts every input on array-api-strict's non-default device ``"device1"``, where
+combining it with an array made on the default device raises, as it would on a
+GPU: a CPU check of device handling.
+"""
 
 MODULES: dict[str, str] = {
     "numpy": "numpy",
@@ -63,7 +76,25 @@ ALL_KINDS: tuple[str, ...] = tuple(kind for kinds in FAMILIES.values() for kind 
 DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 """The floating dtypes the project computes in, widest first."""
 
-_GPU_KINDS = {"torch:cuda": "cuda", "jax:gpu": "gpu", "cupy": "cuda"}
+
+AUTODIFF_FAMILIES: tuple[str, ...] = ("torch", "jax")
+"""The families with automatic differentiation (:meth:`Backend.grad`)."""
+
+DTYPE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "bfloat16": ("torch", "jax"),
+    "float16": tuple(f for f in FAMILIES if f != "array_api_strict"),  # not in the standard
+}
+"""The families that compute in each dtype that not every family has."""
+
+GPU_KINDS: dict[str, str] = {"torch:cuda": "cuda", "jax:gpu": "gpu", "cupy": "cuda"}
+"""The kinds that need a GPU, with the name of their device."""
+
+TEST_ONLY_KINDS: tuple[str, ...] = ("numpy_readonly", "array_api_strict:device1")
+"""Kinds that compute like another kind of their family and only check inputs:
+the test suite runs them, ``portable-attn check`` does not."""
+
+_DEVICE_NAMES = {**GPU_KINDS, "array_api_strict:device1": "device1"}
+_GPU_KINDS = GPU_KINDS  # the name portable_attn._check imports
 
 
 def family_of(kind: str) -> str:
@@ -84,6 +115,33 @@ def family_of(kind: str) -> str:
             return family
     msg = f"unknown backend kind {kind!r}; choose from {', '.join(ALL_KINDS)}"
     raise ValueError(msg)
+
+
+def has_autodiff(kind: str) -> bool:
+    """Return whether backend `kind` differentiates (without importing its library)."""
+    return family_of(kind) in AUTODIFF_FAMILIES
+
+
+def kind_supports(kind: str, dtype: str) -> bool:
+    """Return whether backend `kind` computes in floating dtype `dtype` (a name).
+
+    Known without importing the library: the test suite asks while it collects.
+
+    Parameters
+    ----------
+    kind : str
+        One of :data:`ALL_KINDS`.
+    dtype : str
+        One of :data:`DTYPES`.
+
+    Returns
+    -------
+    bool
+    """
+    if dtype not in DTYPES:
+        msg = f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}"
+        raise ValueError(msg)
+    return family_of(kind) in DTYPE_FAMILIES.get(dtype, tuple(FAMILIES))
 
 
 def family_installed(family: str) -> bool:
@@ -197,7 +255,8 @@ class Backend:
         The array-API compatible namespace (from ``array_api_compat``, or
         ``array_api_strict`` itself).
     device : object, optional
-        The library's device object for torch and JAX, else None.
+        The library's device object for torch, JAX and ``array_api_strict:device1``,
+        else None (the library's default device).
     version : str, default "?"
         The library's version.
     """
@@ -214,13 +273,13 @@ class Backend:
 
     @property
     def device_name(self) -> str:
-        """Where it computes: ``"cpu"``, ``"cuda"`` (torch, CuPy) or ``"gpu"`` (JAX)."""
-        return _GPU_KINDS.get(self.kind, "cpu")
+        """Where it computes: ``"cpu"``, ``"cuda"``, ``"gpu"`` (JAX) or ``"device1"``."""
+        return _DEVICE_NAMES.get(self.kind, "cpu")
 
     @property
     def has_autodiff(self) -> bool:
         """Whether :meth:`grad` works (torch and JAX)."""
-        return self.family in ("torch", "jax")
+        return has_autodiff(self.kind)
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -229,11 +288,7 @@ class Backend:
 
     def supports(self, dtype: str) -> bool:
         """Return whether the backend computes in floating dtype `dtype` (a name)."""
-        if dtype == "bfloat16":
-            return self.family in ("torch", "jax")
-        if dtype == "float16":  # not in the standard; array-api-strict leaves it out
-            return self.family != "array_api_strict"
-        return True
+        return kind_supports(self.kind, dtype)
 
     def dtype(self, name: str) -> Any:
         """Return the backend's dtype object called `name` (e.g. ``"float32"``)."""
@@ -274,7 +329,7 @@ class Backend:
         if family == "numpy":
             return a.copy()
         if family == "array_api_strict":
-            return self.xp.asarray(a)
+            return self.xp.asarray(a, device=self.device)
         if family == "torch":
             import torch
 
@@ -401,7 +456,8 @@ def make_backend(kind: str, *, exact: bool = True) -> Backend:
     if family == "array_api_strict":
         import array_api_strict as xp
 
-        return Backend(kind, xp, version=version)
+        dev = xp.Device("device1") if kind == "array_api_strict:device1" else None  # type: ignore[attr-defined]
+        return Backend(kind, xp, dev, version)
     if family == "torch":
         import torch
 

@@ -27,6 +27,7 @@ from ._backends import (
     make_backend,
     unavailable_reason,
 )
+from ._backends import TEST_ONLY_KINDS as _TEST_ONLY_KINDS
 from ._reference import central_differences, reference_attention
 from ._timing import median_seconds
 
@@ -34,9 +35,6 @@ __all__ = ["CheckResult", "Target", "available_targets", "Unavailable", "run_che
 
 # Max abs error allowed against the float64 oracle on unit-scale data, per dtype.
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
-
-# Kinds that only the test suite runs: read-only NumPy inputs compute like NumPy.
-_TEST_ONLY_KINDS = ("numpy_readonly",)
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,65 @@
 
 It loops over query rows and key columns for the structural masks and repeats
 K/V heads explicitly for grouped-query attention: slow and obvious on purpose.
-The test suite and ``portable-attn check`` both compare against it (it ships in
-the package so the command line can use it), and :func:`central_differences`
+The test suite and ``portable-attn check`` both compare against it; it is
+public as part of :mod:`portable_attn.testing`, and :func:`central_differences`
 is the one finite-difference gradient both use.
+
+Every function takes NumPy data (or anything :func:`numpy.asarray` takes) and
+the keyword arguments of :func:`portable_attn.scaled_dot_product_attention`
+that concern values: ``mask``, ``bias``, ``is_causal``, ``scale``, ``window``,
+``softcap``, ``q_lengths``, ``kv_lengths``, ``alibi_slopes``, ``score_mod``,
+``dropout_p`` with ``dropout_mask``, ``sinks``, ``q_segment_ids``,
+``kv_segment_ids``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "central_differences",
+    "reference_attention",
+    "reference_lse",
+    "reference_weights",
+    "structure",
+]
+
+Float64Array = npt.NDArray[np.float64]
 
 
-def structure(lq: int, lk: int, *, is_causal: bool = False, window=None, offset=None):
-    """(Lq, Lk) bool: causal/window allowed positions with bottom-right alignment."""
+def structure(
+    lq: int,
+    lk: int,
+    *,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    offset: int | None = None,
+) -> npt.NDArray[np.bool_]:
+    """Return the positions that causality and a window allow, bottom-right aligned.
+
+    Parameters
+    ----------
+    lq, lk : int
+        Query and key lengths.
+    is_causal : bool, default False
+        Query row ``i`` sees keys ``j <= i + offset``.
+    window : (int or None, int or None), optional
+        ``(left, right)``: row ``i`` sees keys ``i + offset - left`` to
+        ``i + offset + right`` (None: unbounded on that side).
+    offset : int, optional
+        Where row ``i`` sits among the keys, ``lk - lq`` by default (the last
+        query row is the last key).
+
+    Returns
+    -------
+    ndarray of bool
+        ``(lq, lk)``, True where the key is visible.
+    """
     allowed = np.ones((lq, lk), dtype=bool)
     offset = lk - lq if offset is None else offset
     for i in range(lq):
@@ -30,10 +77,25 @@ def structure(lq: int, lk: int, *, is_causal: bool = False, window=None, offset=
     return allowed
 
 
-def reference_weights(q, k, **kwargs):
-    """Float64 weights. With lengths or ALiBi, the batch is one leading axis B.
+def reference_weights(q: npt.ArrayLike, k: npt.ArrayLike, **kwargs: Any) -> Float64Array:
+    """Return the attention weights in float64, computed row by row the obvious way.
 
-    With `sinks`, the sink joins each row's denominator: rows sum to less than one.
+    Parameters
+    ----------
+    q : array_like
+        Query, ``(..., Hq, Lq, D)`` or ``(Lq, D)``.
+    k : array_like
+        Key, ``(..., Hkv, Lk, D)`` or ``(Lk, D)``; Hq a multiple of Hkv.
+    **kwargs
+        The value options of ``scaled_dot_product_attention`` (module docstring).
+        With lengths or ALiBi slopes the batch is one leading axis B.
+
+    Returns
+    -------
+    ndarray of float64
+        ``(..., Hq, Lq, Lk)`` (``(Lq, Lk)`` for 2-D inputs); a row with no
+        visible key is zero. With `sinks`, the sink joins each row's
+        denominator: rows sum to less than one.
     """
     masked, sink, two_d, dropout = _masked_logits(q, k, **kwargs)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -53,10 +115,21 @@ def reference_weights(q, k, **kwargs):
     return w[0] if two_d else w
 
 
-def reference_lse(q, k, **kwargs):
-    """Float64 ``log(exp(sink) + Σ_j exp(s_ij))`` over visible keys, (..., Hq, Lq).
+def reference_lse(q: npt.ArrayLike, k: npt.ArrayLike, **kwargs: Any) -> Float64Array:
+    """Return the log-sum-exp of each row's scores in float64.
 
-    ``-inf`` for a row with no visible key and no sink.
+    Parameters
+    ----------
+    q, k : array_like
+        Query and key, as in :func:`reference_weights`.
+    **kwargs
+        As in :func:`reference_weights`.
+
+    Returns
+    -------
+    ndarray of float64
+        ``log(exp(sink) + Σ_j exp(s_ij))`` over the visible keys ``j``,
+        ``(..., Hq, Lq)``; ``-inf`` for a row with no visible key and no sink.
     """
     masked, sink, two_d, _ = _masked_logits(q, k, **kwargs)
     if sink is not None:
@@ -69,25 +142,25 @@ def reference_lse(q, k, **kwargs):
 
 
 def _masked_logits(
-    q,
-    k,
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
     *,
-    mask=None,
-    bias=None,
-    is_causal=False,
-    scale=None,
-    window=None,
-    softcap=None,
-    q_lengths=None,
-    kv_lengths=None,
-    alibi_slopes=None,
-    score_mod=None,
-    dropout_p=0.0,
-    dropout_mask=None,
-    sinks=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-):
+    mask: npt.ArrayLike | None = None,
+    bias: npt.ArrayLike | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    q_lengths: npt.ArrayLike | None = None,
+    kv_lengths: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: npt.ArrayLike | None = None,
+    sinks: npt.ArrayLike | None = None,
+    q_segment_ids: npt.ArrayLike | None = None,
+    kv_segment_ids: npt.ArrayLike | None = None,
+) -> tuple[Float64Array, Float64Array | None, bool, tuple[float, Any]]:
     """Logits with hidden positions -inf, the sinks as (..., Hq, 1, 1), 2-D flag, dropout."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -154,7 +227,26 @@ def _masked_logits(
     return masked, sink, two_d, (dropout_p, dropout_mask)
 
 
-def reference_attention(q, k, v, **kwargs):
+def reference_attention(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, **kwargs: Any
+) -> Float64Array:
+    """Return scaled dot-product attention in float64: the weights times the values.
+
+    Parameters
+    ----------
+    q, k : array_like
+        Query and key, as in :func:`reference_weights`.
+    v : array_like
+        Value, ``(..., Hkv, Lk, Dv)`` or ``(Lk, Dv)``.
+    **kwargs
+        As in :func:`reference_weights`.
+
+    Returns
+    -------
+    ndarray of float64
+        ``(..., Hq, Lq, Dv)`` (``(Lq, Dv)`` for 2-D inputs); zero for a row
+        with no visible key.
+    """
     v = np.asarray(v, dtype=np.float64)
     w = reference_weights(q, k, **kwargs)
     two_d = np.ndim(q) == 2 and np.ndim(k) == 2 and v.ndim == 2
@@ -168,7 +260,9 @@ def reference_attention(q, k, v, **kwargs):
     return out[0] if two_d else out
 
 
-def central_differences(fn, args, eps=1e-6):
+def central_differences(
+    fn: Callable[..., Any], args: Sequence[npt.ArrayLike], eps: float = 1e-6
+) -> list[Float64Array]:
     """``d fn / d args[i]`` by central differences, on NumPy copies of the arguments.
 
     Parameters
@@ -185,16 +279,16 @@ def central_differences(fn, args, eps=1e-6):
     list of ndarray
         One gradient per argument, shaped like it.
     """
-    args = [np.asarray(a, dtype=np.float64) for a in args]
+    point = [np.asarray(a, dtype=np.float64) for a in args]
     grads = []
-    for i, a in enumerate(args):
+    for i, a in enumerate(point):
         g = np.zeros_like(a)
         for idx in np.ndindex(a.shape):
             hi, lo = a.copy(), a.copy()
             hi[idx] += eps
             lo[idx] -= eps
-            up = fn(*args[:i], hi, *args[i + 1 :])
-            down = fn(*args[:i], lo, *args[i + 1 :])
+            up = fn(*point[:i], hi, *point[i + 1 :])
+            down = fn(*point[:i], lo, *point[i + 1 :])
             g[idx] = (up - down) / (2 * eps)
         grads.append(g)
     return grads

@@ -1,34 +1,29 @@
 """The one timer of the project: medians of wall time after warm-up calls.
 
-Every benchmark and ``portable-attn check`` time through here. A result is
-handed to `sync` (e.g. :meth:`portable_attn._backends.Backend.sync`) inside the
+``portable-attn check`` and every benchmark time through here. A result is
+handed to `sync` (e.g. :meth:`portable_attn.testing.Backend.sync`) inside the
 timed region, so asynchronous device work and lazy Dask graphs are counted.
-Implementations that are compared run interleaved, round-robin in one process,
-so that drift of a shared machine hits them alike.
+What only the benchmarks and tests use (interleaved timing, the RSS watch of
+Dask workers) lives outside the package, in ``benchmarks/_timing.py``, built on
+:func:`sample_seconds`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-__all__ = [
-    "Interleaved",
-    "interleaved_seconds",
-    "median_seconds",
-    "start_rss_watch",
-    "stop_rss_watch",
-]
+__all__ = ["median_seconds", "sample_seconds"]
 
 
 def _no_sync(_: Any) -> None:
     return None
 
 
-def _sample(fn: Callable[[], Any], sync: Callable[[Any], Any], number: int) -> float:
+def sample_seconds(fn: Callable[[], Any], sync: Callable[[Any], Any], number: int) -> float:
+    """Return the mean wall time of `number` calls ``sync(fn())`` (one timed sample)."""
     start = time.perf_counter()
     for _ in range(number):
         sync(fn())
@@ -70,123 +65,4 @@ def median_seconds(
     sync = _no_sync if sync is None else sync
     for _ in range(warmup):
         sync(fn())
-    return statistics.median(_sample(fn, sync, number) for _ in range(repeats))
-
-
-@dataclass(frozen=True)
-class Interleaved:
-    """The samples of several callables timed round-robin.
-
-    Parameters
-    ----------
-    samples : dict of name to list of float
-        Seconds per call of each name (any hashable), one sample per round, in round order.
-    """
-
-    samples: dict[Any, list[float]]
-
-    @property
-    def medians(self) -> dict[Any, float]:
-        """Seconds per call of each name, the median over the rounds."""
-        return {name: statistics.median(s) for name, s in self.samples.items()}
-
-    def ratios(self, numerator: Any, denominator: Any) -> list[float]:
-        """Return the per-round time ratios ``numerator / denominator``.
-
-        Both were timed in the same round, next to each other, so the ratios
-        cancel the drift of the machine between rounds.
-
-        Parameters
-        ----------
-        numerator, denominator : hashable
-            Names of the timed callables.
-
-        Returns
-        -------
-        list of float
-            One ratio per round.
-        """
-        return [
-            a / b for a, b in zip(self.samples[numerator], self.samples[denominator], strict=True)
-        ]
-
-
-def interleaved_seconds(
-    fns: Mapping[Any, Callable[[], Any]],
-    *,
-    repeats: int,
-    warmup: int = 1,
-    sync: Callable[[Any], Any] | None = None,
-    number: int = 1,
-) -> Interleaved:
-    """Time several callables side by side, round-robin, in this process.
-
-    Each of the `repeats` rounds times every callable once (`number` calls),
-    starting from a different one each round (the order rotates: for two, it
-    alternates), so that neither always runs first.
-
-    Parameters
-    ----------
-    fns : mapping of name to callable
-        The callables by name (any hashable: a str, a bool...); each is called with no arguments.
-    repeats : int
-        Rounds (at least 1).
-    warmup : int, default 1
-        Untimed calls of each callable first.
-    sync : callable, optional
-        ``sync(fn())`` is what is timed (see :func:`median_seconds`).
-    number : int, default 1
-        Calls per sample.
-
-    Returns
-    -------
-    Interleaved
-        The samples; ``.medians`` gives seconds per call by name and
-        ``.ratios(a, b)`` the per-round ratios.
-    """
-    if repeats < 1:
-        msg = f"repeats must be at least 1, got {repeats}"
-        raise ValueError(msg)
-    sync = _no_sync if sync is None else sync
-    names = list(fns)
-    for name in names:
-        for _ in range(warmup):
-            sync(fns[name]())
-    samples: dict[Any, list[float]] = {name: [] for name in names}
-    for i in range(repeats):
-        shift = i % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(_sample(fns[name], sync, number))
-    return Interleaved(samples)
-
-
-def start_rss_watch(dask_worker: Any) -> None:
-    """Poll this process's resident memory every 2 ms in a thread, from now on.
-
-    Run in each Dask worker (``client.run(start_rss_watch)``); the peak growth is
-    read back by :func:`stop_rss_watch`. Used by the Dask memory test and
-    ``benchmarks/scale.py``.
-    """
-    import threading
-
-    import psutil  # comes with dask.distributed
-
-    proc = psutil.Process()
-    state = {"base": proc.memory_info().rss, "peak": 0, "stop": threading.Event()}
-
-    def poll() -> None:
-        while not state["stop"].is_set():
-            state["peak"] = max(state["peak"], proc.memory_info().rss)
-            state["stop"].wait(0.002)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    dask_worker._portable_attn_rss = (state, thread)
-
-
-def stop_rss_watch(dask_worker: Any) -> int:
-    """Stop the poll of :func:`start_rss_watch`; return the peak RSS growth in bytes."""
-    state, thread = dask_worker._portable_attn_rss
-    state["stop"].set()
-    thread.join()
-    return max(0, state["peak"] - state["base"])
+    return statistics.median(sample_seconds(fn, sync, number) for _ in range(repeats))

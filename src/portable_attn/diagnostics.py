@@ -149,7 +149,7 @@ def _logits_and_allowed(
     logits = scores_block(xp, capped, call.bias, call.terms, plan, whole_q, whole_k)
     allowed = allowed_block(xp, call.terms, plan, whole_q, whole_k)  # (..., Hq, Lq, Lk)
     if allowed is None:
-        allowed = xp.ones(logits.shape, dtype=xp.bool)
+        allowed = xp.ones_like(logits, dtype=xp.bool)  # on the device of `logits`
     allowed = xp.broadcast_to(allowed, logits.shape)
     return xp, logits, allowed, plan
 

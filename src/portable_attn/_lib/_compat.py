@@ -156,7 +156,7 @@ def reads_host_values(x: Any) -> bool:
 
 
 def has_native_kernel(x: Any) -> bool:
-    """Whether the library of `x` has a fused attention kernel (see ``portable_attn._native``)."""
+    """Whether the library of `x` has a fused attention kernel (``_paths/_native.py``)."""
     return library_name(x) in ("torch", "jax")
 
 
@@ -190,7 +190,7 @@ def multithreaded_elementwise(x: Any) -> bool:
 
 
 def parallel_query_blocks(x: Any) -> bool:
-    """Whether query blocks may run in threads (NumPy; see ``portable_attn._threads``).
+    """Whether query blocks may run in threads (NumPy; see ``portable_attn._paths._threads``).
 
     True for eager libraries whose elementwise ops run on one core and release
     the GIL, with no autodiff to record the threads' work.

@@ -13,7 +13,7 @@ bias gradient) block by block, so training keeps O(L) memory too.
 Which (query block, key block) pairs are computed is decided from the static
 shapes only (causal / window structure), never from array values, so the loops
 trace under ``jax.jit``. Everything here is array-API standard; the adapters that
-register the backward with torch and JAX live in ``portable_attn._autodiff``.
+register the backward with torch and JAX live in ``portable_attn._paths._autodiff``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Used where the keys of one sequence are split across places that each compute
 their own part: devices of a JAX mesh (``portable_attn.jax_parallel``), the
-(query chunk, key chunk) tasks of Dask (``portable_attn._dask``), or any caller
+(query chunk, key chunk) tasks of Dask (``portable_attn._paths._dask``), or any caller
 that merges with :func:`portable_attn._lib._merge.merge_partials`. Portable:
 only standard ``xp`` calls, like the core.
 
