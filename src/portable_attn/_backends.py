@@ -454,10 +454,10 @@ def make_backend(kind: str, *, exact: bool = True) -> Backend:
 
         return Backend(kind, xp, version=version)
     if family == "array_api_strict":
-        import array_api_strict as xp
+        import array_api_strict as strict
 
-        dev = xp.Device("device1") if kind == "array_api_strict:device1" else None  # type: ignore[attr-defined]
-        return Backend(kind, xp, dev, version)
+        extra = strict.Device("device1") if kind == "array_api_strict:device1" else None
+        return Backend(kind, strict, extra, version)
     if family == "torch":
         import torch
 
@@ -467,15 +467,14 @@ def make_backend(kind: str, *, exact: bool = True) -> Backend:
         import jax
 
         dev = jax.devices("gpu" if kind == "jax:gpu" else "cpu")[0]
-        xp = array_api_compat.array_namespace(jax.numpy.zeros(1))
-        return Backend(kind, xp, dev, version)
+        return Backend(kind, array_api_compat.array_namespace(jax.numpy.zeros(1)), dev, version)
     if family == "cupy":
-        import array_api_compat.cupy as xp
+        import array_api_compat.cupy as cupy_xp
 
-        return Backend(kind, xp, version=version)
-    import array_api_compat.dask.array as xp
+        return Backend(kind, cupy_xp, version=version)
+    import array_api_compat.dask.array as dask_xp
 
-    return Backend(kind, xp, version=version)
+    return Backend(kind, dask_xp, version=version)
 
 
 def _family_of_array(x: Any) -> str | None:

@@ -182,7 +182,7 @@ def sequence_parallel_attention(
         return merged
 
     mesh = _auto_mesh(jax, mesh)
-    shard_map = getattr(jax, "shard_map", None)
+    shard_map: Any = getattr(jax, "shard_map", None)
     if shard_map is None:  # older JAX: only the experimental location (untested here)
         from jax.experimental.shard_map import shard_map
     run = shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())
@@ -206,26 +206,3 @@ def _auto_mesh(jax: Any, mesh: Any) -> Any:
         return mesh
     auto = (axis_type.Auto,) * len(mesh.axis_names)
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
-
-
-def _auto_mesh(jax: Any, mesh: Any) -> Any:
-    """`mesh` with its axes of the automatic type, the same devices and names.
-
-    ``jax.make_mesh`` makes explicit axes (JAX 0.10): the output would then carry the
-    mesh in its type, and an eager ``jax.grad`` of a loss of it asks for a mesh
-    context that it cannot enter. The collectives here name their axis themselves,
-    so the automatic type loses nothing.
-    """
-    axis_type = getattr(jax.sharding, "AxisType", None)
-    types = getattr(mesh, "axis_types", None)
-    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
-        return mesh
-    auto = (axis_type.Auto,) * len(mesh.axis_names)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
-
-
-def _kind(x: Any) -> str:
-    """How an argument that is not an array is named in an error."""
-    if x is None:
-        return "None, not an array"
-    return f"{library_name(x)} array" if hasattr(x, "shape") else f"{type(x).__name__}"

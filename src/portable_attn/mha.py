@@ -187,7 +187,9 @@ def multi_head_attention(
     q = _project(xp, query_input, params["wq"], params.get("bq"), num_heads)  # (..., H, Lq, Dk)
     k = _project(xp, key_input, params["wk"], params.get("bk"), hkv)  # (..., Hkv, Lk, Dk)
     v = _project(xp, value_input, params["wv"], params.get("bv"), hkv)  # (..., Hkv, Lk, Dv)
-    out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, **attention_kwargs)
+    out: Any = scaled_dot_product_attention(
+        q, k, v, mask=mask, is_causal=is_causal, **attention_kwargs
+    )
     out = xp.permute_dims(out, (*range(out.ndim - 3), out.ndim - 2, out.ndim - 3, out.ndim - 1))
     out = xp.reshape(out, (*out.shape[:-2], out.shape[-2] * out.shape[-1]))  # (..., Lq, H*Dv)
     out = xp.matmul(out, params["wo"])  # (..., Lq, d_model)

@@ -16,7 +16,7 @@ def _check_scaling(scaling: Any) -> tuple[str, float] | None:
     if scaling is None:
         return None
     kind = scaling.get("type") if isinstance(scaling, dict) else None
-    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    factor: Any = scaling.get("factor") if isinstance(scaling, dict) else None
     ok_factor = isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0
     if kind not in _SCALINGS or not ok_factor:
         msg = (

@@ -72,8 +72,8 @@ class AttentionCall:
     xp: Any
     query: Array
     key: Array
-    value: Array | None
-    bias: Array | None
+    value: Array  # None for the weights alone
+    bias: Array  # None when not given
     plan: AttentionPlan
     terms: ScoreTerms
     drop_head: bool

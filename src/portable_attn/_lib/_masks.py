@@ -207,7 +207,7 @@ def padding_allowed(
 
 
 def segment_allowed(
-    q_segments: Any | None, kv_segments: Any | None, q_range: tuple[int, int], k_range: Any
+    q_segments: Any, kv_segments: Any, q_range: tuple[int, int], k_range: Any
 ) -> Any | None:
     """Packed sequences: query ``i`` may see key ``j`` iff their segment ids are equal.
 

@@ -279,7 +279,8 @@ def _dask_path(call: AttentionCall, sizes: Any) -> DaskGrid:
     if sizes == "dense":
         inner = Dense(fold)
     else:
-        inner = Tiled(*(EAGER_TILES if sizes == "auto" else sizes), fold=fold)
+        block_q, block_k = EAGER_TILES if sizes == "auto" else sizes
+        inner = Tiled(block_q, block_k, fold=fold)
     return DaskGrid(tuple(q_chunks), tuple(k_chunks), inner, DASK_MERGE_FAN_IN)
 
 

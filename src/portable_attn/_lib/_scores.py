@@ -96,21 +96,21 @@ class ScoreTerms:
     receive a gradient (in the tiled backward and through autodiff).
     """
 
-    mask: Any | None = None
-    q_lengths: Any | None = None
-    kv_lengths: Any | None = None
-    alibi_slopes: Any | None = None
+    mask: Any = None
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    alibi_slopes: Any = None
     score_mod: Callable[..., Any] | None = None
-    batch_index: Any | None = None
-    dropout_keep: Any | None = None
+    batch_index: Any = None
+    dropout_keep: Any = None
     dropout_scale: float = 1.0
     #: one extra logit per head in every row's denominator, (..., Hq, 1, 1); no value
-    sinks: Any | None = None
+    sinks: Any = None
     #: packed sequences: ids (*batch, 1, Lq, 1) and (*batch, 1, 1, Lk), equal ids attend
-    q_segments: Any | None = None
-    kv_segments: Any | None = None
+    q_segments: Any = None
+    kv_segments: Any = None
     #: host ids only (NumPy): which block pairs share no segment (``_masks.SegmentBlocks``)
-    segment_blocks: Any | None = None
+    segment_blocks: Any = None
 
     @property
     def hides_by_value(self) -> bool:
@@ -181,7 +181,7 @@ def capped_logits(xp: Any, logits: Any, plan: AttentionPlan) -> Any:
     return plan.softcap * xp.tanh(logits / plan.softcap)  # (..., Hq, bq, bk)
 
 
-def slice_block(x: Any | None, q_range: Range, k_range: Range) -> Any | None:
+def slice_block(x: Any, q_range: Range, k_range: Range) -> Any:
     """Slice a mask or bias broadcastable to (..., Lq, Lk) to one block.
 
     Axes of size one (broadcast) are kept as they are. `x` has at least 2 dims.

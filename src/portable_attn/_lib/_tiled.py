@@ -92,7 +92,7 @@ def _block_scores(
     q_range: Range,
     k_range: Range,
     visibility: str,
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, Any]:
     """Return (logits, capped logits, scores with disallowed entries -inf) for one block."""
     raw = raw_logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk): scale · Q Kᵀ
     capped = capped_logits(xp, raw, plan)
@@ -152,7 +152,7 @@ def tiled_forward(
     *,
     fold: bool = False,
     q_ranges: list[Range] | None = None,
-    v_ones: Any | None = None,
+    v_ones: Any = None,
     stop_gradient: Any | None = None,
 ) -> tuple[Any, Any]:
     """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
@@ -197,7 +197,9 @@ def tiled_forward(
     outs, lses = [], []
     for q_range in q_ranges:
         q_rows = scaled_query_rows(xp, q[..., q_range[0] : q_range[1], :], plan)
-        m = l_sum = acc = None  # running max, denominator, weighted sum
+        m: Any = None  # running max
+        l_sum: Any = None  # running denominator
+        acc: Any = None  # running weighted sum
         if terms.sinks is not None:
             bq = q_range[1] - q_range[0]
             m, l_sum, acc = _sink_start(xp, terms, plan, bq, fold, stop_gradient)
@@ -294,7 +296,8 @@ def tiled_backward(
     log-sum-exp, when it is an output: ``d lse_i / d s_ij = p_ij``, so it enters as
     ``D_i - dlse_i`` below.
     """
-    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    xp, q, k, v = call.xp, call.query, call.key, call.value
+    bias: Any = call.bias
     terms, plan = call.terms, call.plan
     need_bias_grad = "bias" in need
     need_slope_grad = "alibi_slopes" in need
@@ -325,7 +328,7 @@ def tiled_backward(
         do_rows = heads_to_rows(xp, dout[..., qs:qe, :], hkv)  # (..., Hkv, G*bq, Dv)
         lse_blk, delta_blk = lse[..., qs:qe, :], delta[..., qs:qe, :]
         dq_rows = None
-        dbias_cols = []
+        dbias_cols: list[Any] = []
         for j, k_range in enumerate(k_blocks):
             vis = pair_visibility(plan, terms, q_range, k_range)
             ks, ke = k_range

@@ -265,11 +265,12 @@ def check_window(window: Any) -> tuple[int | None, int | None]:
         if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
             msg = f"`window` {side} entry must be an integer or None, but got {w!r}"
             raise TypeError(msg)
+        w = int(w)
         if w < 0:
             msg = f"`window` {side} entry must be >= 0, but got {w!r}"
             raise ValueError(msg)
         # a side at least as long as any sequence restricts nothing: unbounded
-        out.append(None if w >= UNBOUNDED_WINDOW else int(w))
+        out.append(None if w >= UNBOUNDED_WINDOW else w)
     return out[0], out[1]
 
 
@@ -446,6 +447,7 @@ def check_dropout(dropout_p: Any, dropout_mask: Any | None) -> float:
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         msg = f"`dropout_p` must be a float in [0, 1), but got {dropout_p!r}"
         raise TypeError(msg)
+    dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         msg = f"`dropout_p` must be in [0, 1), but got {dropout_p!r}"
         raise ValueError(msg)

@@ -138,7 +138,8 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
                 if with_lse:  # the root returns (out, lse): one getter each
                     root = (both_name, *b_idx, hi, qi, 0)
                     dsk[out_key] = (operator.getitem, root, 0)
-                    lse_dsk[(lse_name, *b_idx, hi, qi, 0)] = (operator.getitem, root, 1)
+                    lse_key = (lse_name, *b_idx, hi, qi, 0)
+                    lse_dsk[lse_key] = (operator.getitem, root, 1)
                     out_key = root
                 visible = [  # key chunks with keys that causal/window do not hide entirely
                     ki
@@ -174,7 +175,8 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
     out = da.Array(graph, name, (*rows, (plan.value_dim,)), meta=meta)
     if not with_lse:
         return out
-    lse_graph = HighLevelGraph.from_collections(lse_name, lse_dsk, dependencies=[out])
+    lse_deps: list[Any] = [out]
+    lse_graph = HighLevelGraph.from_collections(lse_name, lse_dsk, dependencies=lse_deps)
     return out, da.Array(lse_graph, lse_name, (*rows, (1,)), meta=meta)
 
 
@@ -222,7 +224,8 @@ def _check_score_mod(call: AttentionCall, grid: dict[str, tuple[int, ...]]) -> N
     n = math.prod(plan.batch)
     batch = xp.reshape(arange(xp, 0, n, None), (*plan.batch, 1, 1, 1))
     head = arange(xp, 0, plan.num_q_heads, None)[:, None, None]
-    call.terms.score_mod(
+    score_mod: Any = call.terms.score_mod
+    score_mod(
         scores, batch, head, arange(xp, 0, bq, None)[:, None], arange(xp, 0, bk, None)[None, :]
     )
 
@@ -251,7 +254,8 @@ def _align(da: Any, x: Array, axes: tuple[str, ...], grid: dict) -> tuple[Array,
         x = da.asarray(x)
     if x.ndim < len(axes):
         x = x[(None,) * (len(axes) - x.ndim)]
-    chunks, roles = [], []
+    chunks: list[tuple[int, ...]] = []
+    roles: list[str | None] = []
     for n, axis in zip(x.shape, axes, strict=True):
         target = grid[axis]
         if n == 1 and sum(target) != 1:

@@ -51,7 +51,8 @@ def _balanced_chunks(call: AttentionCall, q_ranges: list[Any], block_k: Blocks, 
         1 + sum(pair_visibility(call.plan, call.terms, qr, kr) != "skip" for kr in k_blocks)
         for qr in q_ranges
     ]
-    total, runs, start, done = sum(costs), [], 0, 0
+    runs: list[Any] = []
+    total, start, done = sum(costs), 0, 0
     for i, cost in enumerate(costs):
         done += cost
         if done * n >= total * (len(runs) + 1) and len(runs) < n - 1:

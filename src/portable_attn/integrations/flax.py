@@ -147,7 +147,7 @@ def attention_fn(
     with context:
         if module is not None:
             _sow(module, attention_weights(q, k, **weight_terms))
-        out = scaled_dot_product_attention(
+        out: Array = scaled_dot_product_attention(
             q,
             k_out,
             v_out,

@@ -186,7 +186,7 @@ def attention_forward(
     if dropout > 0.0:
         shape = (query.shape[0], query.shape[1], q_len, key.shape[-2])
         keep = torch.rand(shape, device=query.device) >= dropout
-    out = scaled_dot_product_attention(
+    out: Any = scaled_dot_product_attention(
         query,
         key,
         value,
