@@ -21,6 +21,9 @@ from array_api_compat import device, is_array_api_obj, size
 
 __all__ = [
     "array_namespace",
+    "autodiff_family",
+    "builds_task_graphs",
+    "native_kernel_needs_equal_dims",
     "chunk_sizes",
     "default_integer_dtype",
     "device",
@@ -59,13 +62,29 @@ def library_name(x: Any) -> str:
     return name
 
 
+def builds_task_graphs(x: Any) -> bool:
+    """Whether `x` is a lazy task-graph array (Dask): the call becomes tasks on its chunks."""
+    return library_name(x) == "dask"
+
+
+def autodiff_family(x: Any) -> str | None:
+    """``"torch"`` or ``"jax"``: whose custom-backward and native-kernel API `x` takes, or None."""
+    lib = library_name(x)
+    return lib if lib in ("torch", "jax") else None
+
+
+def native_kernel_needs_equal_dims(x: Any) -> bool:
+    """Whether the native kernel of `x`'s library needs ``Dv == Dk`` (``jax.nn``'s does)."""
+    return library_name(x) == "jax"
+
+
 def chunk_sizes(x: Any, axis: int) -> tuple[int, ...] | None:
     """Return the chunk sizes along `axis` of a Dask array split there, else None.
 
     Only for arrays split into several chunks along `axis` (with known sizes);
     NumPy, torch, JAX, CuPy and single-chunk axes give None.
     """
-    if library_name(x) != "dask":
+    if not builds_task_graphs(x):
         return None
     sizes = x.chunks[axis]
     if len(sizes) < 2 or any(n != n for n in sizes):  # one chunk, or unknown (NaN) sizes

@@ -68,11 +68,13 @@ from typing import Any
 from . import _validation as v
 from ._call import AttentionCall
 from ._compat import (
+    builds_task_graphs,
     chunk_sizes,
     fused_native_kernel,
     has_native_kernel,
     library_name,
     multithreaded_elementwise,
+    native_kernel_needs_equal_dims,
     parallel_query_blocks,
     traces_python_loops,
 )
@@ -160,7 +162,7 @@ def choose_path(
         return Empty()
     if implementation == "native":
         return Native()
-    if library_name(call.query) == "dask":
+    if builds_task_graphs(call.query):
         return _dask_path(call, sizes)
     fold = fold_row_sums(call)
     if sizes == "dense":
@@ -204,7 +206,7 @@ def unsupported_reason(
     ]
     if unsupported:
         return f"the native kernel cannot express {', '.join(unsupported)}"
-    if library_name(call.query) == "jax" and plan.value_dim != plan.key_dim:
+    if native_kernel_needs_equal_dims(call.query) and plan.value_dim != plan.key_dim:
         return (
             "jax.nn.dot_product_attention needs `value` axis -1 (Dv) == `key` axis -1 "
             f"(Dk), but got Dv={plan.value_dim} and Dk={plan.key_dim}"

@@ -23,7 +23,7 @@ import functools
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import library_name, stop_gradient
+from .._lib._compat import autodiff_family, stop_gradient
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._tiled import tiled_backward, tiled_forward
@@ -38,7 +38,7 @@ def tiled_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
     flows back. The backward is the O(L)-memory portable one wherever the library
     differentiates (torch autograd, ``jax.grad``) and no ``score_mod`` is given.
     """
-    lib = library_name(call.query)
+    lib = autodiff_family(call.query)
     if call.terms.score_mod is None and lib == "torch":
         import torch
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import array_namespace, device, library_name
+from .._lib._compat import array_namespace, builds_task_graphs, device
 from .._lib._fields import field
 from .._lib._masks import arange
 from .._lib._merge import merge_partials
@@ -250,7 +250,7 @@ def _align(da: Any, x: Array, axes: tuple[str, ...], grid: dict) -> tuple[Array,
 
     Returns the aligned array and, per axis, its grid axis name or None (broadcast).
     """
-    if library_name(x) != "dask":
+    if not builds_task_graphs(x):
         x = da.asarray(x)
     if x.ndim < len(axes):
         x = x[(None,) * (len(axes) - x.ndim)]

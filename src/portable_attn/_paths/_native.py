@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import library_name
+from .._lib._compat import autodiff_family
 from .._lib._masks import arange
 from .._lib._scores import (
     AttentionPlan,
@@ -116,7 +116,7 @@ def native_attention(call: AttentionCall) -> Any:
     if array_or_none(plan.scale) is not None:  # learned: the kernels take a float scale
         q = q * plan.scale  # so gradients reach it through this product
         plan = dataclasses.replace(plan, scale=1.0)
-    if library_name(q) == "torch":
+    if autodiff_family(q) == "torch":
         out = _torch(xp, q, k, v, allowed, bias, plan, kernel_causal)
     else:
         out = _jax(xp, q, k, v, allowed, bias, plan, kernel_causal)
