@@ -25,7 +25,7 @@ from portable_attn._lib._masks import Alignment, Band
 from portable_attn._lib._path import Tiled
 from portable_attn._lib._scores import AttentionPlan, ScoreTerms, rows_may_be_empty
 from portable_attn._lib._tiled import tiled_forward
-from portable_attn._reference import reference_attention
+from portable_attn.testing import reference_attention
 
 
 def _model_building(backend, lq=5, lk=7):

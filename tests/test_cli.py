@@ -162,7 +162,7 @@ def cupy_without_gpu(monkeypatch):
 
 
 def test_unavailable_reason_of_cupy_without_gpu(cupy_without_gpu):
-    from portable_attn._backends import family_installed, unavailable_reason
+    from portable_attn.testing import family_installed, unavailable_reason
 
     assert family_installed("cupy")
     assert unavailable_reason("cupy") == cupy_without_gpu

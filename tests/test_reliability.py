@@ -31,8 +31,8 @@ from portable_attn import (
     scaled_dot_product_attention,
 )
 from portable_attn import diagnostics as diag
-from portable_attn._reference import central_differences, reference_attention
 from portable_attn.jax_parallel import sequence_parallel_attention
+from portable_attn.testing import central_differences, reference_attention
 
 # ---------------------------------------------------------------------------
 # compiled gradients of the dense path

@@ -5,9 +5,9 @@ PyTorch, JAX, CuPy, array-api-strict and Dask.
 """
 
 from ._attention import attention_weights, scaled_dot_product_attention
-from ._causal import causal_mask
 from .alibi import get_alibi_slopes
 from .kv_cache import KVCache, kv_cache_append, kv_cache_attention, kv_cache_init
+from .masks import causal_mask
 from .merge import merge_attention
 from .mha import init_mha_params, multi_head_attention
 from .norms import l2_normalize, rms_norm

@@ -1,9 +1,9 @@
 """``portable-attn check``: run the library on every installed backend and compare.
 
-Each backend that can run here (from :mod:`portable_attn._backends`, the one
+Each backend that can run here (from :mod:`portable_attn.testing`, the one
 table of array libraries) computes a fixed set of cases in every dtype it
 supports; the results are compared with the float64 oracle of
-:mod:`portable_attn._reference`, gradients with its central differences, and a
+:mod:`portable_attn.testing`, gradients with its central differences, and a
 float32 call is timed with :mod:`portable_attn._timing`. The attention itself is
 always the portable implementation.
 """
@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from ._attention import attention_weights, scaled_dot_product_attention
-from ._backends import (
+from ._timing import median_seconds
+from .testing._backends import (
     _GPU_KINDS,
     FAMILIES,
     MODULES,
@@ -27,9 +28,8 @@ from ._backends import (
     make_backend,
     unavailable_reason,
 )
-from ._backends import TEST_ONLY_KINDS as _TEST_ONLY_KINDS
-from ._reference import central_differences, reference_attention
-from ._timing import median_seconds
+from .testing._backends import TEST_ONLY_KINDS as _TEST_ONLY_KINDS
+from .testing._reference import central_differences, reference_attention
 
 __all__ = ["CheckResult", "Target", "available_targets", "Unavailable", "run_checks", "survey"]
 
@@ -41,7 +41,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-
 class Target:
     """One backend as ``check`` (and ``explain``) names and drives it.
 
-    A thin view of a :class:`~portable_attn._backends.Backend`: the conversions,
+    A thin view of a :class:`~portable_attn.testing.Backend`: the conversions,
     the synchronisation and the gradients are the backend table's.
 
     Parameters
@@ -128,13 +128,13 @@ def survey(
     ----------
     only : list of str, optional
         Families to consider (default: all of them); each a key of
-        :data:`~portable_attn._backends.FAMILIES`.
+        :data:`~portable_attn.testing.FAMILIES`.
 
     Returns
     -------
     targets : list of Target
         Every kind of the installed families that can run (GPU kinds only with
-        their device), in the order of :data:`~portable_attn._backends.FAMILIES`.
+        their device), in the order of :data:`~portable_attn.testing.FAMILIES`.
     unavailable : list of Unavailable
         The kinds of an installed family of which *no* kind can run (CuPy
         without a usable GPU), with the reason; a family with a running kind

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from . import __version__
-from ._backends import FAMILIES
+from .testing._backends import FAMILIES
 
 __all__ = ["main"]
 

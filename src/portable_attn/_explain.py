@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from ._attention import attention_weights
-from ._backends import FAMILIES
 from ._check import survey
 from .diagnostics import attention_entropy, logit_stats, softmax_sensitivity
+from .testing._backends import FAMILIES
 
 __all__ = ["entropy_curves", "explain_table"]
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._attention import attention_weights
-from ._backends import to_numpy as _to_host
 from ._lib import _validation as v
 from ._lib._call import ATTENTION_KEYWORDS, prepare
 from ._lib._compat import array_namespace
 from ._lib._scores import allowed_block, logits_block, scaled_query_rows, scores_block
+from .testing._backends import to_numpy as _to_host
 
 __all__ = [
     "Finding",

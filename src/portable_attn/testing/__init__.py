@@ -34,6 +34,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from .._lib._compat import library_name
 from ._backends import (
     ALL_KINDS,
     AUTODIFF_FAMILIES,
@@ -53,7 +54,6 @@ from ._backends import (
     to_numpy,
     unavailable_reason,
 )
-from ._lib._compat import library_name
 from ._reference import (
     central_differences,
     reference_attention,

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._lib._compat import library_name
+from .._lib._compat import library_name
 
 __all__ = [
     "ALL_KINDS",
