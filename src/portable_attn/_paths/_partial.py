@@ -21,7 +21,7 @@ from typing import Any
 from .._lib._call import AttentionCall
 from .._lib._compat import on_device
 from .._lib._masks import Alignment
-from .._lib._path import Dense, Empty, Path, Tiled
+from .._lib._path import DaskGrid, Dense, Empty, Path, Tiled
 from .._lib._tiled import tiled_forward
 
 __all__ = ["partial_attention", "place_block", "shift_keys"]
@@ -121,7 +121,8 @@ def partial_attention(
         Lk_part, D), and the key axis of `mask`/`bias` cut to the part.
     path : Path
         How the part is computed: :class:`Tiled` (its tiles), :class:`Dense` (one
-        block) or :class:`Empty`; the caller's policy decided it.
+        block), :class:`DaskGrid` (the tiled kernel over the chunks of Dask arrays)
+        or :class:`Empty`; the caller's policy decided it.
     kv_start : int or integer array of shape ()
         Position of this part's first key in the whole sequence (may be traced,
         e.g. ``lax.axis_index(...) * Lk_part``).
@@ -156,5 +157,8 @@ def partial_attention(
             return tiled_forward(call, block_q, block_k, fold=fold)
         case Dense(fold=fold):  # one block, with its lse
             return tiled_forward(call, plan.q_len, plan.kv_len, fold=fold)
-    msg = f"a part is computed by a Tiled, Dense or Empty path, not {path!r}"
+        case DaskGrid(q_chunks=q_chunks, k_chunks=k_chunks, inner=inner):
+            # a part of Dask arrays: the tiled kernel over its chunks, lazily
+            return tiled_forward(call, q_chunks, k_chunks, fold=inner.fold)
+    msg = f"a part is computed by a Tiled, Dense, DaskGrid or Empty path, not {path!r}"
     raise TypeError(msg)
