@@ -166,8 +166,10 @@ def sequence_parallel_attention(
 
     def local(a: dict[str, Array]) -> Array:
         index = lax.axis_index(axis_name)
-        if "sinks" in a:  # the sink logit counts once per row: in the first part only
-            a = {**a, "sinks": jnp.where(index == 0, a["sinks"], -jnp.inf)}
+        for name, x in a.items():  # a sink logit counts once per row: in the first part
+            neutral = field(name).once_per_row
+            if neutral is not None:
+                a = {**a, name: jnp.where(index == 0, x, neutral)}
         part = skeleton.unflatten(a, kv_len=part_len, device=device(a["query"]))
         path = choose_path(part, block_size, "portable")  # the policy, for one part
         out, lse = partial_attention(part, path, kv_start=index * part_len, kv_total=plan.kv_len)

@@ -32,6 +32,7 @@ the dropout factor, the host segment skipper) stay in the terms as they are.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +69,11 @@ class Field:
         Grid axes of its trailing dimensions: ``hq``/``hkv`` heads, ``lq``/``lk``
         positions, ``dk``/``dv`` features. Leading dimensions are batch axes.
         An axis of size one broadcasts.
+    once_per_row : float or None
+        A term of every row's softmax that belongs to no key (the sink logit): when
+        the keys are split into parts (Dask chunk pairs, devices of a mesh), only one
+        part of a row may count it; the others get this neutral value (``-inf``:
+        ``exp(-inf) = 0``) or leave it out. None for every other field.
     """
 
     name: str
@@ -75,6 +81,7 @@ class Field:
     role: Role
     differentiable: bool = False
     axes: tuple[str, ...] = SCORE_AXES
+    once_per_row: float | None = None
 
 
 FIELDS: tuple[Field, ...] = (
@@ -90,7 +97,7 @@ FIELDS: tuple[Field, ...] = (
     Field("kv_lengths", "terms", Role.WHOLE),  # (*batch, 1, 1, 1)
     Field("batch_index", "terms", Role.WHOLE),  # (*batch, 1, 1, 1), for score_mod
     Field("alibi_slopes", "terms", Role.WHOLE, True),  # (..., Hq, 1, 1)
-    Field("sinks", "terms", Role.LEARNED, True),  # (..., Hq, 1, 1)
+    Field("sinks", "terms", Role.LEARNED, True, once_per_row=-math.inf),  # (..., Hq, 1, 1)
     Field("scale", "plan", Role.LEARNED, True, ()),  # 0-d when learned
     Field("softcap", "plan", Role.LEARNED, True, ()),  # 0-d when learned
 )

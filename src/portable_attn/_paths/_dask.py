@@ -117,7 +117,7 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
     # every array field on the grid: the axes of its declaration, after the batch axes
     aligned = {n: _align(da, x, batch_axes + field(n).axes, grid) for n, x in arrays.items()}
     names = tuple(aligned)
-    sinks_arg = names.index("sinks") if "sinks" in names else None
+    once = [i for i, n in enumerate(names) if field(n).once_per_row is not None]
     kernel = _Kernel(dataclasses.replace(skeleton, xp=None), names, path.inner, with_lse)
     deps = [x for x, _ in aligned.values()]
     name = "attention-" + tokenize(
@@ -160,8 +160,9 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
                     pair = _Pair(b_ranges, h_range, q_range, k_ranges[ki], final=final)
                     keys = {"lk": ki, **index}
                     args = [_block_key(aligned[n], keys) for n in names]
-                    if ki != visible[0] and sinks_arg is not None:  # a sink counts once a row
-                        args[sinks_arg] = None
+                    if ki != visible[0]:  # a sink logit counts once a row: in one partial
+                        for i in once:
+                            args[i] = None
                     key = out_key if final else (pair_name, *b_idx, hi, qi, ki)
                     dsk[key] = (_pair_task, kernel, pair, *args)
                     parts.append(key)
@@ -330,9 +331,9 @@ def _chunk_call(kernel: _Kernel, pair: _Pair, blocks: tuple[Array | None, ...]) 
 def _pair_task(kernel: _Kernel, pair: _Pair, *blocks: Array | None) -> Any:
     """Compute one chunk pair: its output (..., Hq_c, bq, Dv) and lse (..., Hq_c, bq, 1).
 
-    `blocks` are the pair's blocks of the fields ``kernel.names`` (None for a sink
-    that another pair of the query chunk counts). Returns the output alone when the
-    pair is the only visible one of its query chunk.
+    `blocks` are the pair's blocks of the fields ``kernel.names`` (None for a
+    ``once_per_row`` field that another pair of the query chunk counts). Returns the
+    output alone when the pair is the only visible one of its query chunk.
     """
     call = _chunk_call(kernel, pair, blocks)
     whole = kernel.skeleton.plan
