@@ -174,7 +174,7 @@ def test_lower_bounds_of_the_declared_requirements(noxfile):
             "threadpoolctl==3.1",
             "pytest==8",
             "hypothesis==6.100",
-            "array-api-strict==2.3",
+            "array-api-strict==2.4",
         ]
     )
     raised = pyproject["tool"]["portable-attn"]["min-deps"]
