@@ -12,11 +12,15 @@ The torch and JAX requirements can be overridden for a real machine, e.g.
 torch is always the first thing a session installs, and every later install of
 that session is constrained to the torch it installed. Where no NVIDIA GPU is
 found, it comes from PyTorch's CPU wheel index (the CPU build, no CUDA
-libraries); only where that index fails (unreachable, or without the requested
-version) is the plain spec installed from the configured indexes, as on this
-project's machines, where ``torch==2.13.0`` is a local CPU wheel for Python 3.11.
+libraries), failing fast; only where that fails (unreachable, or without the
+requested version) is the plain spec installed from the configured indexes. On this
+project's machines, where PyTorch's index cannot be reached, either finds the local
+``torch==2.13.0`` CPU wheel for Python 3.11; any other spec would come as a CUDA build.
 With an NVIDIA GPU the plain spec is installed (the CUDA build).
 ``PORTABLE_ATTN_TORCH_INDEX`` names another CPU index; set it empty to skip it.
+
+``tests-min-deps`` installs the lower bounds that pyproject.toml declares (one place:
+see :func:`lower_bounds`).
 """
 
 from __future__ import annotations
