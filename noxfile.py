@@ -253,11 +253,13 @@ def tests_integrations(session: nox.Session) -> None:
 
 PYPROJECT = Path(__file__).parent / "pyproject.toml"
 # tests-min-deps: the extras whose lower bounds it installs, and the backends it tests.
-# NumPy and array-api-strict only: torch is left out because its lower bound cannot be
-# installed here as a CPU build (see [tool.portable-attn.min-deps] in pyproject.toml),
-# JAX to keep the session short (its suite takes 5+ minutes on a 2-core machine).
+# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (3-4
+# minutes on a 2-core machine: a session of its own, to run or skip alone). torch is
+# left out: its lower bound cannot be installed here as a CPU build (see
+# [tool.portable-attn.min-deps] in pyproject.toml), and the torch suite is the longest.
 MIN_DEPS_EXTRAS = ("test", "strict")
 MIN_DEPS_BACKENDS = "numpy,array_api_strict"
+MIN_DEPS_JAX_EXTRAS = ("test", "strict", "jax")
 MIN_DEPS_PYTHON = "3.10" if "3.10" in PYTHONS else PYTHONS[0]  # the oldest supported
 
 
@@ -291,15 +293,34 @@ def lower_bounds(pyproject: dict, extras: tuple[str, ...]) -> list[str]:
     return list(pins.values())
 
 
-@nox.session(name="tests-min-deps", python=MIN_DEPS_PYTHON)
-def tests_min_deps(session: nox.Session) -> None:
-    """NumPy and array-api-strict at the declared lower bounds of every dependency."""
-    pins = lower_bounds(tomllib.loads(PYPROJECT.read_text()), MIN_DEPS_EXTRAS)
-    pin = _constraints(session, "min-deps.txt", pins)
-    session.install("--only-binary=:all:", "-c", pin, *(p.split("==")[0] for p in pins))
-    session.install("-c", pin, f".[{','.join(MIN_DEPS_EXTRAS)}]")
-    session.run("python", "-m", "pip", "list")  # the versions tested, in the log
-    _pytest(session, MIN_DEPS_BACKENDS)
+def _min_deps_session(extras: tuple[str, ...], backends: str) -> Callable[[nox.Session], None]:
+    def tests(session: nox.Session) -> None:
+        pins = lower_bounds(tomllib.loads(PYPROJECT.read_text()), extras)
+        for p in pins:  # jax and jaxlib 0.4-0.7 are released together, in lockstep
+            if p.startswith("jax=="):
+                pins.append("jaxlib==" + p.split("==")[1])
+                break
+        pin = _constraints(session, "min-deps.txt", pins)
+        session.install("--only-binary=:all:", "-c", pin, *(p.split("==")[0] for p in pins))
+        session.install("-c", pin, f".[{','.join(extras)}]")
+        session.run("python", "-m", "pip", "list")  # the versions tested, in the log
+        _pytest(session, backends)
+
+    return tests
+
+
+tests_min_deps = nox.session(name="tests-min-deps", python=MIN_DEPS_PYTHON)(
+    _min_deps_session(MIN_DEPS_EXTRAS, MIN_DEPS_BACKENDS)
+)
+tests_min_deps.__doc__ = (
+    "NumPy and array-api-strict at the declared lower bounds of every dependency."
+)
+tests_min_deps_jax = nox.session(name="tests-min-deps-jax", python=MIN_DEPS_PYTHON)(
+    _min_deps_session(MIN_DEPS_JAX_EXTRAS, "jax")
+)
+tests_min_deps_jax.__doc__ = (
+    "JAX with every dependency at its declared lower bound (jax, numpy...)."
+)
 
 
 @nox.session(python=ML_PYTHON)

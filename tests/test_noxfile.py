@@ -218,5 +218,15 @@ def test_the_session_list_has_min_deps_in_plain_nox(noxfile):
         cwd=ROOT,
     )
     selected = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("* ")]
-    for name in ("tests-min-deps", "tests-integrations", "lint", "docs"):
+    for name in ("tests-min-deps", "tests-min-deps-jax", "tests-integrations", "lint", "docs"):
         assert name in selected
+
+
+def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, tmp_path):
+    session = FakeSession(tmp_path)
+    noxfile.tests_min_deps_jax(session)
+    pins = (tmp_path / "min-deps.txt").read_text().splitlines()
+    (jax,) = [p for p in pins if p.startswith("jax==")]
+    assert "jaxlib==" + jax.split("==")[1] in pins
+    pytest_run = next(r for r in session.runs if "pytest" in r)
+    assert pytest_run[pytest_run.index("--backend") + 1] == "jax"
