@@ -7,23 +7,43 @@
 The ``tests-<backend>`` sessions are generated from the ``BACKENDS`` table below.
 
 The torch and JAX requirements can be overridden for a real machine, e.g.
-``PORTABLE_ATTN_TORCH_SPEC="torch==2.6.0" nox -s tests-torch``. The default
-torch pin is the CPU wheel this project's machines install in seconds; an
-unpinned ``torch`` would pull a multi-GB CUDA build.
+``PORTABLE_ATTN_TORCH_SPEC="torch==2.6.0" nox -s tests-torch``.
+
+torch is always the first thing a session installs, and every later install of
+that session is constrained to the torch it installed. Where no NVIDIA GPU is
+found, it comes from PyTorch's CPU wheel index (the CPU build, no CUDA
+libraries), failing fast; only where that fails (unreachable, or without the
+requested version) is the plain spec installed from the configured indexes. On this
+project's machines, where PyTorch's index cannot be reached, either finds the local
+``torch==2.13.0`` CPU wheel for Python 3.11; any other spec would come as a CUDA build.
+With an NVIDIA GPU the plain spec is installed (the CUDA build).
+``PORTABLE_ATTN_TORCH_INDEX`` names another CPU index; set it empty to skip it.
+
+``tests-min-deps`` installs the lower bounds that pyproject.toml declares (one place:
+see :func:`lower_bounds`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
+from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: nox depends on tomli there
+    import tomli as tomllib
 
 nox.options.default_venv_backend = "venv"
 nox.options.download_python = "never"
@@ -37,6 +57,11 @@ CUPY_SPEC = os.environ.get("PORTABLE_ATTN_CUPY_SPEC", "cupy-cuda12x")
 # The Python the pinned torch CPU wheel exists for: with another Python, torch==2.13.0
 # would come from PyPI as a multi-GB CUDA build. Change both together.
 ML_PYTHON = "3.11"
+TORCH_CPU_INDEX = os.environ.get(
+    "PORTABLE_ATTN_TORCH_INDEX", "https://download.pytorch.org/whl/cpu"
+)
+# An unreachable index fails in seconds, not after pip's default 15 s x 5 retries per file.
+FAST_FAIL = ("--timeout", "10", "--retries", "1")
 
 
 def _expose_pyenv_versions() -> None:
@@ -86,6 +111,58 @@ def _has_nvidia_gpu() -> bool:
     return probe.returncode == 0 and "GPU" in probe.stdout
 
 
+def torch_install_attempts(
+    spec: str, has_gpu: bool, cpu_index: str = TORCH_CPU_INDEX
+) -> list[list[str]]:
+    """The ``pip install`` arguments to try, in order, to install torch as `spec`.
+
+    Without a GPU: `spec` from PyTorch's CPU index alone (the CPU build, whatever
+    the configured indexes hold), failing fast, then `spec` as it is (the fallback:
+    the configured indexes; on this project's machines a local CPU wheel). With a
+    GPU, or no CPU index: `spec` as it is. `spec` may hold several words
+    (``"torch==2.6.0 --no-deps"``).
+    """
+    plain = shlex.split(spec)
+    if not plain:
+        msg = "the torch spec (PORTABLE_ATTN_TORCH_SPEC) is empty"
+        raise ValueError(msg)
+    if has_gpu or not cpu_index:
+        return [plain]
+    return [[*FAST_FAIL, "--index-url", cpu_index, *plain], plain]
+
+
+def install_torch(session: nox.Session, spec: str = TORCH_SPEC) -> str:
+    """Install torch first (see :func:`torch_install_attempts`); return a constraints file.
+
+    The file pins the torch that was installed (``torch==2.13.0+cpu``): pass it
+    with ``-c`` to every later install of the session, so that nothing replaces
+    that build.
+    """
+    attempts = torch_install_attempts(spec, _has_nvidia_gpu())
+    for i, args in enumerate(attempts, 1):
+        try:
+            session.install(*args)
+            break
+        except CommandFailed:
+            if i == len(attempts):
+                raise
+            session.warn(f"installing torch with {shlex.join(args)} failed; trying the next way")
+    version = session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m; print(m.version('torch'))",
+        silent=True,
+    )
+    return _constraints(session, "torch-pin.txt", [f"torch=={str(version).strip()}"])
+
+
+def _constraints(session: nox.Session, name: str, lines: list[str]) -> str:
+    """Write a pip constraints file in the session's tmp folder and return its path."""
+    path = Path(session.create_tmp()) / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One ``tests-<backend>`` session: where it runs and what it does besides pytest."""
@@ -93,7 +170,9 @@ class Backend:
     doc: str  # the description ``nox -l`` shows
     python: str | list[str]  # a str gives the bare name (tests-torch), a list tests-numpy-3.12
     first: str | None = None  # installed before ".[test]", so nothing else picks its build
+    torch: bool = False  # `first` is torch: installed by install_torch, then constrained to it
     doctests: bool = False  # also run pytest --doctest-modules src/portable_attn
+    also: tuple[str, ...] = ()  # installed with ".[test]"
     skip_without_gpu: str | None = None  # skip with this reason when no NVIDIA GPU is found
 
 
@@ -102,6 +181,7 @@ BACKENDS = {
         "NumPy (writable and read-only inputs) on every Python 3.10-3.13 found, and doctests.",
         PYTHONS,
         doctests=True,
+        also=(f"nox=={metadata.version('nox')}",),  # tests/test_noxfile.py tests this file
     ),
     "array_api_strict": Backend(
         "array-api-strict: proof that only the standard is used.",
@@ -111,6 +191,7 @@ BACKENDS = {
         "PyTorch CPU (and CUDA when present), autograd, gradcheck, torch.compile.",
         ML_PYTHON,
         first=TORCH_SPEC,  # first, so nothing else can pull another torch build
+        torch=True,
     ),
     "jax": Backend(
         "JAX CPU (and GPU when present), jax.grad, jax.jit, jax.vmap, 8-device CPU meshes.",
@@ -135,9 +216,12 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
     def tests(session: nox.Session) -> None:
         if spec.skip_without_gpu is not None and not _has_nvidia_gpu():
             session.skip(spec.skip_without_gpu)
-        if spec.first is not None:
+        pin: list[str] = []
+        if spec.torch and spec.first is not None:
+            pin = ["-c", install_torch(session, spec.first)]
+        elif spec.first is not None:
             session.install(spec.first)
-        session.install(".[test]")
+        session.install(*pin, ".[test]", *spec.also)
         _pytest(session, backend)
         if spec.doctests:
             session.run("python", "-m", "pytest", "--doctest-modules", "src/portable_attn")
@@ -151,18 +235,11 @@ for _backend, _spec in BACKENDS.items():
     nox.session(name=f"tests-{_backend}", python=_spec.python)(_tests_session(_backend, _spec))
 
 
-def _torch_pin(session: nox.Session) -> str:
-    """A pip constraints file holding TORCH_SPEC, so that later installs keep that torch build."""
-    path = Path(session.create_tmp()) / "torch-pin.txt"
-    path.write_text(TORCH_SPEC + "\n")
-    return str(path)
-
-
 @nox.session(name="tests-integrations", python=ML_PYTHON)
 def tests_integrations(session: nox.Session) -> None:
     """The adapters against Hugging Face transformers, Flax (NNX, Linen) and Keras (JAX, torch)."""
-    session.install(TORCH_SPEC)  # first, so nothing else can pull another torch build
-    session.install("-c", _torch_pin(session), JAX_SPEC, ".[test,transformers,flax,keras]")
+    pin = install_torch(session)  # first, so nothing else can pull another torch build
+    session.install("-c", pin, JAX_SPEC, ".[test,transformers,flax,keras]")
     session.run(
         "python",
         "-m",
@@ -174,12 +251,84 @@ def tests_integrations(session: nox.Session) -> None:
     )
 
 
+PYPROJECT = Path(__file__).parent / "pyproject.toml"
+# tests-min-deps: the extras whose lower bounds it installs, and the backends it tests.
+# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (3-4
+# minutes on a 2-core machine: a session of its own, to run or skip alone). torch is
+# left out: its lower bound cannot be installed here as a CPU build (see
+# [tool.portable-attn.min-deps] in pyproject.toml), and the torch suite is the longest.
+MIN_DEPS_EXTRAS = ("test", "strict")
+MIN_DEPS_BACKENDS = "numpy,array_api_strict"
+MIN_DEPS_JAX_EXTRAS = ("test", "strict", "jax")
+MIN_DEPS_PYTHON = "3.10" if "3.10" in PYTHONS else PYTHONS[0]  # the oldest supported
+
+
+def lower_bounds(pyproject: dict, extras: tuple[str, ...]) -> list[str]:
+    """``name==version`` for each requirement of the runtime and `extras`: its lower bound.
+
+    The bound is the requirement's ``>=`` (or ``==``) version in ``[project]``, unless
+    ``[tool.portable-attn.min-deps]`` raises it (where the bound does not install as
+    a CPU build here; the reason is written there). A requirement without a lower
+    bound is an error: the session would test whatever is newest.
+    """
+    project = pyproject["project"]
+    raised = pyproject.get("tool", {}).get("portable-attn", {}).get("min-deps", {})
+    optional = project.get("optional-dependencies", {})
+    unknown = [e for e in extras if e not in optional]
+    if unknown:
+        msg = f"no extra {', '.join(map(repr, unknown))} in pyproject.toml"
+        raise ValueError(msg)
+    reqs = [*project["dependencies"], *(r for e in extras for r in optional[e])]
+    pins: dict[str, str] = {}
+    for text in reqs:
+        req = Requirement(text)
+        name = req.name.lower().replace("_", "-")
+        lows = [s.version for s in req.specifier if s.operator in (">=", "==")]
+        if name in raised:
+            lows = [raised[name]["version"]]
+        if not lows:
+            msg = f"{text!r} in pyproject.toml has no lower bound for tests-min-deps"
+            raise ValueError(msg)
+        pins[name] = f"{name}=={lows[0]}"  # a requirement twice (two extras): the same bound
+    return list(pins.values())
+
+
+def _min_deps_session(extras: tuple[str, ...], backends: str) -> Callable[[nox.Session], None]:
+    def tests(session: nox.Session) -> None:
+        pins = lower_bounds(tomllib.loads(PYPROJECT.read_text()), extras)
+        for p in pins:  # jax and jaxlib 0.4-0.7 are released together, in lockstep
+            if p.startswith("jax=="):
+                pins.append("jaxlib==" + p.split("==")[1])
+                break
+        pin = _constraints(session, "min-deps.txt", pins)
+        session.install("--only-binary=:all:", "-c", pin, *(p.split("==")[0] for p in pins))
+        session.install("-c", pin, f".[{','.join(extras)}]")
+        session.run("python", "-m", "pip", "list")  # the versions tested, in the log
+        _pytest(session, backends)
+
+    return tests
+
+
+tests_min_deps = nox.session(name="tests-min-deps", python=MIN_DEPS_PYTHON)(
+    _min_deps_session(MIN_DEPS_EXTRAS, MIN_DEPS_BACKENDS)
+)
+tests_min_deps.__doc__ = (
+    "NumPy and array-api-strict at the declared lower bounds of every dependency."
+)
+tests_min_deps_jax = nox.session(name="tests-min-deps-jax", python=MIN_DEPS_PYTHON)(
+    _min_deps_session(MIN_DEPS_JAX_EXTRAS, "jax")
+)
+tests_min_deps_jax.__doc__ = (
+    "JAX with every dependency at its declared lower bound (jax, numpy...)."
+)
+
+
 @nox.session(python=ML_PYTHON)
 def docs(session: nox.Session) -> None:
     """Build the documentation; every example is executed, warnings are errors."""
-    session.install(TORCH_SPEC)
-    session.install(JAX_SPEC, DASK_SPEC)
-    session.install("-c", _torch_pin(session), ".[docs,transformers,flax,keras]")
+    pin = install_torch(session)
+    session.install("-c", pin, JAX_SPEC, DASK_SPEC)
+    session.install("-c", pin, ".[docs,transformers,flax,keras]")
     session.run(
         "python",
         "-m",
@@ -200,14 +349,14 @@ def bench(session: nox.Session) -> None:
 
     ``nox -s bench -- --quick`` for a short run (small sizes; not for publishing).
     """
-    session.install(TORCH_SPEC)
-    session.install(JAX_SPEC, "threadpoolctl", "matplotlib")
-    session.install(".")
+    pin = install_torch(session)
+    session.install("-c", pin, JAX_SPEC, "threadpoolctl", "matplotlib")
+    session.install("-c", pin, ".")
     for backend in ("numpy", "torch", "jax"):  # each in its own process
         session.run("python", "benchmarks/bench.py", "--backend", backend, *session.posargs)
     session.run("python", "benchmarks/tiled.py", *session.posargs)
     session.run("python", "benchmarks/causal.py")
-    session.install(DASK_SPEC)
+    session.install("-c", pin, DASK_SPEC)
     session.run("python", "benchmarks/scale.py", *session.posargs)
     # last, so that it is what the session ends with: every backend's case table and the plot
     session.run("python", "benchmarks/report.py", "--plot")
@@ -215,7 +364,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=ML_PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check."""
-    session.install("ruff==0.17.6")
+    """ruff check, ruff format --check, and mypy on src/ (the package is typed)."""
+    session.install("ruff==0.17.6", "mypy==2.4.1", ".")  # mypy sees NumPy's own types
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy")  # the files and options are in pyproject.toml [tool.mypy]

@@ -70,9 +70,10 @@ TARGETS = (
 
 
 def git_state() -> dict[str, Any]:
-    """The commit the benchmark ran at, and whether tracked files differed from it.
+    """The commit the benchmark ran at, and which tracked files differed from it.
 
     The results folder does not count: a run of several benchmarks rewrites it.
+    ``changed`` lists the files that differed (``dirty`` is whether any did).
     """
     root = Path(__file__).resolve().parent.parent
     git = ["git", "-C", str(root)]
@@ -88,8 +89,26 @@ def git_state() -> dict[str, Any]:
         ).stdout
     except (OSError, subprocess.CalledProcessError):
         return {"commit": "unknown"}
-    changed = [line for line in status.splitlines() if "benchmarks/results/" not in line]
-    return {"commit": commit, "dirty": bool(changed)}
+    paths = [line[3:].split(" -> ")[-1] for line in status.splitlines() if line.strip()]
+    changed = [p for p in paths if not p.startswith("benchmarks/results/")]
+    return {"commit": commit, "dirty": bool(changed), "changed": changed}
+
+
+def provenance(info: Mapping[str, Any]) -> str:
+    """``"commit 2d9ca7642e"``, with the files that differed from it, if any.
+
+    A record without ``changed`` was written before :func:`git_state` left the
+    results folder out: its ``dirty`` was set by the results files that the run
+    itself rewrote, so it says nothing about the code measured and is not shown.
+    """
+    text = f"commit {str(info.get('commit', '?'))[:10]}"
+    changed = info.get("changed")
+    if changed:
+        shown = ", ".join(changed[:3]) + (
+            f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        )
+        text += f" with uncommitted changes to {shown}"
+    return text
 
 
 def load(results: str | Path = RESULTS) -> dict[str, dict[str, Any] | None]:
@@ -295,7 +314,7 @@ def environment(data: Mapping[str, Any] | None) -> str:
         f"numpy {env.get('numpy', '?')}",
         f"Python {env.get('python', '?')}",
         f"{env.get('cpus', '?')} CPUs",
-        f"commit {str(env.get('commit', '?'))[:10]}" + (" (dirty)" if env.get("dirty") else ""),
+        provenance(env),
         str(env.get("date", "")),
     ]
     if lib == "numpy":
@@ -303,6 +322,48 @@ def environment(data: Mapping[str, Any] | None) -> str:
     if data.get("quick"):
         parts.append("**quick run (not the published sizes)**")
     return ", ".join(p for p in parts if p)
+
+
+def tiled_table(results: str | Path = RESULTS) -> str:
+    """The dense and tiled paths (``benchmarks/tiled.py``), or a line saying they were not
+    measured with the current library (the figures in ``results/history`` are older)."""
+    path = Path(results) / "tiled.json"
+    if not path.exists():
+        return (
+            "*Not measured with the current library: there is no `tiled.json` in the "
+            "results (`python benchmarks/tiled.py` writes it). The last run, at 529c890, "
+            "is kept in `benchmarks/results/history/` as the evidence behind the path "
+            "policy's thresholds, not as a current figure.*"
+        )
+    data = json.loads(path.read_text())
+    meta = data.get("meta", {})
+    header = ["backend", "pass", "path", "L", "causal", "ms", "peak extra MiB"]
+    body = []
+    for r in data["rows"]:
+        time_s, peak = r.get("time_s"), r.get("peak_bytes")
+        ms = _ms(None if time_s is None else time_s * 1e3)
+        if "error" in r:
+            ms = f"failed: {r['error']}"
+        body.append(
+            [
+                r["backend"],
+                r.get("pass", "forward"),
+                r["path"],
+                str(r["L"]),
+                "yes" if r.get("causal") else "no",
+                ms,
+                "—" if peak is None else f"{peak / 2**20:,.1f}",
+            ]
+        )
+    lines = [
+        f"Measured with {provenance(meta) if 'commit' in meta else 'an unrecorded commit'}, "
+        f"Python {meta.get('python', '?')}, {meta.get('cpus', '?')} CPUs, "
+        f"block_size={tuple(meta.get('block_size', ()))}.",
+        "",
+        _table(header, body),
+    ]
+    lines += [""] + [f"- {t}" for t in data.get("targets", [])]
+    return "\n".join(lines)
 
 
 def markdown(datas: Mapping[str, Mapping[str, Any] | None]) -> str:
@@ -351,6 +412,9 @@ def figure(datas: Mapping[str, Mapping[str, Any] | None]):
     fig, axes = plt.subplots(
         1, len(BACKENDS), figsize=(15, 4.8), gridspec_kw={"width_ratios": widths}
     )
+    palette = ["black", "tab:purple", "tab:blue", "tab:orange"]
+    colour: dict[str, str] = {}  # one colour per peer across the panels
+    legend: dict[str, Any] = {}  # label -> handle, for the one legend of the figure
     for ax, backend in zip(axes, BACKENDS, strict=True):
         data = datas.get(backend)
         ax.set_title(TITLES[backend])
@@ -372,8 +436,6 @@ def figure(datas: Mapping[str, Mapping[str, Any] | None]):
         x = range(len(rows))
         ratios = [r.get("ratio_best") or math.nan for r in rows]
         ax.bar(x, ratios, color=colors, alpha=0.75, width=0.7)
-        palette = ["black", "tab:purple", "tab:blue", "tab:orange"]
-        colour: dict[str, str] = {}
         labelled: set[str] = set()
 
         for i, r in enumerate(rows):
@@ -410,13 +472,25 @@ def figure(datas: Mapping[str, Mapping[str, Any] | None]):
         ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_ylabel("ours / best peer (lower is better)")
-        if labelled:
-            ax.legend(fontsize=7, loc="best", framealpha=0.85)
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
     fig.suptitle(
         "Default call vs the best peer, per case (green: target met, red: missed; "
         "dots: the ratio a target is about, where that peer is not the best)"
     )
-    fig.tight_layout()
+    # above the panels, under the title: inside a panel it would cover bars
+    top = 0.87 if legend else 0.93
+    if legend:
+        fig.legend(
+            list(legend.values()),
+            list(legend),
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.935),
+            ncol=min(len(legend), 6),
+            fontsize=8,
+            frameon=False,
+        )
+    fig.tight_layout(rect=(0, 0, 1, top))
     return fig
 
 

@@ -53,6 +53,20 @@ def test_explain_prints_the_numbers_of_the_notes(backend, capsys):
     assert 7.5 < raw < 8.5
 
 
+@pytest.mark.kinds("numpy", reason="one run is enough")
+def test_explain_plot_without_matplotlib_fails_before_computing(backend, monkeypatch, capsys):
+    from portable_attn import _explain
+
+    def computed(*args, **kwargs):
+        raise AssertionError("the table was computed before matplotlib was looked for")
+
+    monkeypatch.setattr(_explain, "explain_table", computed)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    with pytest.raises(SystemExit, match="--plot needs matplotlib: pip install matplotlib"):
+        main(["explain", "--plot", "x.png"])
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.kinds("numpy", reason="one plot is enough")
 def test_explain_plot_needs_matplotlib_or_writes_png(backend, tmp_path, capsys):
     target = tmp_path / "entropy.png"
@@ -192,7 +206,10 @@ def test_check_of_only_missing_backends_says_which(monkeypatch, capsys):
     monkeypatch.setattr(_check, "family_installed", lambda f: False)
     assert main(["check", "--backend", "torch,dask"]) == 1
     captured = capsys.readouterr()
-    assert "not installed: torch\nnot installed: dask" in captured.out
+    assert (
+        "not installed: torch (pip install 'portable-attn[torch]')\n"
+        "not installed: dask (pip install 'portable-attn[dask]')"
+    ) in captured.out
     assert "no backend could be checked: torch is not installed; dask is not installed" in (
         captured.err
     )
@@ -223,3 +240,70 @@ def test_explain_says_a_backend_is_not_installed(monkeypatch):
     monkeypatch.setattr(_check, "family_installed", lambda f: False)
     with pytest.raises(SystemExit, match="backend 'jax' is not installed"):
         main(["explain", "--backend", "jax"])
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("dask", "dask"), ("array_api_strict", "strict"), ("torch", "torch"), ("cupy", "cupy")],
+)
+def test_a_missing_backend_names_the_extra_to_install(family, extra, monkeypatch, capsys):
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check, "family_installed", lambda f: False)
+    hint = f"pip install 'portable-attn[{extra}]'"
+    assert main(["check", "--backend", family]) == 1
+    assert f"not installed: {family} ({hint})" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=re.escape(f"{family!r} is not installed: {hint}")):
+        main(["explain", "--backend", family])
+
+
+def test_every_extra_named_is_one_of_pyproject():
+    from pathlib import Path
+
+    from portable_attn._check import EXTRAS
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert set(EXTRAS) == set(BACKEND_NAMES)
+    for family, extra in EXTRAS.items():
+        if extra is not None:
+            assert extra in declared, family
+            assert any(
+                r.replace("_", "-").startswith(family.replace("_", "-")) for r in declared[extra]
+            )
+
+
+@pytest.mark.kinds("numpy", reason="one run is enough")
+def test_check_prints_each_row_as_its_backend_finishes(backend, monkeypatch, capsys):
+    """Each backend's row is out before the next backend starts, with [i/n] on stderr."""
+    from portable_attn import _check
+
+    seen: list[tuple[str, str, str]] = []  # (backend starting, stdout so far, stderr so far)
+    printed = {"out": "", "err": ""}
+    check_values = _check._check_values
+
+    def recording(t, res, cases):
+        captured = capsys.readouterr()
+        printed["out"] += captured.out
+        printed["err"] += captured.err
+        seen.append((t.name, printed["out"], printed["err"]))
+        return check_values(t, res, cases)
+
+    monkeypatch.setattr(_check, "_check_values", recording)
+    assert main(["check", "--backend", "numpy,array_api_strict", "--repeats", "1"]) == 0
+    rest = capsys.readouterr()
+    (first, out1, err1), (second, out2, err2) = seen
+    assert (first, second) == ("numpy", "array_api_strict")
+    assert any(ln.startswith("backend ") for ln in out1.splitlines())  # header first
+    assert not any(ln.startswith("numpy ") for ln in out1.splitlines())
+    assert err1.splitlines()[-1].strip() == "[1/2] checking numpy..."
+    numpy_row = next(ln for ln in out2.splitlines() if ln.startswith("numpy "))
+    assert numpy_row.endswith("ok")  # the first row, while the second backend runs
+    assert err2.splitlines()[-1].strip() == "[2/2] checking array_api_strict..."
+    header = next(ln for ln in out1.splitlines() if ln.startswith("backend "))
+    strict_row = next(ln for ln in rest.out.splitlines() if ln.startswith("array_api_strict "))
+    for row in (numpy_row, strict_row):  # one table: the columns line up with the header
+        assert row.index(" cpu ") == header.index(" device ")
+        assert row.rstrip().endswith("ok")
+        assert row.rindex(" ok") == header.rindex(" status")

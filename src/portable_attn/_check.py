@@ -11,6 +11,7 @@ always the portable implementation.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +32,35 @@ from .testing._backends import (
 from .testing._backends import TEST_ONLY_KINDS as _TEST_ONLY_KINDS
 from .testing._reference import central_differences, reference_attention
 
-__all__ = ["CheckResult", "Target", "available_targets", "Unavailable", "run_checks", "survey"]
+__all__ = [
+    "EXTRAS",
+    "CheckResult",
+    "Target",
+    "Unavailable",
+    "available_targets",
+    "install_hint",
+    "run_checks",
+    "survey",
+]
 
 # Max abs error allowed against the float64 oracle on unit-scale data, per dtype.
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+# The extra of pyproject.toml that installs each family (NumPy is a dependency).
+EXTRAS = {
+    "numpy": None,
+    "array_api_strict": "strict",
+    "torch": "torch",
+    "jax": "jax",
+    "cupy": "cupy",
+    "dask": "dask",
+}
+
+
+def install_hint(family: str) -> str:
+    """Return how to install `family`, e.g. ``"pip install 'portable-attn[dask]'"``."""
+    extra = EXTRAS.get(family)
+    return f"pip install 'portable-attn[{extra}]'" if extra else "pip install portable-attn"
 
 
 @dataclass(frozen=True)
@@ -315,7 +341,12 @@ def _time_call(t: Target, res: CheckResult, rng: np.random.Generator, repeats: i
 
 
 def run_checks(
-    only: list[str] | None = None, *, repeats: int = 10
+    only: list[str] | None = None,
+    *,
+    repeats: int = 10,
+    on_start: Callable[[list[CheckResult]], None] | None = None,
+    on_target: Callable[[int, int, str], None] | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
 ) -> tuple[list[CheckResult], list[str]]:
     """Check every backend that can run here.
 
@@ -325,6 +356,15 @@ def run_checks(
         Families to check (default: all installed).
     repeats : int, default 10
         Timed calls per backend (after two warm-up calls); at least 1.
+    on_start : callable, optional
+        Called once, before anything is checked, with one :class:`CheckResult`
+        per row to come (nothing measured yet: names, versions and devices), so
+        that a caller can lay out a table.
+    on_target : callable, optional
+        Called as ``on_target(i, n, name)`` before the i-th (from 1) of the n
+        backends that run is checked.
+    on_result : callable, optional
+        Called with each result as soon as it is complete, in the order returned.
 
     Returns
     -------
@@ -344,8 +384,21 @@ def run_checks(
         msg = f"`repeats` must be an integer >= 1, got {repeats!r}"
         raise ValueError(msg)
     targets, unavailable, missing = survey(only)
+    not_run = [
+        CheckResult(
+            u.kind,
+            _installed_version(family_of(u.kind)),
+            _GPU_KINDS.get(u.kind, "cpu"),
+            unavailable=u.reason,
+        )
+        for u in unavailable
+    ]
+    if on_start is not None:
+        on_start([CheckResult(t.name, t.version, t.device) for t in targets] + not_run)
     results = []
-    for t in targets:
+    for i, t in enumerate(targets, 1):
+        if on_target is not None:
+            on_target(i, len(targets), t.name)
         rng = np.random.default_rng(0)
         res = CheckResult(t.name, t.version, t.device)
         try:
@@ -355,8 +408,10 @@ def run_checks(
         except Exception as exc:  # report the backend as broken, keep checking the others
             res.failures.append(f"raised {type(exc).__name__}: {exc}")
         results.append(res)
-    for u in unavailable:
-        version = _installed_version(family_of(u.kind))
-        device = _GPU_KINDS.get(u.kind, "cpu")
-        results.append(CheckResult(u.kind, version, device, unavailable=u.reason))
+        if on_result is not None:
+            on_result(res)
+    for res in not_run:
+        results.append(res)
+        if on_result is not None:
+            on_result(res)
     return results, missing

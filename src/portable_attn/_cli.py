@@ -78,23 +78,67 @@ def _row(r: CheckResult) -> tuple[str, ...]:
     )
 
 
+_COLUMNS = ("backend", "version", "device", *_DTYPE_COLUMNS, "gradients", "ms/call", "status")
+# the widest value of each measured column: "1.0e-05", "FAIL (1.0e-06)", "12345.67"
+_MIN_WIDTHS = {**dict.fromkeys(_DTYPE_COLUMNS, 7), "gradients": 14, "ms/call": 8}
+
+
+class _Table:
+    """The table of ``check``, printed a row at a time as each backend finishes."""
+
+    def __init__(self) -> None:
+        self.widths: list[int] = []
+        self._pending = 0  # the length of a progress line a terminal shows, to clear
+
+    def start(self, planned: list[CheckResult]) -> None:
+        """Lay the columns out from the rows to come and print the header."""
+        if not planned:
+            return
+        rows = [_row(r) for r in planned]
+        self.widths = [
+            max(_MIN_WIDTHS.get(name, 0), *(len(str(x)) for x in col))
+            for name, col in zip(_COLUMNS, zip(_COLUMNS, *rows, strict=True), strict=True)
+        ]
+        self._print(_COLUMNS)
+
+    def _print(self, row: tuple[str, ...]) -> None:
+        cells = zip(row, self.widths, strict=True)
+        print("  ".join(str(x).ljust(w) for x, w in cells).rstrip(), flush=True)
+
+    def progress(self, i: int, n: int, name: str) -> None:
+        """Say on stderr which backend is being checked (a line a terminal overwrites)."""
+        tty = sys.stderr.isatty()
+        line = f"[{i}/{n}] checking {name}..."
+        print(line, end="\r" if tty else "\n", file=sys.stderr, flush=True)
+        self._pending = len(line) if tty else 0
+
+    def row(self, r: CheckResult) -> None:
+        """Print the row of a finished backend."""
+        if self._pending:  # clear the progress line first
+            print(" " * self._pending, end="\r", file=sys.stderr, flush=True)
+            self._pending = 0
+        self._print(_row(r))
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
-    from ._check import TOLERANCE, run_checks
+    from ._check import TOLERANCE, install_hint, run_checks
 
     only = args.backend or None
     print(f"portable_attn {__version__}: max abs error against a float64 NumPy oracle")
     print("cases: plain, mask+bias, causal Lq<Lk and Lq>Lk, GQA+window+softcap, fully masked row")
-    print("tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
-    results, missing = run_checks(only, repeats=args.repeats)
-    cols = ("backend", "version", "device", *_DTYPE_COLUMNS, "gradients", "ms/call", "status")
-    rows = [_row(r) for r in results]
-    if rows:
-        widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows, strict=True)]
-        for row in (cols, *rows):
-            print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+    print("tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()), flush=True)
+    table = _Table()
+    results, missing = run_checks(
+        only,
+        repeats=args.repeats,
+        on_start=table.start,
+        on_target=table.progress,
+        on_result=table.row,
+    )
+    if results:
         print("ms/call: median, float32 causal attention, B=1 H=8 L=256 D=64")
     for name in missing:
-        print(f"not installed: {name}")
+        print(f"not installed: {name} ({install_hint(name)})")
     failed = [r for r in results if not r.ok]
     for r in failed:
         for f in r.failures:
@@ -108,8 +152,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from ._explain import explain_table, plot_entropy
+    from ._explain import explain_table, plot_entropy, require_matplotlib
 
+    if args.plot:
+        require_matplotlib()  # before anything is computed or printed
     print(explain_table(args.d_k, args.backend))
     if args.plot:
         plot_entropy(args.plot, args.backend)

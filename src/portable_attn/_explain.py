@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 
 from ._attention import attention_weights
-from ._check import survey
+from ._check import install_hint, survey
 from .diagnostics import attention_entropy, logit_stats, softmax_sensitivity
 from .testing._backends import FAMILIES
 
-__all__ = ["entropy_curves", "explain_table"]
+__all__ = ["entropy_curves", "explain_table", "plot_entropy", "require_matplotlib"]
 
 SCALINGS = {
     "none": lambda d: 1.0,
@@ -30,7 +30,7 @@ def _target(backend: str) -> Any:
     if targets:
         return targets[0]
     if missing:
-        msg = f"backend {backend!r} is not installed"
+        msg = f"backend {backend!r} is not installed: {install_hint(backend)}"
     else:
         msg = f"backend {backend!r} cannot run here: {'; '.join(u.reason for u in unavailable)}"
     raise SystemExit(msg)
@@ -103,8 +103,11 @@ def entropy_curves(
     return curves
 
 
-def plot_entropy(path: str, backend: str = "numpy") -> None:
-    """Write the entropy-vs-d_k plot to `path` (needs matplotlib)."""
+def require_matplotlib() -> Any:
+    """Return ``matplotlib.pyplot`` (Agg backend); exit saying how to install it if missing.
+
+    ``explain --plot`` calls it before computing anything.
+    """
     try:
         import matplotlib
 
@@ -113,6 +116,12 @@ def plot_entropy(path: str, backend: str = "numpy") -> None:
     except ImportError:
         msg = "--plot needs matplotlib: pip install matplotlib (or portable-attn[docs])"
         raise SystemExit(msg) from None
+    return plt
+
+
+def plot_entropy(path: str, backend: str = "numpy") -> None:
+    """Write the entropy-vs-d_k plot to `path` (needs matplotlib)."""
+    plt = require_matplotlib()
     dims = (16, 32, 64, 128, 256, 512, 1024)
     curves = entropy_curves(backend, dims)
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -1,0 +1,232 @@
+"""noxfile.py: how torch is installed (CPU build first, the plain spec as the fallback),
+that every later install of a session keeps that torch, and the pins of tests-min-deps.
+
+Nothing is installed: the sessions run against a recording stand-in for nox's session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+nox = pytest.importorskip("nox", reason="tests noxfile.py, which needs nox")
+from nox.command import CommandFailed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+@pytest.fixture(scope="module")
+def noxfile():
+    before = os.environ.get("PYENV_VERSION")
+    spec = importlib.util.spec_from_file_location("_noxfile_under_test", ROOT / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:  # it widens PYENV_VERSION for nox; leave the test process as it was
+        if before is None:
+            os.environ.pop("PYENV_VERSION", None)
+        else:
+            os.environ["PYENV_VERSION"] = before
+    return module
+
+
+class FakeSession:
+    """Records what a session installs and runs; installs can be made to fail."""
+
+    def __init__(self, tmp_path: Path, fail: int = 0, torch_version: str = "2.13.0+cpu"):
+        self.tmp = tmp_path
+        self.fail = fail  # the first `fail` installs raise CommandFailed
+        self.torch_version = torch_version
+        self.installs: list[tuple[str, ...]] = []
+        self.runs: list[tuple[str, ...]] = []
+        self.warnings: list[str] = []
+        self.posargs: list[str] = []
+        self.env: dict[str, str] = {}
+
+    def install(self, *args: str, **kwargs) -> None:
+        self.installs.append(args)
+        if len(self.installs) <= self.fail:
+            raise CommandFailed("pip failed")
+
+    def run(self, *args: str, **kwargs):
+        self.runs.append(args)
+        if "importlib.metadata" in " ".join(args):
+            return self.torch_version + "\n"
+        return ""
+
+    def create_tmp(self) -> str:
+        return str(self.tmp)
+
+    def warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+
+    def skip(self, reason: str) -> None:
+        raise AssertionError(f"skipped: {reason}")
+
+
+def test_without_gpu_the_cpu_index_comes_first_and_fails_fast(noxfile):
+    first, fallback = noxfile.torch_install_attempts("torch==2.13.0", has_gpu=False)
+    assert first[first.index("--index-url") + 1] == CPU_INDEX
+    assert first[-1] == "torch==2.13.0"
+    timeout = float(first[first.index("--timeout") + 1])
+    retries = int(first[first.index("--retries") + 1])
+    assert timeout <= 15
+    assert retries <= 1
+    assert fallback == ["torch==2.13.0"]  # the plain pin: what installs on this machine
+
+
+def test_with_gpu_the_plain_spec_only(noxfile):
+    assert noxfile.torch_install_attempts("torch==2.13.0", has_gpu=True) == [["torch==2.13.0"]]
+
+
+def test_an_empty_cpu_index_turns_it_off(noxfile):
+    assert noxfile.torch_install_attempts("torch", has_gpu=False, cpu_index="") == [["torch"]]
+
+
+def test_a_spec_of_several_words_is_split(noxfile):
+    attempts = noxfile.torch_install_attempts("torch==2.6.0 --no-deps", has_gpu=True)
+    assert attempts == [["torch==2.6.0", "--no-deps"]]
+    with pytest.raises(ValueError, match="PORTABLE_ATTN_TORCH_SPEC"):
+        noxfile.torch_install_attempts("  ", has_gpu=False)
+
+
+def test_the_default_spec_installs_no_other_torch(noxfile, monkeypatch):
+    """Every attempt of the default asks for exactly torch==2.13.0: no other build is pulled."""
+    if "PORTABLE_ATTN_TORCH_SPEC" in os.environ:
+        pytest.skip("PORTABLE_ATTN_TORCH_SPEC is set: the default is not in use")
+    assert noxfile.TORCH_SPEC == "torch==2.13.0"
+    for has_gpu in (False, True):
+        for args in noxfile.torch_install_attempts(noxfile.TORCH_SPEC, has_gpu):
+            assert [a for a in args if a.startswith("torch")] == ["torch==2.13.0"]
+
+
+def _no_gpu(noxfile, monkeypatch):
+    monkeypatch.setattr(noxfile, "_has_nvidia_gpu", lambda: False)
+
+
+def test_the_first_attempt_that_works_is_the_last(noxfile, monkeypatch, tmp_path):
+    _no_gpu(noxfile, monkeypatch)
+    session = FakeSession(tmp_path)
+    pin = noxfile.install_torch(session, "torch==2.13.0")
+    assert session.installs == [tuple(noxfile.torch_install_attempts("torch==2.13.0", False)[0])]
+    assert session.warnings == []
+    assert Path(pin).read_text() == "torch==2.13.0+cpu\n"  # the build installed, exactly
+
+
+def test_an_unreachable_cpu_index_falls_back_to_the_plain_spec(noxfile, monkeypatch, tmp_path):
+    _no_gpu(noxfile, monkeypatch)
+    session = FakeSession(tmp_path, fail=1, torch_version="2.13.0")
+    pin = noxfile.install_torch(session, "torch==2.13.0")
+    assert session.installs[1] == ("torch==2.13.0",)
+    assert len(session.installs) == 2
+    assert "--index-url" in shlex.join(session.installs[0])
+    assert "trying the next way" in session.warnings[0]
+    assert Path(pin).read_text() == "torch==2.13.0\n"
+
+
+def test_when_every_attempt_fails_the_session_fails(noxfile, monkeypatch, tmp_path):
+    _no_gpu(noxfile, monkeypatch)
+    session = FakeSession(tmp_path, fail=2)
+    with pytest.raises(CommandFailed):
+        noxfile.install_torch(session, "torch==2.13.0")
+    assert len(session.installs) == 2
+
+
+def _torch_sessions(noxfile):
+    tests_torch = noxfile._tests_session("torch", noxfile.BACKENDS["torch"])
+    return {
+        "tests-torch": tests_torch,
+        "tests-integrations": noxfile.tests_integrations,
+        "docs": noxfile.docs,
+        "bench": noxfile.bench,
+    }
+
+
+@pytest.mark.parametrize("name", ["tests-torch", "tests-integrations", "docs", "bench"])
+def test_torch_comes_first_and_every_later_install_keeps_it(noxfile, monkeypatch, tmp_path, name):
+    _no_gpu(noxfile, monkeypatch)
+    session = FakeSession(tmp_path)
+    _torch_sessions(noxfile)[name](session)
+    first, *later = session.installs
+    assert first == tuple(noxfile.torch_install_attempts(noxfile.TORCH_SPEC, False)[0])
+    assert later
+    pin = str(tmp_path / "torch-pin.txt")
+    for args in later:
+        assert args[:2] == ("-c", pin), args
+    assert Path(pin).read_text() == "torch==2.13.0+cpu\n"
+
+
+def test_lower_bounds_of_the_declared_requirements(noxfile):
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pins = noxfile.lower_bounds(pyproject, ("test", "strict"))
+    assert sorted(pins) == sorted(
+        [
+            "array-api-compat==1.11",
+            "numpy==1.26",
+            "threadpoolctl==3.1",
+            "pytest==8",
+            "hypothesis==6.100",
+            "array-api-strict==2.4",
+        ]
+    )
+    raised = pyproject["tool"]["portable-attn"]["min-deps"]
+    assert all(entry["why"] for entry in raised.values())  # each raised bound says why
+
+
+def test_a_raised_bound_replaces_the_declared_one(noxfile):
+    pyproject = {
+        "project": {
+            "dependencies": ["numpy>=1.26"],
+            "optional-dependencies": {"torch": ["torch>=2.4"], "t2": ["torch>=2.4", "jax"]},
+        },
+        "tool": {"portable-attn": {"min-deps": {"torch": {"version": "2.13.0", "why": "x"}}}},
+    }
+    assert noxfile.lower_bounds(pyproject, ("torch",)) == ["numpy==1.26", "torch==2.13.0"]
+    with pytest.raises(ValueError, match=r"'jax' in pyproject\.toml has no lower bound"):
+        noxfile.lower_bounds(pyproject, ("t2",))
+    with pytest.raises(ValueError, match="no extra 'typo'"):
+        noxfile.lower_bounds(pyproject, ("typo",))
+
+
+def test_min_deps_installs_the_pins_and_runs_the_suite(noxfile, tmp_path):
+    session = FakeSession(tmp_path)
+    noxfile.tests_min_deps(session)
+    pin = tmp_path / "min-deps.txt"
+    assert "numpy==1.26\n" in pin.read_text()
+    wheels, project = session.installs
+    assert wheels[:3] == ("--only-binary=:all:", "-c", str(pin))
+    assert "numpy" in wheels
+    assert project[:2] == ("-c", str(pin))
+    pytest_run = next(r for r in session.runs if "pytest" in r)
+    assert pytest_run[pytest_run.index("--backend") + 1] == "numpy,array_api_strict"
+
+
+def test_the_session_list_has_min_deps_in_plain_nox(noxfile):
+    proc = __import__("subprocess").run(
+        [sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    selected = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("* ")]
+    for name in ("tests-min-deps", "tests-min-deps-jax", "tests-integrations", "lint", "docs"):
+        assert name in selected
+
+
+def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, tmp_path):
+    session = FakeSession(tmp_path)
+    noxfile.tests_min_deps_jax(session)
+    pins = (tmp_path / "min-deps.txt").read_text().splitlines()
+    (jax,) = [p for p in pins if p.startswith("jax==")]
+    assert "jaxlib==" + jax.split("==")[1] in pins
+    pytest_run = next(r for r in session.runs if "pytest" in r)
+    assert pytest_run[pytest_run.index("--backend") + 1] == "jax"
