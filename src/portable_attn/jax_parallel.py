@@ -186,7 +186,9 @@ def sequence_parallel_attention(
     mesh = _auto_mesh(jax, mesh)
     shard_map: Any = getattr(jax, "shard_map", None)
     if shard_map is None:  # older JAX: only the experimental location (untested here)
-        from jax.experimental.shard_map import shard_map
+        from jax.experimental import shard_map as experimental
+
+        shard_map = experimental.shard_map
     run = shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())
     # Lay every input out as its spec says (inside jit: a sharding constraint; a K/V
     # already split along Lk over `axis_name` moves nothing).
