@@ -212,3 +212,19 @@ def test_the_tiled_path_object_carries_every_decision():
     assert isinstance(path, Tiled)
     assert (path.block_q, path.block_k) == (64, 64)
     assert path.fold is True  # NumPy, 300 query rows per K/V head > 6 value columns
+
+
+@pytest.mark.backends("dask", reason="Dask graph names")
+def test_dask_calls_that_differ_only_in_a_static_term_get_different_graphs(backend):
+    import dask
+
+    q, k, v = qkv(backend=backend)
+    keep = backend.asarray(np.random.default_rng(5).random((2, 4, 5, 7)) > 0.3)
+    a = scaled_dot_product_attention(q, k, v, dropout_p=0.2, dropout_mask=keep)
+    b = scaled_dot_product_attention(q, k, v, dropout_p=0.5, dropout_mask=keep)
+    assert a.name != b.name
+    got_a, got_b = dask.compute(a, b)
+    data = [backend.to_numpy(x) for x in (q, k, v)]
+    for got, p in ((got_a, 0.2), (got_b, 0.5)):
+        want = reference_attention(*data, dropout_p=p, dropout_mask=backend.to_numpy(keep))
+        np.testing.assert_allclose(got, want, atol=1e-12)

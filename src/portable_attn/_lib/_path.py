@@ -38,13 +38,16 @@ class Tiled:
 
     `block_q`, `block_k`: the tiles (ints, or the sizes of consecutive blocks);
     `fold`: as for :class:`Dense`, per block; `workers`: threads over the query
-    blocks (NumPy), 1 for the calling thread alone.
+    blocks (NumPy), 1 for the calling thread alone; `loop`: the blocks run as a
+    traced loop (JAX: ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``) instead of a
+    Python loop, so the program does not grow with the number of blocks.
     """
 
     block_q: Blocks
     block_k: Blocks
     fold: bool = False
     workers: int = 1
+    loop: bool = False
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,7 @@ How the path is chosen (`block_size`, `implementation`):
   3. Otherwise dense while the dense logits fit in :data:`AUTO_DENSE_LIMIT_BYTES`
      (:data:`AUTO_DENSE_LIMIT_BYTES_MULTITHREADED` for libraries with
      multi-threaded elementwise kernels), tiled above with :data:`EAGER_TILES`,
-     or, for traced libraries (JAX), blocks of at least :data:`TRACED_MIN_BLOCK`
-     and at most :data:`TRACED_MAX_BLOCKS` per axis.
+     or, for traced libraries (JAX), :data:`LOOP_TILES`.
   4. On the tiled path, libraries whose elementwise ops run on one core and
      release the GIL (:func:`~._lib._compat.parallel_query_blocks`: NumPy) run
      their query blocks in one thread per core once the dense scores would pass
@@ -56,6 +55,11 @@ How the path is chosen (`block_size`, `implementation`):
      (threadpoolctl), so that the threads do not oversubscribe the cores.
   5. The dense and tiled paths of eager libraries take the row sums of the
      weights from ``P @ [V | 1]`` (:func:`fold_row_sums`) where that pays.
+  6. Traced libraries (JAX) run the tiled path as a traced loop
+     (``Tiled.loop``: ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``): the
+     program and its live buffers stay O(1) in the number of blocks, which an
+     unrolled Python loop is not (under ``jax.jit`` it kept 5 GiB alive at
+     L = 16384, and 11 GiB for ``jit(grad)``: issue 21's table).
 
 The thresholds below are the only copies; each cites the measurement behind it.
 """
@@ -90,8 +94,7 @@ __all__ = [
     "EAGER_TILES",
     "SKIP_FRACTION_FOR_TILED",
     "THREADS_MIN_SCORE_BYTES",
-    "TRACED_MAX_BLOCKS",
-    "TRACED_MIN_BLOCK",
+    "LOOP_TILES",
     "choose_path",
     "default_tiles",
     "fold_row_sums",
@@ -132,11 +135,13 @@ THREADS_MIN_SCORE_BYTES = 128 * 2**20
 #: stays under one chunk pair of scores (..., Hq, bq, bk) while 4 Dv <= bk, and a query
 #: chunk over n key chunks costs about n / 3 merge tasks.
 DASK_MERGE_FAN_IN = 4
-#: Traced libraries unroll the block loops into the program: blocks of at least
-#: this size ...
-TRACED_MIN_BLOCK = 256
-#: ... and at most this many blocks per axis keep compile time bounded.
-TRACED_MAX_BLOCKS = 16
+#: ``(block_q, block_k)`` of the traced loop (rule 6), clipped to the lengths: at
+#: L = 4096, causal, B=1, H=8, D=64 under ``jax.jit`` on 2 loaded cores, blocks of
+#: 1024 x 1024 took 818 ms against 893 (512 x 1024), 1154 (512 x 512) and 1766
+#: (256 x 256): a step of the loop costs more than a fused unrolled block, so fewer,
+#: larger blocks win while one (H, 1024, 1024) float32 block (32 MiB for H = 8)
+#: stays small beside O(L) inputs (benchmarks/results/loop.json).
+LOOP_TILES = (1024, 1024)
 
 
 def choose_path(
@@ -167,14 +172,15 @@ def choose_path(
     fold = fold_row_sums(call)
     if sizes == "dense":
         return Dense(fold)
+    loop = traces_python_loops(call.query)  # rule 6: JAX runs the blocks as a traced loop
     if isinstance(sizes, tuple):
-        return Tiled(*sizes, fold=fold)
+        return Tiled(*sizes, fold=fold, loop=loop)
     if implementation is None and _prefer_native(call, return_lse):
         return Native()
     tiles = _auto_tiles(call)
     if tiles is None:
         return Dense(fold)
-    return Tiled(*tiles, fold=fold, workers=_workers(call))
+    return Tiled(*tiles, fold=fold, workers=_workers(call), loop=loop)
 
 
 def unsupported_reason(
@@ -302,11 +308,7 @@ def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
 def default_tiles(traced: bool, q_len: int, kv_len: int) -> tuple[int, int]:
     """``(block_q, block_k)`` for ``block_size="auto"`` above the dense limit."""
     if traced:
-        per_axis = TRACED_MAX_BLOCKS * 128
-        return (
-            max(TRACED_MIN_BLOCK, 128 * math.ceil(q_len / per_axis)),
-            max(TRACED_MIN_BLOCK, 128 * math.ceil(kv_len / per_axis)),
-        )
+        return min(LOOP_TILES[0], max(1, q_len)), min(LOOP_TILES[1], max(1, kv_len))
     return EAGER_TILES
 
 

@@ -275,10 +275,12 @@ def query_offset(plan: AttentionPlan, terms: ScoreTerms) -> Any:
 def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str:
     """``"skip"``, ``"partial"`` or ``"full"``: what the band shows of a block (:class:`Band`).
 
-    With sequence lengths the alignment depends on array values, so every block is
-    "partial".
+    With sequence lengths the alignment depends on array values, and a block of a
+    traced loop has traced starts: every such block is "partial".
     """
-    return plan.band.visibility(q_range, k_range, None if plan.has_lengths else plan.offset)
+    offset = plan.offset
+    static = not plan.has_lengths and isinstance(offset, int)
+    return plan.band.visibility(q_range, k_range, offset if static else None)
 
 
 def hidden_by_value(bias: Any | None, terms: ScoreTerms) -> bool:

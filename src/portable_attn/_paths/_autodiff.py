@@ -27,6 +27,7 @@ from .._lib._compat import autodiff_family, stop_gradient
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._tiled import tiled_backward, tiled_forward
+from ._loop import loop_attention
 
 __all__ = ["tiled_attention"]
 
@@ -39,6 +40,8 @@ def tiled_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
     differentiates (torch autograd, ``jax.grad``) and no ``score_mod`` is given.
     """
     lib = autodiff_family(call.query)
+    if path.loop:  # JAX: a traced loop, with a backward that loops too
+        return loop_attention(call, path)
     if call.terms.score_mod is None and lib == "torch":
         import torch
 

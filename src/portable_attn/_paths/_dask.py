@@ -120,9 +120,9 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
     once = [i for i, n in enumerate(names) if field(n).once_per_row is not None]
     kernel = _Kernel(dataclasses.replace(skeleton, xp=None), names, path.inner, with_lse)
     deps = [x for x, _ in aligned.values()]
-    name = "attention-" + tokenize(
-        plan, call.terms.score_mod, path, with_lse, [x.name for x in deps], grid
-    )
+    # the kernel holds every static fact of the call (its plan and terms: dropout
+    # factor, score_mod, ...), so calls that differ only there get different names
+    name = "attention-" + tokenize(kernel, [x.name for x in deps], grid)
     pair_name, merge_name, both_name = f"{name}-pair", f"{name}-merge", f"{name}-both"
     lse_name = f"{name}-lse"
     lse_dsk: dict[Any, Any] = {}

@@ -67,8 +67,10 @@ def place_block(
         Prepared from one part: queries (B..., Hq, Lq_part, Dk), keys and values
         (B..., Hkv, Lk_part, D), mask/bias/dropout mask cut to the part. Its
         `q_lengths`/`kv_lengths` (if any) are those of the whole sequences.
-    q_start, kv_start : int
+    q_start, kv_start : int (or integer arrays of shape () with lengths)
         Position of the part's first query and first key in the whole sequence.
+        Traced starts (a block of a traced loop) need lengths in the call: its
+        alignment then comes from values, never from static block visibility.
     q_total, kv_total : int
         Number of queries and keys of the whole sequence.
 
@@ -89,7 +91,7 @@ def place_block(
         q_lengths = None if q_lengths is None else q_lengths - q_start
         kv_lengths = None if kv_lengths is None else kv_lengths - kv_start
     mod = terms.score_mod
-    if mod is not None and (q_start or kv_start):
+    if mod is not None and not (_is_zero(q_start) and _is_zero(kv_start)):
         inner = mod
 
         def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
@@ -101,6 +103,10 @@ def place_block(
         terms, q_lengths=q_lengths, kv_lengths=kv_lengths, score_mod=mod
     )
     return dataclasses.replace(call, plan=new_plan, terms=new_terms)
+
+
+def _is_zero(x: int | Array) -> bool:
+    return isinstance(x, int) and x == 0
 
 
 def partial_attention(
