@@ -6,7 +6,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from .._causal import causal_mask
+from ..masks import causal_mask
 
 __all__ = ["require", "top_left_causal"]
 

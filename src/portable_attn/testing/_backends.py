@@ -239,7 +239,12 @@ def _host(family: str, x: Any) -> np.ndarray:
     if family == "dask":
         return np.asarray(x.compute())
     if family == "array_api_strict":
-        return np.from_dlpack(x)
+        try:
+            return np.from_dlpack(x)
+        except BufferError:  # NumPy < 2 exports no read-only array (a broadcast view)
+            import array_api_strict
+
+            return np.from_dlpack(array_api_strict.asarray(x, copy=True))
     return np.asarray(x)
 
 
