@@ -8,7 +8,14 @@ in one process (``_timing.interleaved_seconds``; medians over rounds):
 - ``torch_flash`` / ``torch_cudnn``: ``torch.nn.functional.scaled_dot_product_attention``
   restricted to the FlashAttention or the cuDNN kernel (``torch.nn.attention.sdpa_kernel``);
 - ``jax_portable``: ours under ``jax.jit`` on the JAX GPU device;
-- ``jax_cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``.
+- ``jax_cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
+- issue 25's half-precision forms: ``torch_default`` (the default call),
+  ``torch_native_own_dtype`` / ``torch_native_float32`` (SDPA given half Q, K, V as
+  they are, or float32 copies: the policy's ``NATIVE_HALF_ROUTES``) with the aten SDPA
+  kernel each runs (``torch_kernels_selected``: flash, efficient, cuDNN or math, by
+  the profiler), and up to L = 4096 ``jax_dense_flash_form`` / ``jax_dense_float32``
+  (the dense path in FlashAttention's form or on float32 copies:
+  ``PORTABLE_HALF_FLASH``).
 
 An implementation that cannot run (a kernel the GPU or the build lacks) is
 recorded with its error and left out of the timing. Each case also records the
@@ -42,6 +49,9 @@ import report
 from _timing import interleaved_seconds
 
 from portable_attn import scaled_dot_product_attention as sdpa
+from portable_attn._lib._call import prepare
+from portable_attn._lib._path import Dense, Native
+from portable_attn._paths import run as run_path
 from portable_attn.testing import make_backend
 
 RESULTS = Path(__file__).parent / "results"
@@ -115,14 +125,25 @@ def _time_case(
     def ours(q: Any, k: Any, v: Any) -> Any:
         return sdpa(q, k, v, is_causal=causal, block_size="auto", implementation="portable")
 
+    def on_path(path: Any, q: Any, k: Any, v: Any) -> Any:  # issue 25's half forms
+        call = prepare(q, k, v, is_causal=causal)
+        return call.finish(run_path(call, path)[0])
+
     ours_j = jax.jit(ours)
     theirs_j = jax.jit(lambda q, k, v: jax_fn(q, k, v, causal))
     candidates = {
         "torch_portable": (tb, lambda: ours(q, k, v)),
+        "torch_default": (tb, lambda: sdpa(q, k, v, is_causal=causal)),
+        "torch_native_own_dtype": (tb, partial(on_path, Native(upcast=False), q, k, v)),
+        "torch_native_float32": (tb, partial(on_path, Native(upcast=True), q, k, v)),
         **{name: (tb, partial(fn, q, k, v, causal)) for name, fn in kernels.items()},
         "jax_portable": (jb, lambda: ours_j(qj, kj, vj)),
         jax_name: (jb, lambda: theirs_j(qj, kj, vj)),
     }
+    if case["L"] <= 4096:  # the dense path's two half forms (B x H x L x L float32 scores)
+        for name, flash in (("jax_dense_flash_form", True), ("jax_dense_float32", False)):
+            fn = jax.jit(partial(on_path, Dense(flash=flash)))
+            candidates[name] = (jb, partial(fn, qj, kj, vj))
     fns, outs, errors = {}, {}, {}
     for name, (backend, fn) in candidates.items():
         out, error = _first_call(fn, backend.sync)
@@ -138,9 +159,23 @@ def _time_case(
             row[f"{mine}_vs_{theirs}_max_abs_diff"] = float(
                 np.abs(outs[mine] - outs[theirs]).max()
             )
+    row["torch_kernels_selected"] = {
+        name: _sdpa_ops(candidates[name][1])
+        for name in ("torch_default", "torch_native_own_dtype", "torch_native_float32")
+        if name in fns
+    }
     if errors:
         row["errors"] = errors
     return row
+
+
+def _sdpa_ops(fn: Any) -> list[str]:
+    """The aten SDPA kernels `fn` runs (flash, efficient, cuDNN or math), by the profiler."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.key for e in prof.key_averages() if "scaled_dot_product" in e.key})
 
 
 def _synced(backend: Any, fn: Any) -> None:

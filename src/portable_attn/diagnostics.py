@@ -142,7 +142,7 @@ def _logits_and_allowed(
 ) -> tuple[Any, Any, Any, Any]:
     """Compute the logits exactly as the attention does, and the allowed mask."""
     v.check_keywords(caller, kwargs, ATTENTION_KEYWORDS)
-    call = prepare(query, key, None, **kwargs)
+    call = prepare(query, key, None, **kwargs).in_compute_dtype()
     xp, plan = call.xp, call.plan
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
     capped = logits_block(xp, scaled_query_rows(xp, call.query, plan), call.key, plan)

@@ -12,8 +12,12 @@ What :func:`prepare` does, in order: resolve the one namespace of all arrays,
 validate every argument (the checks and their messages are in
 :mod:`._validation`), decide the static facts (:class:`AttentionPlan`, cached by
 shapes, dtypes, device and scalar options), gather the score terms
-(:class:`ScoreTerms`), and bring Q, K, V and the bias to the compute dtype with
-an explicit head axis.
+(:class:`ScoreTerms`), and give Q, K, V and the bias an explicit head axis.
+
+Q, K, V and the bias keep their input dtype here: whether half-precision inputs
+are cast to the float32 compute dtype depends on the path
+(:func:`~._path.keeps_input_dtype`): a native kernel that accumulates in float32
+takes them as they are, the portable paths call :meth:`AttentionCall.in_compute_dtype`.
 """
 
 from __future__ import annotations
@@ -55,12 +59,13 @@ class AttentionCall:
     xp : namespace
         The array-API namespace of every array argument.
     query : array, shape (B..., Hq, Lq, Dk)
-        In the compute dtype, with an explicit head axis (a 2-D input gains one).
+        In its input dtype, with an explicit head axis (a 2-D input gains one);
+        :meth:`in_compute_dtype` casts Q, K, V and the bias to the compute dtype.
     key : array, shape (B..., Hkv, Lk, Dk)
     value : array, shape (B..., Hkv, Lk, Dv), or None
         None for :func:`portable_attn.attention_weights` and the diagnostics.
     bias : array broadcastable to (B..., Hq, Lq, Lk) with at least 2 dims, or None
-        In the compute dtype.
+        In its input dtype, like Q, K and V.
     plan : AttentionPlan
         The static facts: shapes, scale, softcap, causal/window, dtypes, device.
     terms : ScoreTerms
@@ -83,6 +88,20 @@ class AttentionCall:
         """No query, key or query head: the result is zeros, nothing is computed."""
         plan = self.plan
         return plan.q_len == 0 or plan.kv_len == 0 or plan.num_q_heads == 0
+
+    def in_compute_dtype(self) -> AttentionCall:
+        """Return this call with Q, K, V and bias in the compute dtype (itself if they are).
+
+        Half precision becomes float32 (a copy of each such array); float32 and
+        float64 inputs are returned as they are, so calling it twice costs nothing.
+        """
+        dt, xp = self.plan.compute_dtype, self.xp
+        changes = {
+            name: xp.astype(x, dt)
+            for name in ("query", "key", "value", "bias")
+            if (x := getattr(self, name)) is not None and x.dtype != dt
+        }
+        return dataclasses.replace(self, **changes) if changes else self
 
     def zeros(self, *shape: int) -> Array:
         """Zeros of ``(*batch, Hq, *shape)`` in the compute dtype, on the inputs' device."""
@@ -233,13 +252,13 @@ def prepare(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    dt = plan.compute_dtype
+    # Q, K, V and the bias keep their dtype: the path casts them where it needs to
     return AttentionCall(
         xp=xp,
-        query=_with_head_axis(xp, query, dt),
-        key=_with_head_axis(xp, key, dt),
-        value=None if value is None else _with_head_axis(xp, value, dt),
-        bias=None if bias is None else _at_least_2d(xp, xp.astype(bias, dt, copy=False)),
+        query=_with_head_axis(xp, query),
+        key=_with_head_axis(xp, key),
+        value=None if value is None else _with_head_axis(xp, value),
+        bias=None if bias is None else _at_least_2d(xp, bias),
         plan=plan,
         terms=terms,
         drop_head=query.ndim == key.ndim == 2 and (value is None or value.ndim == 2),
@@ -506,11 +525,9 @@ def _segments(
     }
 
 
-def _with_head_axis(xp: Any, x: Array, dtype: Any) -> Array:
-    """Give a 2-D input its head axis and cast it to the compute dtype (no copy if equal)."""
-    if x.ndim == 2:
-        x = xp.expand_dims(x, axis=0)  # (1, L, D)
-    return x if x.dtype == dtype else xp.astype(x, dtype)
+def _with_head_axis(xp: Any, x: Array) -> Array:
+    """Give a 2-D input its head axis (a view; the dtype is kept)."""
+    return xp.expand_dims(x, axis=0) if x.ndim == 2 else x  # (1, L, D)
 
 
 def _at_least_2d(xp: Any, x: Array) -> Array:

@@ -27,6 +27,7 @@ __all__ = [
     "chunk_sizes",
     "default_integer_dtype",
     "device",
+    "device_kind",
     "fused_native_kernel",
     "concrete_float",
     "has_concrete_values",
@@ -35,6 +36,7 @@ __all__ = [
     "is_array_api_obj",
     "is_traced",
     "library_name",
+    "matmul_float32",
     "multithreaded_elementwise",
     "namespace_or_numpy",
     "numpy_namespace",
@@ -187,6 +189,37 @@ def fused_native_kernel(x: Any) -> bool:
     implementation composes XLA operations (cuDNN only on request, on GPUs).
     """
     return library_name(x) == "torch"
+
+
+def device_kind(x: Any) -> str:
+    """``"cpu"``, ``"cuda"`` / ``"gpu"``, ... : the kind of device `x` lives on.
+
+    torch's ``device.type`` and JAX's ``platform``; ``"cpu"`` for host libraries
+    (NumPy, array-api-strict, Dask's NumPy chunks) and anything without one.
+    """
+    dev = device(x)
+    kind = getattr(dev, "type", None) or getattr(dev, "platform", None)
+    if kind is None and library_name(x) == "cupy":
+        return "cuda"
+    return kind if isinstance(kind, str) else "cpu"
+
+
+def matmul_float32(x: Any) -> Any:
+    """``matmul(a, b)`` of half-precision operands with float32 accumulation, or None.
+
+    JAX's ``preferred_element_type``: the products of two bfloat16/float16 arrays
+    are summed (and returned) in float32, without a float32 copy of either operand
+    (FlashAttention's form). None for libraries that offer no such matmul in the
+    standard's terms (their half ``@`` returns half precision).
+    """
+    if library_name(x) != "jax":
+        return None
+    import jax.numpy as jnp
+
+    def matmul(a: Any, b: Any) -> Any:
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+    return matmul
 
 
 def traces_python_loops(x: Any) -> bool:

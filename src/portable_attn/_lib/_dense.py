@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ._call import AttentionCall
-from ._compat import stop_gradient
+from ._compat import matmul_float32, stop_gradient
 from ._scores import (
     AttentionPlan,
     ScoreTerms,
@@ -41,10 +41,18 @@ def _exp_logits(
     plan: AttentionPlan,
     *,
     row_sum: bool = True,
+    matmul: Any = None,
 ) -> _Exp:
-    """Unnormalised weights, their row sums (None unless `row_sum`), shift, emptiness."""
+    """Unnormalised weights, their row sums (None unless `row_sum`), shift, emptiness.
+
+    `matmul`: FlashAttention's form, half `q`, `k` with float32 products.
+    """
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
-    capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
+    if matmul is None:
+        capped = logits_block(xp, scaled_query_rows(xp, q, plan), k, plan)  # (..., Hq, Lq, Lk)
+    else:
+        q_rows = heads_to_rows(xp, q, plan.num_kv_heads)
+        capped = logits_block(xp, q_rows, k, plan, matmul=matmul)  # float32
     scores = scores_block(xp, capped, bias, terms, plan, whole_q, whole_k)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
     may_be_empty = rows_may_be_empty(bias, terms, plan)
@@ -72,7 +80,9 @@ def _dropout(xp: Any, weights: Any, terms: ScoreTerms) -> Any:
     return xp.where(terms.dropout_keep, weights, 0.0)
 
 
-def dense_attention(call: AttentionCall, *, fold: bool = False, with_lse: bool = False) -> Any:
+def dense_attention(
+    call: AttentionCall, *, fold: bool = False, flash: bool = False, with_lse: bool = False
+) -> Any:
     """Attention output, shape (*batch, Hq, Lq, Dv), in the compute dtype.
 
     The normalisation is applied after the second matmul: dividing the
@@ -81,13 +91,28 @@ def dense_attention(call: AttentionCall, *, fold: bool = False, with_lse: bool =
     matmul, with a column of ones appended to V (``[P V | P 1]``), instead of
     another pass over the ``(Lq, Lk)`` weights. `with_lse` also returns the
     row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for rows with no visible key.
+
+    With `flash` (half-precision Q, K, V, decided by the policy), FlashAttention's
+    form: ``Q Kᵀ`` and ``P V`` take half operands and accumulate in float32
+    (:func:`~._compat.matmul_float32`), the scores, softmax and row sums are
+    float32, and only the probabilities are rounded to the input dtype for ``P V``.
+    Without it, half inputs are cast to float32 first.
     """
+    matmul = matmul_float32(call.query) if flash else None
+    if matmul is None:
+        call = call.in_compute_dtype()
+    fold = fold and matmul is None  # the flash form sums P itself, in float32
     xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
     terms, plan = call.terms, call.plan
-    e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold)
+    if bias is not None and bias.dtype != plan.compute_dtype:
+        bias = xp.astype(bias, plan.compute_dtype)
+    e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold, matmul=matmul)
     row_sum = e.row_sum
     exp_logits = heads_to_rows(xp, _dropout(xp, e.weights, terms), plan.num_kv_heads)
-    if fold:
+    if matmul is not None:  # P rounded to the input dtype, P V summed in float32
+        out = matmul(xp.astype(exp_logits, v.dtype), v)  # (..., Hkv, G*Lq, Dv)
+        out = rows_to_heads(xp, out, plan.num_q_heads) * terms.dropout_scale
+    elif fold:
         out = exp_logits @ with_ones_column(xp, v, plan)  # (..., Hkv, G*Lq, Dv+1)
         out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv+1)
         out, row_sum = out[..., : plan.value_dim], out[..., plan.value_dim :]
@@ -106,6 +131,7 @@ def dense_attention(call: AttentionCall, *, fold: bool = False, with_lse: bool =
 
 def dense_weights(call: AttentionCall) -> Any:
     """Attention weights, shape (*batch, Hq, Lq, Lk), in the compute dtype."""
+    call = call.in_compute_dtype()
     xp, terms = call.xp, call.terms
     e = _exp_logits(xp, call.query, call.key, call.bias, terms, call.plan)
     weights = _normalise(xp, e.weights, e.row_sum, e.may_be_empty)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Blocks", "DaskGrid", "Dense", "Empty", "Native", "Path", "Tiled"]
+__all__ = ["Blocks", "DaskGrid", "Dense", "Empty", "Native", "Path", "Tiled", "keeps_input_dtype"]
 
 #: A block size, or the sizes of consecutive blocks (a Dask array's chunks).
 Blocks = int | tuple[int, ...]
@@ -27,9 +27,15 @@ class Dense:
     """One block: the (Lq, Lk) scores built once (``_lib/_dense.py``).
 
     `fold`: the row sums of the weights come from ``P @ [V | 1]``, not another pass.
+    `flash`: half-precision Q, K, V stay in their dtype, FlashAttention's form: both
+    products take half operands and accumulate in float32
+    (:func:`~._compat.matmul_float32`), the softmax and its statistics are float32,
+    the probabilities are cast back to the input dtype for ``P @ V``. Otherwise
+    (the default) Q, K and V are cast to float32 first.
     """
 
     fold: bool = False
+    flash: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,14 @@ class Tiled:
 
 @dataclass(frozen=True)
 class Native:
-    """The framework's fused kernel with our masks and empty-row contract (``_native.py``)."""
+    """The framework's fused kernel with our masks and empty-row contract (``_native.py``).
+
+    `upcast`: half-precision Q, K, V (and bias) reach the kernel cast to float32;
+    False: in their own dtype, for a kernel that accumulates in float32 itself
+    (the policy's :data:`~._policy.NATIVE_HALF_ROUTES` says which).
+    """
+
+    upcast: bool = True
 
 
 @dataclass(frozen=True)
@@ -72,3 +85,13 @@ class DaskGrid:
 
 #: The path of one call: exactly one of these.
 Path = Empty | Dense | Tiled | Native | DaskGrid
+
+
+def keeps_input_dtype(path: Path) -> bool:
+    """Whether `path` takes half-precision Q, K, V in their own dtype (no float32 copy)."""
+    match path:
+        case Native(upcast=upcast):
+            return not upcast
+        case Dense(flash=flash):
+            return flash
+    return False

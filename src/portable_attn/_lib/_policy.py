@@ -60,6 +60,13 @@ How the path is chosen (`block_size`, `implementation`):
      program and its live buffers stay O(1) in the number of blocks, which an
      unrolled Python loop is not (under ``jax.jit`` it kept 5 GiB alive at
      L = 16384, and 11 GiB for ``jit(grad)``: issue 21's table).
+  7. Half precision (float16, bfloat16) accumulates in float32 on every path, but
+     only the paths that need it get float32 copies of Q, K and V: a native kernel
+     that accumulates in float32 itself takes them in their dtype where
+     :data:`NATIVE_HALF_ROUTES` measured that faster (:func:`native_upcasts`), and
+     the dense path takes FlashAttention's form where the library has a
+     float32-accumulating half matmul and :data:`PORTABLE_HALF_FLASH` measured it
+     faster (:func:`dense_flash_form`). Everything else casts to float32 first.
 
 The thresholds below are the only copies; each cites the measurement behind it.
 """
@@ -74,9 +81,11 @@ from ._call import AttentionCall
 from ._compat import (
     builds_task_graphs,
     chunk_sizes,
+    device_kind,
     fused_native_kernel,
     has_native_kernel,
     library_name,
+    matmul_float32,
     multithreaded_elementwise,
     native_kernel_needs_equal_dims,
     parallel_query_blocks,
@@ -95,8 +104,12 @@ __all__ = [
     "SKIP_FRACTION_FOR_TILED",
     "THREADS_MIN_SCORE_BYTES",
     "LOOP_TILES",
+    "NATIVE_HALF_ROUTES",
+    "PORTABLE_HALF_FLASH",
     "choose_path",
     "default_tiles",
+    "dense_flash_form",
+    "native_upcasts",
     "fold_row_sums",
     "skipped_fraction",
     "unsupported_reason",
@@ -142,6 +155,45 @@ DASK_MERGE_FAN_IN = 4
 #: larger blocks win while one (H, 1024, 1024) float32 block (32 MiB for H = 8)
 #: stays small beside O(L) inputs (benchmarks/results/loop.json).
 LOOP_TILES = (1024, 1024)
+#: Half-precision inputs of a native kernel: ``(library, device kind, dtype)`` -> whether
+#: they reach the kernel in their own dtype (True) or as float32 copies (False); a
+#: route not listed upcasts. Each kernel below accumulates Q Kᵀ and P V in float32
+#: and runs its softmax in float32, so both routes keep the contract; the table keeps
+#: the faster. Measured in benchmarks/results/half-torch.json and half-jax.json
+#: (benchmarks/half.py: B=1, H=8, D=64, L = 1024-4096, each length in a fresh process,
+#: interleaved medians, max error against float64 beside SDPA's own):
+#:
+#: - torch CPU bfloat16: SDPA's CPU flash kernel takes bfloat16 with float32
+#:   accumulators (``accum_t = opmath_type``); the float32 copies cost 7-21% at
+#:   L = 1024-2048 and 31 MiB of peak memory at L = 4096 (issue 25, e325749), for the
+#:   same error. Own dtype.
+#: - torch CPU float16: SDPA in float16 is slow on this CPU (no fast float16 GEMM):
+#:   the float32 route ran at 0.65-0.77x of SDPA in float16. Upcast.
+#: - torch CUDA bfloat16 / float16: the flash, memory-efficient and cuDNN kernels
+#:   take half precision only (float32 falls back to the math kernel) and accumulate
+#:   in float32. Own dtype; not yet timed here: benchmarks/gpu.sh measures both routes
+#:   and the kernel torch selects.
+#: - JAX (``implementation="native"`` only; the default is the portable path):
+#:   ``jax.nn.dot_product_attention``'s XLA form takes the products with
+#:   ``preferred_element_type=float32`` and a float32 softmax. Own dtype.
+NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
+    ("torch", "cpu", "bfloat16"): True,
+    ("torch", "cpu", "float16"): False,
+    ("torch", "cuda", "bfloat16"): True,
+    ("torch", "cuda", "float16"): True,
+    ("jax", "cpu", "bfloat16"): True,
+    ("jax", "cpu", "float16"): True,
+    ("jax", "gpu", "bfloat16"): True,
+    ("jax", "gpu", "float16"): True,
+}
+#: The dense path's half-precision form per ``(library, device kind)``: True is
+#: FlashAttention's form (half products accumulated in float32, float32 softmax,
+#: probabilities cast back for ``P @ V``: :class:`~._path.Dense` `flash`), False (and
+#: unlisted) casts Q, K and V to float32 first. JAX CPU bfloat16 under ``jit``, L = 1024
+#: (dense): FlashAttention's form is faster than the upcast with an error within the
+#: contract's bound (benchmarks/results/half-jax.json). GPUs: not yet measured
+#: (benchmarks/gpu.sh times both forms), so today's upcast stays.
+PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True}
 
 
 def choose_path(
@@ -166,20 +218,20 @@ def choose_path(
     if call.is_empty:
         return Empty()
     if implementation == "native":
-        return Native()
+        return Native(native_upcasts(call))
     if builds_task_graphs(call.query):
         return _dask_path(call, sizes)
     fold = fold_row_sums(call)
     if sizes == "dense":
-        return Dense(fold)
+        return Dense(fold, dense_flash_form(call))
     loop = traces_python_loops(call.query)  # rule 6: JAX runs the blocks as a traced loop
     if isinstance(sizes, tuple):
         return Tiled(*sizes, fold=fold, loop=loop)
     if implementation is None and _prefer_native(call, return_lse):
-        return Native()
+        return Native(native_upcasts(call))
     tiles = _auto_tiles(call)
     if tiles is None:
-        return Dense(fold)
+        return Dense(fold, dense_flash_form(call))
     return Tiled(*tiles, fold=fold, workers=_workers(call), loop=loop)
 
 
@@ -238,6 +290,45 @@ def fold_row_sums(call: AttentionCall, q_len: int | None = None) -> bool:
         and not traces_python_loops(call.query)
         and rows > plan.value_dim
     )
+
+
+def _half_input_dtype(call: AttentionCall) -> str | None:
+    """``"float16"`` / ``"bfloat16"`` when Q, K, V (and a bias) all have that dtype, else None.
+
+    Mixed dtypes, a float32 bias beside half Q (the kernel would round it to half
+    precision) and a learned `scale` (a float32 array) keep the float32 route.
+    """
+    xp, plan = call.xp, call.plan
+    dt = plan.result_dtype
+    if dt == plan.compute_dtype or v.array_or_none(plan.scale) is not None:
+        return None  # float32 / float64, or a learned temperature
+    arrays = (call.query, call.key, call.value, call.bias)
+    if any(x is not None and x.dtype != dt for x in arrays):
+        return None
+    for name in ("bfloat16", "float16"):
+        if getattr(xp, name, None) is not None and dt == getattr(xp, name):
+            return name
+    return None
+
+
+def native_upcasts(call: AttentionCall) -> bool:
+    """Rule 6: whether the native kernel gets float32 copies of half Q, K, V.
+
+    True unless :data:`NATIVE_HALF_ROUTES` routes the library, device kind and dtype
+    to the kernel in the input dtype (and there is no float32 copy to avoid).
+    """
+    half = _half_input_dtype(call)
+    if half is None:
+        return True
+    route = (library_name(call.query), device_kind(call.query), half)
+    return not NATIVE_HALF_ROUTES.get(route, False)
+
+
+def dense_flash_form(call: AttentionCall) -> bool:
+    """Rule 6: whether the dense path computes half inputs in FlashAttention's form."""
+    if _half_input_dtype(call) is None or matmul_float32(call.query) is None:
+        return False
+    return PORTABLE_HALF_FLASH.get((library_name(call.query), device_kind(call.query)), False)
 
 
 def _workers(call: AttentionCall) -> int:

@@ -157,20 +157,29 @@ def with_ones_column(xp: Any, v: Any, plan: AttentionPlan) -> Any:
     return xp.concat([v, ones], axis=-1)
 
 
-def logits_block(xp: Any, q_rows: Any, k: Any, plan: AttentionPlan) -> Any:
+def logits_block(xp: Any, q_rows: Any, k: Any, plan: AttentionPlan, *, matmul: Any = None) -> Any:
     """``softcap(scale · Q Kᵀ)`` for a block: (..., Hkv, G*bq, Dk) x (..., Hkv, bk, Dk).
+
+    `matmul`: a half-precision matmul accumulating in float32
+    (:func:`~._compat.matmul_float32`); `q_rows` are then the unscaled half rows and
+    the scale is applied to the float32 product (FlashAttention's form).
 
     Returns
     -------
     array, shape (..., Hq, bq, bk)
         Soft-capped logits, before the bias.
     """
-    return capped_logits(xp, raw_logits_block(xp, q_rows, k, plan), plan)
+    return capped_logits(xp, raw_logits_block(xp, q_rows, k, plan, matmul=matmul), plan)
 
 
-def raw_logits_block(xp: Any, q_rows: Any, k: Any, plan: AttentionPlan) -> Any:
+def raw_logits_block(
+    xp: Any, q_rows: Any, k: Any, plan: AttentionPlan, *, matmul: Any = None
+) -> Any:
     """``scale · Q Kᵀ`` for a block, (..., Hq, bq, bk), before the softcap."""
-    logits = q_rows @ xp.matrix_transpose(k)  # (..., Hkv, G*bq, bk)
+    if matmul is None:
+        logits = q_rows @ xp.matrix_transpose(k)  # (..., Hkv, G*bq, bk)
+    else:  # half operands, float32 sums; scaled in float32 (not a rounded scale · Q)
+        logits = matmul(q_rows, xp.matrix_transpose(k)) * plan.scale
     return rows_to_heads(xp, logits, plan.num_q_heads)  # (..., Hq, bq, bk)
 
 

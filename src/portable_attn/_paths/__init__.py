@@ -19,7 +19,7 @@ from typing import Any
 
 from .._lib._call import AttentionCall
 from .._lib._dense import dense_attention
-from .._lib._path import DaskGrid, Dense, Empty, Native, Path, Tiled
+from .._lib._path import DaskGrid, Dense, Empty, Native, Path, Tiled, keeps_input_dtype
 from ._autodiff import tiled_attention
 from ._dask import dask_attention
 from ._native import native_attention
@@ -29,23 +29,32 @@ __all__ = ["run"]
 
 
 def run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any, Any]:
-    """Compute `call` on `path`: ``(out, lse)``, both in the compute dtype, head axis kept.
+    """Compute `call` on `path`: ``(out, lse)``, head axis kept.
+
+    Both are in the compute dtype, except `out` of a path that keeps half-precision
+    inputs in their dtype (a native kernel's result is then in that dtype).
 
     `out` is (..., Hq, Lq, Dv). `lse` is the row log-sum-exp (..., Hq, Lq, 1) with
     `with_lse` (``-inf`` for a row with no visible key and no sink), else None.
+
+    Half-precision Q, K, V and bias are cast to the compute dtype here, before the
+    path (and outside its autodiff function, so gradients reach the inputs in their
+    dtype), unless the path takes them as they are (:func:`keeps_input_dtype`).
     """
+    if not keeps_input_dtype(path):
+        call = call.in_compute_dtype()
     match path:
         case Empty():
             out, lse = call.empty_result()
-        case Dense(fold=fold):
-            result = dense_attention(call, fold=fold, with_lse=with_lse)
+        case Dense(fold=fold, flash=flash):
+            result = dense_attention(call, fold=fold, flash=flash, with_lse=with_lse)
             out, lse = result if with_lse else (result, None)
         case Tiled(workers=1):
             out, lse = tiled_attention(call, path)
         case Tiled():
             out, lse = threaded_attention(call, path)
         case Native():
-            out, lse = native_attention(call), None
+            out, lse = native_attention(call), None  # in the input dtype when kept
         case DaskGrid():
             result = dask_attention(call, path, with_lse=with_lse)
             out, lse = result if with_lse else (result, None)

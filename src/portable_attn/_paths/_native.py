@@ -78,7 +78,11 @@ def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any |
 
 
 def native_attention(call: AttentionCall) -> Any:
-    """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the compute dtype.
+    """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the dtype of `call`'s Q.
+
+    That is the compute dtype, or the half-precision input dtype itself on a
+    :class:`~portable_attn._lib._path.Native` path that keeps it (the kernel then
+    accumulates in float32 itself; the policy's ``NATIVE_HALF_ROUTES`` says where).
 
     The kernels return no log-sum-exp (the policy never routes ``return_lse`` here).
 

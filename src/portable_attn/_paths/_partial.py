@@ -148,6 +148,7 @@ def partial_attention(
         Row log-sum-exp of this part's scores, ``-inf`` for rows with no visible
         key in it (the sink logit with sinks).
     """
+    call = call.in_compute_dtype()  # the tiled kernel computes in float32 (or float64)
     if q_start is None:
         call = shift_keys(call, kv_start, kv_total)
     else:

@@ -1,0 +1,189 @@
+"""Half precision (float16, bfloat16): accumulated in float32, without needless float32 copies.
+
+The contract: a half-precision result is within :func:`half_precision_bound` of the
+float64 oracle on the same (representable) inputs, on every route. Which route a call
+takes is the policy's (``NATIVE_HALF_ROUTES``, ``PORTABLE_HALF_FLASH``): a native kernel
+that accumulates in float32 itself receives Q, K, V in their own dtype where that was
+measured faster, and the dense path of JAX takes FlashAttention's form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import half_precision_bound, qkv, randn, representable
+from portable_attn import scaled_dot_product_attention
+from portable_attn.testing import reference_attention
+
+_KV_LENGTHS = np.array([48, 29])[:, None, None, None]
+CASES = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "padding": {"mask": np.arange(48)[None, None, None, :] < _KV_LENGTHS},
+    "bias": {"bias": randn(4, 32, 48, seed=7)},
+}
+
+
+def _half_problem(backend, dtype, name, **shape):
+    """Q, K, V (and the case's mask/bias) rounded to `dtype`, as NumPy and backend arrays."""
+    q, k, v = qkv(lq=32, lk=48, dk=32, dv=32, **shape)
+    host = {n: representable(backend, a, dtype) for n, a in zip("qkv", (q, k, v), strict=True)}
+    kw = dict(CASES[name])
+    args = dict(kw)
+    if "bias" in kw:  # a bias in the inputs' dtype: the own-dtype route takes it
+        kw["bias"] = representable(backend, kw["bias"], dtype)
+        args["bias"] = backend.asarray(kw["bias"], dtype)
+    if "mask" in kw:
+        args["mask"] = backend.asarray(kw["mask"])
+    arrays = [backend.asarray(host[n], dtype) for n in "qkv"]
+    return host, kw, arrays, args
+
+
+@pytest.mark.dtypes("float16", "bfloat16")
+class TestDefaultRouteWithinBound:
+    @pytest.mark.parametrize("name", list(CASES))
+    @pytest.mark.parametrize("block_size", [None, "dense"])
+    def test_error_against_float64(self, backend, dtype, name, block_size):
+        host, kw, (q, k, v), args = _half_problem(backend, dtype, name)
+        expected = reference_attention(host["q"], host["k"], host["v"], **kw)
+        out = scaled_dot_product_attention(q, k, v, block_size=block_size, **args)
+        assert out.dtype == backend.dtype(dtype)
+        err = float(np.abs(backend.to_numpy(out) - expected).max())
+        bound = half_precision_bound(backend, expected, dtype)
+        assert err <= bound, (err, bound)
+
+    def test_float16_logits_beyond_float16_range_on_every_route(self, backend, dtype):
+        # |q.k| = 64 * 40 * 40 = 102400 > float16 max: the products are summed in float32
+        q = np.full((1, 2, 64), 40.0)
+        k = np.stack([np.full(64, 40.0), np.full(64, -40.0)])[None]
+        v = np.array([[[1.0], [2.0]]])
+        for block_size in (None, "dense"):
+            qb, kb, vb = (backend.asarray(a, dtype) for a in (q, k, v))
+            out = scaled_dot_product_attention(qb, kb, vb, scale=1.0, block_size=block_size)
+            np.testing.assert_allclose(backend.to_numpy(out), [[[1.0], [1.0]]])
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.dtypes("float16", "bfloat16")
+class TestTorchKernelDtype:
+    """What SDPA is given: the input dtype where it accumulates in float32 and is faster."""
+
+    @staticmethod
+    def _record(monkeypatch):
+        import torch.nn.functional as F
+
+        seen = []
+        original = F.scaled_dot_product_attention
+
+        def recording(q, k, v, attn_mask=None, **kw):
+            mask_dtype = None if attn_mask is None else attn_mask.dtype
+            seen.append((q.dtype, k.dtype, v.dtype, mask_dtype))
+            return original(q, k, v, attn_mask=attn_mask, **kw)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+        return seen
+
+    @staticmethod
+    def _expected(backend, dtype):
+        # CPU float16: SDPA in float16 is slower than its float32 route (benchmarks/half.py)
+        if dtype == "float16" and backend.device_name == "cpu":
+            return backend.dtype("float32")
+        return backend.dtype(dtype)
+
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_default_call_reaches_sdpa_in_its_dtype(self, backend, dtype, name, monkeypatch):
+        seen = self._record(monkeypatch)
+        _, _, (q, k, v), args = _half_problem(backend, dtype, name)
+        out = scaled_dot_product_attention(q, k, v, **args)
+        assert out.dtype == backend.dtype(dtype)
+        assert len(seen) == 1, seen
+        want = self._expected(backend, dtype)
+        q_dt, k_dt, v_dt, mask_dt = seen[0]
+        assert (q_dt, k_dt, v_dt) == (want, want, want), seen
+        if name == "bias":
+            assert mask_dt == want  # the bias is the float mask, in the kernel's dtype
+
+    def test_float32_bias_keeps_the_float32_route(self, backend, dtype, monkeypatch):
+        # SDPA would round a float32 bias to the inputs' dtype: the float32 route keeps it
+        seen = self._record(monkeypatch)
+        _, _, (q, k, v), _ = _half_problem(backend, dtype, "plain")
+        bias = backend.asarray(randn(4, 32, 48, seed=7), "float32")
+        scaled_dot_product_attention(q, k, v, bias=bias)
+        assert seen[0][:3] == (backend.dtype("float32"),) * 3
+
+    def test_inputs_unchanged(self, backend, dtype):
+        _, _, (q, k, v), _ = _half_problem(backend, dtype, "causal")
+        before = [x.clone() for x in (q, k, v)]
+        scaled_dot_product_attention(q, k, v, is_causal=True)
+        for x, y in zip((q, k, v), before, strict=True):
+            assert x.dtype == y.dtype
+            assert bool((x == y).all())
+
+
+@pytest.mark.backends("jax")
+@pytest.mark.dtypes("float16", "bfloat16")
+class TestJaxForms:
+    def test_native_kernel_gets_the_input_dtype(self, backend, dtype, monkeypatch):
+        import jax
+
+        seen = []
+        original = jax.nn.dot_product_attention
+
+        def recording(q, k, v, **kw):
+            seen.append((q.dtype, k.dtype, v.dtype))
+            return original(q, k, v, **kw)
+
+        monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+        _, _, (q, k, v), _ = _half_problem(backend, dtype, "causal")
+        scaled_dot_product_attention(q, k, v, is_causal=True, implementation="native")
+        assert seen == [(backend.dtype(dtype),) * 3]
+
+    def test_dense_path_takes_half_products(self, backend, dtype, monkeypatch):
+        # FlashAttention's form: the matmuls see the half inputs, accumulate in float32
+        import jax.numpy as jnp
+
+        seen = []
+        original = jnp.matmul
+
+        def recording(a, b, **kw):
+            seen.append((a.dtype, b.dtype, kw.get("preferred_element_type")))
+            return original(a, b, **kw)
+
+        monkeypatch.setattr(jnp, "matmul", recording)
+        _, _, (q, k, v), _ = _half_problem(backend, dtype, "plain")
+        scaled_dot_product_attention(q, k, v, block_size="dense")
+        half, f32 = backend.dtype(dtype), jnp.float32
+        assert seen == [(half, half, f32), (half, half, f32)], seen
+
+
+@pytest.mark.autodiff
+@pytest.mark.dtypes("float16", "bfloat16")
+class TestGradients:
+    @pytest.mark.parametrize("name", ["plain", "causal", "bias"])
+    def test_gradients_match_float64(self, backend, xp, dtype, name):
+        host, _, (q, k, v), args = _half_problem(backend, dtype, name)
+        w = randn(2, 4, 32, 32, seed=11)
+        bias = args.pop("bias", None)
+
+        def loss_with(weights):
+            def loss(q, k, v, *b):
+                out = scaled_dot_product_attention(q, k, v, bias=b[0] if b else None, **args)
+                return xp.sum(xp.astype(out, weights.dtype) * weights)
+
+            return loss
+
+        inputs = (q, k, v) + ((bias,) if bias is not None else ())
+        grads = backend.grad(loss_with(backend.asarray(w, "float32")), *inputs)
+        exact = [backend.asarray(host[n]) for n in "qkv"]
+        if bias is not None:
+            exact.append(backend.asarray(backend.to_numpy(bias).astype(np.float64)))
+        expected = backend.grad(loss_with(backend.asarray(w)), *exact)
+        for g, e in zip(grads, expected, strict=True):
+            assert g.dtype == backend.dtype(dtype)
+            e = backend.to_numpy(e)
+            err = float(np.abs(backend.to_numpy(g) - e).max())
+            # the backward rounds dO, dP and dS to `dtype` on the way, as the fused kernels
+            # do: four times the forward's bound (measured up to 1.8x of one bound)
+            bound = 4 * half_precision_bound(backend, e, dtype)
+            assert err <= bound, (err, bound)
