@@ -1,8 +1,9 @@
 """Long context under ``jax.jit``: the traced loop against the unrolled loop and ``jax.nn``.
 
 Each case runs in a fresh process (``--case``), so its peak RSS is its own:
-B=1, H=8, D=64, float32, causal unless said, the default call under ``jax.jit``
-(the traced loop, ``_paths/_loop.py``), the tiled path unrolled as before
+B=1, H=8, D=64, float32, causal unless said, under ``jax.jit``: the traced loop
+(``_paths/_loop.py``, forced at every length), the default call (the loop from
+``LOOP_MIN_SCORE_BYTES``, unrolled below), the tiled path unrolled as before
 (a Python loop in blocks of ``max(256, 128 * ceil(L / 2048))``, at most 16 per
 axis, the old ``default_tiles``) and ``jax.nn.dot_product_attention`` given the
 same causal mask (Lq == Lk: its ``is_causal`` agrees with ours). Per case:
@@ -36,9 +37,11 @@ FULL = {  # impl -> {mode: lengths}
     "unrolled": {"forward": [2048, 4096, 8192, 16384], "grad": [2048, 4096, 8192]},
     "jax.nn": {"forward": [1024, 2048, 4096, 8192], "grad": [2048, 4096]},
 }
-EXTRA = [  # (impl, mode, L, causal): the skipping ratio and the default call at L = 1024
+EXTRA = [  # (impl, mode, L, causal): the skipping ratio and the default call
     ("loop", "forward", 8192, False),
-    ("loop", "forward", 1024, True),
+    ("default", "forward", 1024, True),
+    ("default", "forward", 4096, True),
+    ("default", "grad", 4096, True),
 ]
 QUICK = {
     "loop": {"forward": [2048, 4096], "grad": [2048]},
@@ -86,7 +89,9 @@ def run_case(impl: str, mode: str, length: int, causal: bool) -> dict:
                 return jnp.swapaxes(x, 1, 2)
 
             return t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=causal))
-    else:
+    else:  # "loop": the traced loop at every length; "default": the default call
+        if impl == "loop":
+            policy.LOOP_MIN_SCORE_BYTES = 0
 
         def attend(q, k, v):
             return scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -132,6 +137,7 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import report
 
+    git = report.git_state()  # the commit the cases run at, recorded before they run
     table = QUICK if args.quick else FULL
     cases = [(i, m, n, True) for i, modes in table.items() for m, ls in modes.items() for n in ls]
     if not args.quick:
@@ -155,7 +161,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     out = {
         "benchmark": "loop",
-        "git": report.git_state(),
+        "git": git,
         "loadavg": Path("/proc/loadavg").read_text().split()[:3]
         if os.path.exists("/proc/loadavg")
         else None,

@@ -1,8 +1,7 @@
 """JAX's tiled path as a traced loop (``_paths/_loop.py``): exact, skipping, O(1) in blocks.
 
-The rest of the JAX session runs every feature through the loop already (an int or
-pair ``block_size`` is the loop on JAX); here: the loop against the Python loop
-that every other library runs, the visited key blocks against the band, the
+Here: the loop against the Python loop that every other library runs (every
+feature, values, lse and gradients), the visited key blocks against the band, the
 size of the program and of its buffers against the number of blocks.
 """
 
@@ -120,6 +119,15 @@ def test_lengths_narrow_the_visited_key_blocks():
     assert [tuple(int(x) for x in keys(i)) for i in range(4)] == [(0, 2)] * 2 + [(0, 0)] * 2
 
 
+@pytest.fixture
+def always_loop(monkeypatch):
+    """The traced loop for every tiled JAX call, however short."""
+    import portable_attn._lib._policy as policy
+
+    monkeypatch.setattr(policy, "LOOP_MIN_SCORE_BYTES", 0)
+    return policy
+
+
 def _lowered(length, block, grad):
     import jax
     import jax.numpy as jnp
@@ -141,18 +149,18 @@ def _ops(length, block, grad):
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_the_program_does_not_grow_with_the_number_of_blocks(backend, grad, monkeypatch):
+def test_the_program_does_not_grow_with_the_number_of_blocks(
+    backend, grad, always_loop, monkeypatch
+):
     ops = [_ops(length, 16, grad) for length in (64, 256)]  # 4 and 16 blocks per axis
     assert abs(ops[1] - ops[0]) <= 2, ops  # one program (a constant's digits may differ)
-    import portable_attn._lib._policy as policy
-
-    monkeypatch.setattr(policy, "traces_python_loops", lambda x: False)  # the Python loop
+    monkeypatch.setattr(always_loop, "LOOP_MIN_SCORE_BYTES", 2**62)  # the Python loop
     unrolled = [_ops(length, 16, grad) for length in (64, 256)]
     assert unrolled[1] > 2 * unrolled[0]  # the control: unrolled, it grows with the blocks
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_the_buffers_do_not_grow_with_the_number_of_blocks(backend, grad):
+def test_the_buffers_do_not_grow_with_the_number_of_blocks(backend, grad, always_loop):
     """XLA's count of the compiled program's temporary bytes, blocks of 256 at L = 1024, 4096.
 
     Measured: 1.3 MiB forward and 3.6 MiB for the gradient at L = 4096, where the

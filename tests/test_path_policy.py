@@ -126,7 +126,7 @@ class TestDefaultRoute:
         def tiled(tiles):  # Dask: those tiles inside each chunk pair; JAX: a traced loop
             if backend.family == "dask":
                 return _dask(inner=tiles)
-            return Tiled(*tiles, loop=backend.family == "jax")
+            return Tiled(*tiles)  # JAX: unrolled below LOOP_MIN_SCORE_BYTES
 
         assert _path(backend, block_size=4) == tiled((4, 4))
         assert _path(backend, block_size=(2, 3)) == tiled((2, 3))
@@ -155,7 +155,7 @@ class TestAuto:
         if backend.family == "dask":  # chunk pairs of 5 x 5 scores, tiled at 128 x 256 inside
             assert path == _portable(backend)
         elif backend.family == "jax":
-            assert path == Tiled(*default_tiles(True, 9, 9), loop=True)
+            assert path == Tiled(*default_tiles(True, 9, 9))  # short: unrolled
         else:
             assert path == Tiled(*policy.EAGER_TILES)
         out = scaled_dot_product_attention(q, k, v, mask=mask, softcap=5.0)
@@ -178,14 +178,31 @@ class TestAuto:
 
 
 class TestTracedTiles:
+    @pytest.mark.parametrize(
+        ("length", "block"),
+        [(9, 256), (2048, 256), (4096, 256), (8192, 512), (32768, 2048)],
+    )
+    def test_unrolled_at_least_the_minimum_block_and_at_most_the_maximum_count(
+        self, length, block
+    ):
+        bq, bk = default_tiles(True, length, length)
+        assert bq == bk == block
+        assert bq >= policy.TRACED_MIN_BLOCK
+        assert -(-length // bq) <= policy.TRACED_MAX_BLOCKS
+
     @pytest.mark.parametrize(("length", "block"), [(9, 9), (2048, 1024), (65536, 1024)])
     def test_the_loop_tiles_clipped_to_the_lengths(self, length, block):
-        bq, bk = default_tiles(True, length, length)
+        bq, bk = default_tiles(True, length, length, loop=True)
         assert bq == bk == block == min(length, policy.LOOP_TILES[0])
 
-    def test_jax_runs_the_tiled_path_as_a_loop(self, backend):
-        path = choose_path(prepare(*_arrays(backend)[1]), 4, None)
-        assert getattr(path, "loop", False) == (backend.family == "jax")
+    def test_jax_runs_long_calls_as_a_loop(self, backend, monkeypatch):
+        call = prepare(*_arrays(backend)[1])
+        assert not getattr(choose_path(call, 4, None), "loop", False)  # short: unrolled
+        monkeypatch.setattr(policy, "LOOP_MIN_SCORE_BYTES", 0)
+        assert getattr(choose_path(call, 4, None), "loop", False) == (backend.family == "jax")
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        auto = choose_path(call, None, "portable")
+        assert getattr(auto, "loop", False) == (backend.family == "jax")
 
     def test_eager_libraries_get_the_eager_tiles(self):
         assert default_tiles(False, 32768, 32768) == policy.EAGER_TILES

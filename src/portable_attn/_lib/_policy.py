@@ -47,7 +47,9 @@ How the path is chosen (`block_size`, `implementation`):
   3. Otherwise dense while the dense logits fit in :data:`AUTO_DENSE_LIMIT_BYTES`
      (:data:`AUTO_DENSE_LIMIT_BYTES_MULTITHREADED` for libraries with
      multi-threaded elementwise kernels), tiled above with :data:`EAGER_TILES`,
-     or, for traced libraries (JAX), :data:`LOOP_TILES`.
+     or, for traced libraries (JAX), :data:`LOOP_TILES` as a traced loop (rule 6)
+     or, below :data:`LOOP_MIN_SCORE_BYTES`, at least :data:`TRACED_MIN_BLOCK`
+     and at most :data:`TRACED_MAX_BLOCKS` blocks per axis, unrolled.
   4. On the tiled path, libraries whose elementwise ops run on one core and
      release the GIL (:func:`~._lib._compat.parallel_query_blocks`: NumPy) run
      their query blocks in one thread per core once the dense scores would pass
@@ -55,11 +57,13 @@ How the path is chosen (`block_size`, `implementation`):
      (threadpoolctl), so that the threads do not oversubscribe the cores.
   5. The dense and tiled paths of eager libraries take the row sums of the
      weights from ``P @ [V | 1]`` (:func:`fold_row_sums`) where that pays.
-  6. Traced libraries (JAX) run the tiled path as a traced loop
+  6. Traced libraries (JAX) run the tiled path of a call with at least
+     :data:`LOOP_MIN_SCORE_BYTES` of dense scores as a traced loop
      (``Tiled.loop``: ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``): the
      program and its live buffers stay O(1) in the number of blocks, which an
      unrolled Python loop is not (under ``jax.jit`` it kept 5 GiB alive at
-     L = 16384, and 11 GiB for ``jit(grad)``: issue 21's table).
+     L = 16384, and 11 GiB for ``jit(grad)``: issue 21's table); below, where the
+     unrolled program is measured faster and its memory is bounded, it unrolls.
   7. Half precision (float16, bfloat16) accumulates in float32 on every path, but
      only the paths that need it get float32 copies of Q, K and V: a native kernel
      that accumulates in float32 itself takes them in their dtype where
@@ -103,13 +107,17 @@ __all__ = [
     "EAGER_TILES",
     "SKIP_FRACTION_FOR_TILED",
     "THREADS_MIN_SCORE_BYTES",
+    "LOOP_MIN_SCORE_BYTES",
     "LOOP_TILES",
+    "TRACED_MAX_BLOCKS",
+    "TRACED_MIN_BLOCK",
     "NATIVE_HALF_ROUTES",
     "PORTABLE_HALF_FLASH",
     "choose_path",
     "default_tiles",
     "dense_flash_form",
     "native_upcasts",
+    "runs_as_loop",
     "fold_row_sums",
     "skipped_fraction",
     "unsupported_reason",
@@ -155,6 +163,19 @@ DASK_MERGE_FAN_IN = 4
 #: larger blocks win while one (H, 1024, 1024) float32 block (32 MiB for H = 8)
 #: stays small beside O(L) inputs (benchmarks/results/loop.json).
 LOOP_TILES = (1024, 1024)
+#: Traced libraries run the tiled path as a traced loop from this many bytes of dense
+#: scores (B x Hq x Lq x Lk x itemsize; L = 8192 for B=1, H=8 in float32). At L = 8192
+#: (causal, B=1, H=8, D=64, float32, jax.jit) the loop ran the forward in 1.79 s and
+#: jit(grad) in 6.06 s with 194 / 463 MiB of extra peak memory, against 2.04 s / 7.01 s
+#: and 1432 / 4156 MiB unrolled; at L = 4096 (512 MiB) the unrolled gradient was the
+#: faster (1.42 s against 1.95 s) with 578 MiB / 1.5 GiB, and at 2048 the unrolled
+#: forward took half the time (benchmarks/results/loop.json).
+LOOP_MIN_SCORE_BYTES = 2 * 2**30
+#: Below LOOP_MIN_SCORE_BYTES a traced library unrolls the Python loop into the
+#: program: blocks of at least this size ...
+TRACED_MIN_BLOCK = 256
+#: ... and at most this many blocks per axis keep compile time bounded.
+TRACED_MAX_BLOCKS = 16
 #: Half-precision inputs of a native kernel: ``(library, device kind, dtype)`` -> whether
 #: they reach the kernel in their own dtype (True) or as float32 copies (False); a
 #: route not listed upcasts. Each kernel below accumulates Q Kᵀ and P V in float32
@@ -224,7 +245,7 @@ def choose_path(
     fold = fold_row_sums(call)
     if sizes == "dense":
         return Dense(fold, dense_flash_form(call))
-    loop = traces_python_loops(call.query)  # rule 6: JAX runs the blocks as a traced loop
+    loop = runs_as_loop(call)  # rule 6: JAX runs long calls' blocks as a traced loop
     if isinstance(sizes, tuple):
         return Tiled(*sizes, fold=fold, loop=loop)
     if implementation is None and _prefer_native(call, return_lse):
@@ -393,13 +414,30 @@ def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
     )
     if _score_bytes(call) <= limit:
         return None
-    return default_tiles(traces_python_loops(call.query), plan.q_len, plan.kv_len)
+    traced = traces_python_loops(call.query)
+    return default_tiles(traced, plan.q_len, plan.kv_len, loop=runs_as_loop(call))
 
 
-def default_tiles(traced: bool, q_len: int, kv_len: int) -> tuple[int, int]:
-    """``(block_q, block_k)`` for ``block_size="auto"`` above the dense limit."""
-    if traced:
+def runs_as_loop(call: AttentionCall) -> bool:
+    """Rule 6: whether the tiled path of `call` runs as a traced loop (JAX, long calls)."""
+    return traces_python_loops(call.query) and _score_bytes(call) >= LOOP_MIN_SCORE_BYTES
+
+
+def default_tiles(traced: bool, q_len: int, kv_len: int, *, loop: bool = False) -> tuple[int, int]:
+    """``(block_q, block_k)`` for ``block_size="auto"`` above the dense limit.
+
+    `traced`: the library traces Python loops (JAX); `loop`: the blocks run as a
+    traced loop (:data:`LOOP_TILES`), else unrolled in at most
+    :data:`TRACED_MAX_BLOCKS` blocks of at least :data:`TRACED_MIN_BLOCK` per axis.
+    """
+    if traced and loop:
         return min(LOOP_TILES[0], max(1, q_len)), min(LOOP_TILES[1], max(1, kv_len))
+    if traced:
+        per_axis = TRACED_MAX_BLOCKS * 128
+        return (
+            max(TRACED_MIN_BLOCK, 128 * math.ceil(q_len / per_axis)),
+            max(TRACED_MIN_BLOCK, 128 * math.ceil(kv_len / per_axis)),
+        )
     return EAGER_TILES
 
 

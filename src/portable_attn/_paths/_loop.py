@@ -369,25 +369,36 @@ def _backward(
         **{n: jnp.zeros_like(arrays[n]) for n in summed},
     }
     k_pad, v_pad = padded["key"], padded["value"]
+    band_only = skeleton.plan.band.restricts and not skeleton.plan.has_lengths
     k_blk = (*k_pad.shape[:-2], grid.bk, k_pad.shape[-1])
     v_blk = (*v_pad.shape[:-2], grid.bk, v_pad.shape[-1])
 
     def key_block(carry: dict[str, Any], j: Any) -> Any:
         lo, hi = queries(j)
 
+        def grads_of(i: Any, full: bool) -> Any:
+            def compute(_: Any) -> dict[str, Array]:
+                return tiled_backward(
+                    _block(skeleton, padded, grid, i, j, full=full),
+                    _rows(out_p, grid, i),
+                    _rows(lse_p, grid, i),
+                    _rows(dout_p, grid, i),
+                    grid.bq,
+                    grid.bk,
+                    need=need,
+                    dlse=_rows(dlse_p, grid, i),
+                )
+
+            return compute
+
         def pair(i: Any, c: Any) -> Any:
             acc, dk, dv = c
-            call = _block(skeleton, padded, grid, i, j)
-            g = tiled_backward(
-                call,
-                _rows(out_p, grid, i),
-                _rows(lse_p, grid, i),
-                _rows(dout_p, grid, i),
-                grid.bq,
-                grid.bk,
-                need=need,
-                dlse=_rows(dlse_p, grid, i),
-            )
+            if band_only:  # blocks inside the band need no causal/window mask
+                g = lax.cond(
+                    _full(skeleton, grid, i, j), grads_of(i, True), grads_of(i, False), None
+                )
+            else:
+                g = grads_of(i, False)(None)
             acc = dict(acc)
             acc["dq"] = _add_rows(acc["dq"], g["query"], grid.bq * i)
             if has_bias:
