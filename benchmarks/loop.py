@@ -13,6 +13,8 @@ extra peak RSS of compile plus calls over the inputs (``VmHWM`` after
 
     python benchmarks/loop.py            # the table, JSON in benchmarks/results/loop.json
     python benchmarks/loop.py --quick    # short lengths only (not for publishing)
+    python benchmarks/loop.py --only default:forward:1024:1,jax.nn:forward:1024:1 \
+        --out loop-default.json          # some cases, in another results file
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--case", nargs=4, metavar=("IMPL", "MODE", "L", "CAUSAL"))
+    parser.add_argument("--only", help="IMPL:MODE:L:CAUSAL cases, comma-separated")
+    parser.add_argument("--out", help="results file name (default loop.json)")
     args = parser.parse_args()
     if args.case:
         impl, mode, length, causal = args.case
@@ -142,6 +146,11 @@ def main() -> int:
     cases = [(i, m, n, True) for i, modes in table.items() for m, ls in modes.items() for n in ls]
     if not args.quick:
         cases += EXTRA
+    if args.only:
+        cases = [
+            (i, m, int(n), c == "1")
+            for i, m, n, c in (case.split(":") for case in args.only.split(","))
+        ]
     cases.sort(key=lambda c: c[2])  # short first: the long ones last
     rows = []
     for impl, mode, length, causal in cases:
@@ -170,7 +179,7 @@ def main() -> int:
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    name = "loop-quick.json" if args.quick else "loop.json"
+    name = args.out or ("loop-quick.json" if args.quick else "loop.json")
     (RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
