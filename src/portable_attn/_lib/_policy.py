@@ -156,20 +156,21 @@ THREADS_MIN_SCORE_BYTES = 128 * 2**20
 #: stays under one chunk pair of scores (..., Hq, bq, bk) while 4 Dv <= bk, and a query
 #: chunk over n key chunks costs about n / 3 merge tasks.
 DASK_MERGE_FAN_IN = 4
-#: ``(block_q, block_k)`` of the traced loop (rule 6), clipped to the lengths: at
-#: L = 4096, causal, B=1, H=8, D=64 under ``jax.jit`` on 2 loaded cores, blocks of
-#: 1024 x 1024 took 818 ms against 893 (512 x 1024), 1154 (512 x 512) and 1766
-#: (256 x 256): a step of the loop costs more than a fused unrolled block, so fewer,
-#: larger blocks win while one (H, 1024, 1024) float32 block (32 MiB for H = 8)
-#: stays small beside O(L) inputs (benchmarks/results/loop.json).
+#: ``(block_q, block_k)`` of the traced loop (rule 6), clipped to the lengths. A step
+#: of the loop costs more than a block of the unrolled program (it is not fused with
+#: its neighbours), so fewer, larger blocks win while one (H, 1024, 1024) float32
+#: block of scores (32 MiB for H = 8) stays small beside O(L) inputs. Chosen from
+#: hand runs of 256-1024 blocks at L = 4096 (the larger the faster), not from a
+#: results file; benchmarks/results/loop.json measures these tiles.
 LOOP_TILES = (1024, 1024)
 #: Traced libraries run the tiled path as a traced loop from this many bytes of dense
-#: scores (B x Hq x Lq x Lk x itemsize; L = 8192 for B=1, H=8 in float32). At L = 8192
-#: (causal, B=1, H=8, D=64, float32, jax.jit) the loop ran the forward in 1.79 s and
-#: jit(grad) in 6.06 s with 194 / 463 MiB of extra peak memory, against 2.04 s / 7.01 s
-#: and 1432 / 4156 MiB unrolled; at L = 4096 (512 MiB) the unrolled gradient was the
-#: faster (1.42 s against 1.95 s) with 578 MiB / 1.5 GiB, and at 2048 the unrolled
-#: forward took half the time (benchmarks/results/loop.json).
+#: scores (B x Hq x Lq x Lk x itemsize; L = 8192 for B=1, H=8 in float32). Measured
+#: (benchmarks/results/loop.json, causal, B=1, H=8, D=64, float32, jax.jit, each case
+#: in a fresh process): at L = 8192 the loop took 1.88 s forward and 5.99 s for
+#: jit(grad) with 200 / 410 MiB of extra peak RSS, against 1.73 s / 5.79 s and
+#: 1459 / 4137 MiB unrolled; at 16384, 7.72 s and 111 MiB against 11.40 s and
+#: 5047 MiB; at 4096 the unrolled program was the faster (0.49 s against 0.59 s,
+#: 1.39 s against 1.80 s for the gradient) with 581 MiB / 1.5 GiB.
 LOOP_MIN_SCORE_BYTES = 2 * 2**30
 #: Below LOOP_MIN_SCORE_BYTES a traced library unrolls the Python loop into the
 #: program: blocks of at least this size ...
