@@ -175,3 +175,26 @@ def test_the_buffers_do_not_grow_with_the_number_of_blocks(backend, grad, always
     scores = 2 * 4096 * 4096 * 4  # the dense (H, L, L) float32 scores at L = 4096
     assert temps[1] < 2 * temps[0]  # 16 times the blocks, not twice the buffers
     assert temps[1] < scores / 16
+
+
+def test_packed_documents_skip_each_others_blocks_by_value(backend):
+    """Four documents of 4 in 16, ids as (traced) arrays: each query block sees its own."""
+    import jax
+    import jax.numpy as jnp
+
+    ids = np.repeat(np.arange(4), 4)[None, :].repeat(2, axis=0)  # (B, 16)
+    q, k, v = qkv(lq=16, lk=16)
+
+    def ranges(ids):
+        call = prepare(*(jnp.asarray(x) for x in (q, k, v)), q_segment_ids=ids)
+        arrays, skeleton = call.flatten()
+        grid = _Grid(4, 4, 16, 16)
+        keys, queries = _key_range(skeleton, arrays, grid), _query_range(skeleton, arrays, grid)
+        return jnp.stack([jnp.stack(keys(i)) for i in range(4)]), jnp.stack(
+            [jnp.stack(queries(j)) for j in range(4)]
+        )
+
+    keys, queries = jax.jit(ranges)(jnp.asarray(ids))  # the ids are traced values
+    own = [[i, i + 1] for i in range(4)]
+    assert np.asarray(keys).tolist() == own
+    assert np.asarray(queries).tolist() == own

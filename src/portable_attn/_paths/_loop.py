@@ -8,8 +8,9 @@ same kernel runs inside JAX's structured loops instead:
 - queries: ``lax.map`` over the query blocks (a scan: one block body in the
   program, the outputs written into one (nq, ..., bq, Dv) result);
 - keys: ``lax.fori_loop`` from the first to the last key block the query block
-  can see, with the bounds from the causal/window band and, where the alignment
-  depends on values (lengths), from those values inside the program;
+  can see, with the bounds from the causal/window band and, where they depend on
+  values (lengths, segment ids: packed documents), from those values inside the
+  program, so a traced call skips other documents' blocks too;
 - the block body is the portable kernel itself: each (query block, key block)
   pair is a one-block call (:meth:`~AttentionCall.unflatten` of every field's
   block, placed at its positions by :func:`._partial.place_block`) run by
@@ -204,12 +205,55 @@ def _offsets(skeleton: AttentionCall, arrays: dict[str, Array]) -> tuple[Any, An
     return jnp.min(offset), jnp.max(offset), q_max, kv_max
 
 
+def _segment_pairs(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
+    """(nq, nk) bool: the block pairs whose segment-id ranges overlap in some sequence.
+
+    From the ids' values inside the program (traced ids skip too): a pair whose query
+    ids and key ids have disjoint ranges in every sequence has no visible entry. None
+    without segment ids.
+    """
+    import jax.numpy as jnp
+
+    q_ids, kv_ids = arrays.get("q_segments"), arrays.get("kv_segments")
+    if q_ids is None or kv_ids is None:
+        return None
+    plan = skeleton.plan
+
+    def block_bounds(ids: Array, length: int, block: int, count: int) -> tuple[Array, Array]:
+        ids = jnp.reshape(jnp.broadcast_to(ids, (*plan.batch, length)), (-1, length))
+        ids = jnp.pad(ids, ((0, 0), (0, count * block - length)), mode="edge")
+        ids = jnp.reshape(ids, (ids.shape[0], count, block))  # (N, blocks, block)
+        return jnp.min(ids, axis=-1), jnp.max(ids, axis=-1)
+
+    q_lo, q_hi = block_bounds(q_ids[..., 0, :, 0], grid.lq, grid.bq, grid.nq)  # (N, nq)
+    k_lo, k_hi = block_bounds(kv_ids[..., 0, 0, :], grid.lk, grid.bk, grid.nk)  # (N, nk)
+    apart = jnp.logical_or(
+        q_hi[:, :, None] < k_lo[:, None, :], k_hi[:, None, :] < q_lo[:, :, None]
+    )  # (N, nq, nk)
+    return jnp.any(jnp.logical_not(apart), axis=0)
+
+
+def _first_and_stop(visible: Array) -> tuple[Array, Array]:
+    """Return the first True of a bool vector and one past its last (both 0 when none)."""
+    import jax.numpy as jnp
+
+    n = visible.shape[0]
+    first = jnp.argmax(visible)
+    stop = n - jnp.argmax(visible[::-1])
+    seen = jnp.any(visible)
+    return jnp.where(seen, first, 0), jnp.where(seen, stop, 0)
+
+
 def _key_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """``i -> (first, stop)``: the key blocks query block `i` can see (band, lengths)."""
+    """``i -> (first, stop)``: the key blocks query block `i` can see.
+
+    From the band, the lengths and the segment ids (:func:`_segment_pairs`).
+    """
     import jax.numpy as jnp
 
     band = skeleton.plan.band
     off_lo, off_hi, q_max, kv_max = _offsets(skeleton, arrays)
+    pairs = _segment_pairs(skeleton, arrays, grid)
 
     def keys(i: Any) -> tuple[Any, Any]:
         first_q = i * grid.bq + off_lo  # the smallest aligned position i' of the block
@@ -221,6 +265,9 @@ def _key_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -
         if band.right is not None:
             hi = jnp.minimum(hi, jnp.floor_divide(last_q + band.right, grid.bk) + 1)
         hi = jnp.where(i * grid.bq >= q_max, lo, hi)  # rows past every query length
+        if pairs is not None:  # key blocks of other documents: none
+            seg_lo, seg_hi = _first_and_stop(pairs[i])
+            lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
         return lo, jnp.maximum(hi, lo)
 
     return keys
@@ -232,6 +279,7 @@ def _query_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid)
 
     band = skeleton.plan.band
     off_lo, off_hi, q_max, kv_max = _offsets(skeleton, arrays)
+    pairs = _segment_pairs(skeleton, arrays, grid)
 
     def queries(j: Any) -> tuple[Any, Any]:
         first_k = j * grid.bk
@@ -243,6 +291,9 @@ def _query_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid)
         if band.left is not None:  # i' <= j + left
             hi = jnp.minimum(hi, jnp.floor_divide(last_k + band.left - off_lo, grid.bq) + 1)
         hi = jnp.where(first_k >= kv_max, lo, hi)
+        if pairs is not None:  # query blocks of other documents: none
+            seg_lo, seg_hi = _first_and_stop(pairs[:, j])
+            lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
         return lo, jnp.maximum(hi, lo)
 
     return queries
