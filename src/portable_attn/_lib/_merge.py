@@ -20,14 +20,9 @@ from typing import Any
 
 from ._softmax import safe_denominator
 
-__all__ = ["empty_rows_to_neg_inf", "merge_partials"]
+__all__ = ["merge_partials"]
 
 Reduce = Callable[[Any], Any]
-
-
-def empty_rows_to_neg_inf(xp: Any, lse: Any) -> Any:
-    """Turn the tiled path's ``+inf`` (row saw no key) into ``-inf`` (weight 0 in a merge)."""
-    return xp.where(lse == xp.inf, -xp.inf, lse)
 
 
 def merge_partials(
