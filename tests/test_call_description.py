@@ -48,7 +48,14 @@ def _model_building(backend, lq=5, lk=7):
 class TestFields:
     def test_every_array_attribute_of_the_terms_is_declared(self):
         declared = {f.name for f in FIELDS if f.owner == "terms"}
-        non_arrays = {"score_mod", "dropout_scale", "segment_blocks"}
+        non_arrays = {
+            "score_mod",
+            "dropout_scale",
+            "segment_blocks",
+            "mask_mod",
+            "state_block",
+            "block_host",
+        }
         terms = {f.name for f in dataclasses.fields(ScoreTerms)}
         assert terms - non_arrays == declared
 

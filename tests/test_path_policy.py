@@ -93,19 +93,24 @@ class TestDefaultRoute:
         }
         assert _path(backend, **kw) == _portable(backend)
 
-    def test_a_narrow_window_over_a_long_sequence_takes_the_tiled_path(self, backend):
-        """88% of the block pairs are skipped: the tiled path beats a kernel that masks them."""
+    def test_a_narrow_window_over_a_long_sequence_runs_the_kernel_per_tile(self, backend):
+        """88% of the tile pairs are skipped: the kernel per query tile, over its span only."""
         long = {"lq": 4096, "lk": 4096, "hq": 1, "hkv": 1}
         path = _path(backend, shape=long, is_causal=True, window=(256, 0))
         if _fused(backend):
-            assert path == Tiled(*policy.EAGER_TILES)
+            assert path == Native(tiles=policy.NATIVE_TILE)
+        # packed documents (host ids) too
+        ids = backend.asarray(np.repeat(np.arange(4), 1024))
+        path = _path(backend, shape=long, is_causal=True, q_segment_ids=ids)
+        if _fused(backend):
+            assert path == Native(tiles=policy.NATIVE_TILE)
         # causal alone skips under half the pairs: the fused causal kernel stays
         assert (_path(backend, shape=long, is_causal=True) == Native()) == _fused(backend)
 
     def test_skipped_fraction(self, backend):
         def frac(lq, **kw):
             q = backend.asarray(np.zeros((1, 1, lq, 4)))
-            return policy.skipped_fraction(prepare(q, q, q, **kw).plan, 128, 256)
+            return policy.skipped_fraction(prepare(q, q, q, **kw), 128, 256)
 
         assert frac(4096, is_causal=True, window=(256, 0)) == 1 - 62 / 512
         assert frac(1024, is_causal=True) == 0.375

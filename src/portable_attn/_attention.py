@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+from ._lib._block_states import BlockMask
 from ._lib._call import prepare
 from ._lib._dense import dense_weights
 from ._lib._policy import choose_path
@@ -42,6 +43,8 @@ def scaled_dot_product_attention(
     sinks: Array | None = None,
     q_segment_ids: Array | None = None,
     kv_segment_ids: Array | None = None,
+    mask_mod: Callable[..., Array] | None = None,
+    block_mask: BlockMask | None = None,
     implementation: Literal["portable", "native"] | None = None,
     return_lse: bool = False,
 ) -> Array | tuple[Array, Array]:
@@ -132,8 +135,27 @@ def scaled_dot_product_attention(
         Packed sequences: query ``i`` may see key ``j`` only if their ids are
         equal, AND-ed with every other mask. Given only one, the other is the
         same array (self-attention, ``Lq == Lk``). On the tiled path the mask is
-        built per block; with NumPy ids, block pairs whose id ranges do not
-        overlap are skipped (never by value under ``jax.jit``).
+        built per block, and block pairs whose id ranges do not overlap are
+        skipped: read on the host for NumPy and torch CPU ids, by value inside
+        the traced loop of long calls under ``jax.jit`` (a `block_mask` skips
+        by value at any length).
+    mask_mod : callable, optional
+        ``mask_mod(batch, head, q_idx, kv_idx) -> bool array`` (FlexAttention's
+        convention): True where a query may attend to a key, AND-ed with every
+        other mask. The index arrays are those of `score_mod` (`batch`
+        (B..., 1, 1, 1), `head` (Hq, 1, 1), `q_idx` (bq, 1), `kv_idx` (1, bk)):
+        raw positions, so ``q_idx >= kv_idx`` is top-left causal (the library's
+        `is_causal` is bottom-right; they agree when ``Lq == Lk``). Evaluated once on
+        the dense path and per block on the tiled path, where NumPy and torch
+        build its block states on the first tiled call and skip the blocks it
+        hides; build a `block_mask` to reuse them (and to skip under ``jax.jit``
+        and on Dask).
+    block_mask : BlockMask, optional
+        From :func:`portable_attn.block_mask.create_block_mask`: applies its
+        `mask_mod`, skips the key blocks it hides and evaluates no mask on the
+        blocks it shows in full. One block mask serves every call with the same
+        (Lq, Lk), batch and heads (every layer); under ``jax.jit`` it may be a
+        traced argument (a pytree), and the traced loop skips by its values.
     implementation : {None, "portable", "native"}, default None
         ``"portable"``: always the array-API implementation. ``"native"``: the
         framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
@@ -215,6 +237,8 @@ def scaled_dot_product_attention(
         sinks=sinks,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
     )
     return_lse = check_is_flag("return_lse", return_lse)
     path = choose_path(call, block_size, implementation, return_lse=return_lse)
@@ -241,6 +265,8 @@ def attention_weights(
     sinks: Array | None = None,
     q_segment_ids: Array | None = None,
     kv_segment_ids: Array | None = None,
+    mask_mod: Callable[..., Array] | None = None,
+    block_mask: BlockMask | None = None,
 ) -> Array:
     """Attention weights ``softmax(Q Kᵀ · scale)`` of :func:`scaled_dot_product_attention`.
 
@@ -268,7 +294,7 @@ def attention_weights(
     q_lengths, kv_lengths, alibi_slopes, score_mod, dropout_p, dropout_mask
         As in :func:`scaled_dot_product_attention`; the dropout mask is applied
         to the returned weights.
-    sinks, q_segment_ids, kv_segment_ids
+    sinks, q_segment_ids, kv_segment_ids, mask_mod, block_mask
         As in :func:`scaled_dot_product_attention`; with `sinks` the rows sum
         to less than one (the sink takes the rest).
 
@@ -307,6 +333,8 @@ def attention_weights(
         sinks=sinks,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
     )
     if call.is_empty:
         return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))

@@ -30,16 +30,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _validation as v
+from ._block_states import BlockMask, LazyHostStates
 from ._compat import (
     array_namespace,
+    builds_task_graphs,
     concrete_float,
     default_integer_dtype,
     device,
     has_concrete_values,
     ids_in_one_dtype,
+    library_name,
+    numpy_namespace,
     on_device,
     pins_devices,
     reads_host_values,
+    to_host,
+    traces_python_loops,
 )
 from ._fields import FIELDS
 from ._masks import SegmentBlocks, arange
@@ -187,6 +193,8 @@ def prepare(
     sinks: Array | None = None,
     q_segment_ids: Array | None = None,
     kv_segment_ids: Array | None = None,
+    mask_mod: Callable[..., Array] | None = None,
+    block_mask: Any = None,
 ) -> AttentionCall:
     """Validate the arguments of one attention call and prepare its arrays.
 
@@ -251,6 +259,8 @@ def prepare(
         sinks=sinks,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
     )
     # Q, K, V and the bias keep their dtype: the path casts them where it needs to
     return AttentionCall(
@@ -425,6 +435,8 @@ def _score_terms(
     sinks: Array | None,
     q_segment_ids: Array | None,
     kv_segment_ids: Array | None,
+    mask_mod: Callable[..., Array] | None = None,
+    block_mask: Any = None,
 ) -> tuple[AttentionPlan, ScoreTerms]:
     """Validate the model-building arguments and gather them as score terms."""
     mask = None if mask is None else _at_least_2d(xp, mask)
@@ -439,6 +451,8 @@ def _score_terms(
         and sinks is None
         and q_segment_ids is None
         and kv_segment_ids is None
+        and mask_mod is None
+        and block_mask is None
     ):  # the common call: none of them given
         return plan, (_PLAIN_TERMS if mask is None else ScoreTerms(mask=mask))
     logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
@@ -474,9 +488,10 @@ def _score_terms(
         sinks = xp.reshape(cast, (*sinks.shape, 1, 1))
     segments = _segments(xp, plan, q_segment_ids, kv_segment_ids)
     batch_index = None
-    if score_mod is not None:
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
         n = math.prod(plan.batch)
         batch_index = xp.reshape(arange(xp, 0, n, plan.device), (*plan.batch, 1, 1, 1))
+    masking = _mask_mod_terms(xp, plan, mask_mod, block_mask, batch_index)
     terms = ScoreTerms(
         mask=mask,
         q_lengths=lengths.get("q_lengths"),
@@ -488,6 +503,7 @@ def _score_terms(
         dropout_scale=1.0 / (1.0 - dropout_p),
         sinks=sinks,
         **segments,
+        **masking,
     )
     return plan, terms
 
@@ -511,18 +527,74 @@ def _segments(
     # one dtype, compared by value (torch and array-api-strict refuse some promotions)
     q_ids, kv_ids = ids_in_one_dtype(xp, q_ids, kv_ids, names=("q_segment_ids", "kv_segment_ids"))
     blocks = None
-    if reads_host_values(q_ids) and reads_host_values(kv_ids):  # NumPy: skip by value
+    if reads_host_values(q_ids) and reads_host_values(kv_ids):  # host ids: skip by value
         n = math.prod(plan.batch)
+        np_xp = numpy_namespace()
         blocks = SegmentBlocks(
-            xp,
-            xp.reshape(xp.broadcast_to(q_ids, (*plan.batch, plan.q_len)), (n, plan.q_len)),
-            xp.reshape(xp.broadcast_to(kv_ids, (*plan.batch, plan.kv_len)), (n, plan.kv_len)),
+            np_xp,
+            np_xp.reshape(
+                np_xp.broadcast_to(to_host(q_ids), (*plan.batch, plan.q_len)), (n, plan.q_len)
+            ),
+            np_xp.reshape(
+                np_xp.broadcast_to(to_host(kv_ids), (*plan.batch, plan.kv_len)), (n, plan.kv_len)
+            ),
         )
     return {
         "q_segments": xp.reshape(q_ids, (*q_ids.shape[:-1], 1, plan.q_len, 1)),
         "kv_segments": xp.reshape(kv_ids, (*kv_ids.shape[:-1], 1, 1, plan.kv_len)),
         "segment_blocks": blocks,
     }
+
+
+def _mask_mod_terms(
+    xp: Any, plan: AttentionPlan, mask_mod: Any, block_mask: Any, batch_index: Any
+) -> dict[str, Any]:
+    """Return the checked ``mask_mod`` and what a block mask (given or built) says of blocks.
+
+    A `block_mask` gives its states: NumPy copies read on the host for the eager
+    paths (its cached :meth:`BlockMask.host`), and for libraries that trace loops
+    (JAX) the states themselves, which the traced loop reads by value. A `mask_mod`
+    alone gets states built lazily, on the host, the first time a tiled path asks
+    (eager libraries with concrete values only; under ``jax.jit`` and for Dask it is
+    evaluated per block, and only the band skips blocks).
+    """
+    v.check_mask_mod(mask_mod)
+    if block_mask is None and mask_mod is None:
+        return {}
+    if block_mask is not None:
+        v.check_block_mask(
+            block_mask,
+            mask_mod,
+            plan.batch,
+            plan.num_q_heads,
+            plan.q_len,
+            plan.kv_len,
+            kind=BlockMask,
+        )
+        mask_mod = block_mask.mask_mod
+    target = (*plan.batch, plan.num_q_heads)
+
+    def checked(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+        result = mask_mod(batch, head, q_idx, kv_idx)
+        v.check_mask_mod_result(xp, result, (*target, q_idx.shape[0], kv_idx.shape[1]))
+        return result
+
+    out: dict[str, Any] = {"mask_mod": checked}
+    if block_mask is not None:
+        out["block_host"] = block_mask.host()
+        out["state_block"] = block_mask.block_size
+        if traces_python_loops(batch_index):  # the traced loop reads them by value
+            states = block_mask.states
+            if library_name(states) != library_name(batch_index):  # built elsewhere: copy
+                states = xp.asarray(to_host(states))
+            b = states.shape[0]
+            lead = plan.batch if b != 1 else (1,) * len(plan.batch)
+            out["block_states"] = xp.reshape(states, (*lead, *states.shape[1:]))
+    elif has_concrete_values(batch_index) and not builds_task_graphs(batch_index):
+        out["block_host"] = LazyHostStates(
+            xp, checked, batch_index, plan.num_q_heads, plan.q_len, plan.kv_len, plan.device
+        )
+    return out
 
 
 def _with_head_axis(xp: Any, x: Array) -> Array:

@@ -167,13 +167,42 @@ def stop_gradient(x: Any) -> Any:
     return x
 
 
-def reads_host_values(x: Any) -> bool:
-    """Whether values of `x` are host memory to read for free (NumPy): no sync, no trace.
+def to_host(x: Any) -> Any:
+    """Copy a small array (block states, ids) to a NumPy array on the host.
 
-    Decisions that depend on values (skipping blocks of packed sequences by their
-    segment ids) are taken only for such arrays.
+    Reads values: only for arrays with concrete values (:func:`has_concrete_values`),
+    once per object that holds them (a :class:`~portable_attn.BlockMask`).
     """
-    return library_name(x) == "numpy"
+    import numpy as np
+
+    lib = library_name(x)
+    if lib == "numpy":
+        return np.asarray(x)
+    if lib == "torch":
+        return x.detach().cpu().numpy()
+    if lib == "cupy":
+        return x.get()
+    if lib == "dask":
+        return np.asarray(x.compute())
+    if lib == "array_api_strict":
+        import array_api_strict
+
+        x = array_api_strict.asarray(x, copy=True, device=array_api_strict.Device("CPU_DEVICE"))
+        return np.from_dlpack(x)
+    return np.asarray(x)
+
+
+def reads_host_values(x: Any) -> bool:
+    """Whether values of `x` are host memory to read for free: no device sync, no trace.
+
+    NumPy arrays, and torch CPU tensors outside ``torch.compile`` and ``torch.func``
+    transforms. Decisions that depend on values (skipping blocks of packed sequences
+    by their segment ids) are taken only for such arrays.
+    """
+    lib = library_name(x)
+    if lib == "numpy":
+        return True
+    return lib == "torch" and x.device.type == "cpu" and has_concrete_values(x)
 
 
 def has_native_kernel(x: Any) -> bool:

@@ -34,9 +34,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["FIELDS", "SCORE_AXES", "Field", "Role", "field"]
+__all__ = ["FIELDS", "SCORE_AXES", "Field", "Role", "axis_of", "field"]
 
 
 class Role(enum.Enum):
@@ -96,6 +96,8 @@ FIELDS: tuple[Field, ...] = (
     Field("q_lengths", "terms", Role.WHOLE),  # (*batch, 1, 1, 1)
     Field("kv_lengths", "terms", Role.WHOLE),  # (*batch, 1, 1, 1)
     Field("batch_index", "terms", Role.WHOLE),  # (*batch, 1, 1, 1), for score_mod
+    # a block mask's states (*batch|1, Hq|1, nq, nk), read by value in the traced loop
+    Field("block_states", "terms", Role.WHOLE, axes=("hq", "q_blocks", "k_blocks")),
     Field("alibi_slopes", "terms", Role.WHOLE, True),  # (..., Hq, 1, 1)
     Field("sinks", "terms", Role.LEARNED, True, once_per_row=-math.inf),  # (..., Hq, 1, 1)
     Field("scale", "plan", Role.LEARNED, True, ()),  # 0-d when learned
@@ -108,3 +110,15 @@ _BY_NAME = {f.name: f for f in FIELDS}
 def field(name: str) -> Field:
     """Return the declaration of the field `name`."""
     return _BY_NAME[name]
+
+
+def axis_of(name: str, x: Any, axis: str) -> int | None:
+    """Return the dimension of field `name`'s array `x` along grid `axis`, or None.
+
+    None when the field has no such axis or broadcasts along it (size one).
+    """
+    axes = field(name).axes
+    if axis not in axes:
+        return None
+    d = x.ndim - len(axes) + axes.index(axis)
+    return None if d < 0 or x.shape[d] == 1 else d

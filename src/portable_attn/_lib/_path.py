@@ -63,9 +63,14 @@ class Native:
     `upcast`: half-precision Q, K, V (and bias) reach the kernel cast to float32;
     False: in their own dtype, for a kernel that accumulates in float32 itself
     (the policy's :data:`~._policy.NATIVE_HALF_ROUTES` says which).
+    `tiles`: None, one kernel call for the whole call; an int, one call per query
+    tile of that many rows over the keys its visible key tiles span, so the key
+    tiles that block skipping hides (the band, segment ids, a block mask) are not
+    computed (``_native.native_tiles``).
     """
 
     upcast: bool = True
+    tiles: int | None = None
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,15 @@ How the path is chosen (`block_size`, `implementation`):
      (:func:`~._compat.fused_native_kernel`: torch SDPA) and a call the
      kernel can express (see :func:`unsupported_reason`: no softcap,
      ``score_mod``, ALiBi, dropout, sinks or ``return_lse``): the
-     native kernel, with every mask in its own broadcast shape -- except where
-     causal/window structure lets the tiled path skip at least
-     :data:`SKIP_FRACTION_FOR_TILED` of the (query block, key block) pairs
-     of :data:`EAGER_TILES` (a narrow sliding window over a long sequence):
-     the kernel computes every masked block, the tiled path skips them.
+     native kernel, with every mask in its own broadcast shape. Where block
+     skipping (causal/window structure, host segment ids, a block mask) hides at
+     least :data:`NATIVE_TILES_MIN_SKIP` of the (:data:`NATIVE_TILE`,
+     :data:`NATIVE_TILE`) tile pairs, or a ``mask_mod`` is given, the kernel runs
+     once per query tile over that tile's visible key span (``Native.tiles``),
+     so the hidden tiles are not computed; causal alone on a square call stays
+     one call (the kernel's causal flag skips the hidden half itself). A call the
+     kernel per tile does not take and whose structure lets the tiled path skip at
+     least :data:`SKIP_FRACTION_FOR_TILED` of its pairs takes the tiled path.
   2. Dask arrays (checked before the explicit `block_size` choices, which they
      keep): one task per (query chunk, key chunk) pair, which runs the tiled
      path of NumPy (CuPy) on the chunks themselves with :data:`EAGER_TILES`
@@ -97,8 +101,7 @@ from ._compat import (
 )
 from ._cpu import available_workers, can_limit_blas
 from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Tiled
-from ._scores import AttentionPlan, block_visibility
-from ._tiled import block_ranges
+from ._tiled import block_ranges, pair_visibility
 
 __all__ = [
     "AUTO_DENSE_LIMIT_BYTES",
@@ -109,6 +112,9 @@ __all__ = [
     "THREADS_MIN_SCORE_BYTES",
     "LOOP_MIN_SCORE_BYTES",
     "LOOP_TILES",
+    "NATIVE_TILE",
+    "NATIVE_TILES_MIN_SKIP",
+    "MASK_LOOP_MIN_TILE",
     "TRACED_MAX_BLOCKS",
     "TRACED_MIN_BLOCK",
     "NATIVE_HALF_ROUTES",
@@ -139,12 +145,21 @@ AUTO_DENSE_LIMIT_BYTES_MULTITHREADED = 4 * 2**20
 #: ``(block_q, block_k)`` of ``"auto"`` for eagerly executed libraries: two
 #: (H, 128, 256) float32 score blocks (1 MiB each for H = 8) stay cache-friendly.
 EAGER_TILES = (128, 256)
-#: The default routes a call the fused native kernel could take to the tiled path
-#: instead when causal/window structure hides at least this fraction of the
-#: (query block, key block) pairs of EAGER_TILES: torch, window (256, 0) + causal
-#: at L = 4096 skips 88% of the pairs (see benchmarks/results/cases-torch.json);
-#: causal alone skips 38-47% (L = 1024-4096), where the kernel stays faster.
+#: The default routes a call the fused native kernel could take whole (and not per
+#: tile) to the tiled path instead when causal/window structure hides at least this
+#: fraction of the (query block, key block) pairs of EAGER_TILES: torch, window
+#: (256, 0) + causal at L = 4096 skips 88% of the pairs (before the kernel per tile:
+#: benchmarks/results/cases-torch.json); causal alone skips 38-47% (L = 1024-4096),
+#: where the kernel stays faster.
 SKIP_FRACTION_FOR_TILED = 0.75
+#: Query tile (and key tile) of the native kernel run per tile (``Native.tiles``, rule 1):
+#: torch SDPA per 256-row tile over its visible key span, with the span's mask, ran a
+#: packed-document causal call (4 x 1024 in 4096, B=1, H=8, D=64) as fast as SDPA on
+#: each document alone; 128 and 512 rows were 1.2x and 1.4x slower (hand runs).
+NATIVE_TILE = 256
+#: ... and is chosen over one whole kernel call when block skipping hides at least this
+#: fraction of the (NATIVE_TILE, NATIVE_TILE) tile pairs.
+NATIVE_TILES_MIN_SKIP = 0.5
 #: NumPy's tiled path runs its query blocks in threads from this many bytes of dense
 #: scores (B x Hq x Lq x Lk x itemsize): on 2 cores, 2 threads with BLAS limited to
 #: one thread each took 0.71 (plain) / 0.77 (causal) of the single-threaded time at
@@ -172,6 +187,9 @@ LOOP_TILES = (1024, 1024)
 #: 5047 MiB; at 4096 the unrolled program was the faster (0.49 s against 0.59 s,
 #: 1.39 s against 1.80 s for the gradient) with 581 MiB / 1.5 GiB.
 LOOP_MIN_SCORE_BYTES = 2 * 2**30
+#: A traced block mask runs the traced loop whatever the length (only the loop can
+#: skip by value), in tiles of whole state blocks of at least this size.
+MASK_LOOP_MIN_TILE = 256
 #: Below LOOP_MIN_SCORE_BYTES a traced library unrolls the Python loop into the
 #: program: blocks of at least this size ...
 TRACED_MIN_BLOCK = 256
@@ -249,8 +267,10 @@ def choose_path(
     loop = runs_as_loop(call)  # rule 6: JAX runs long calls' blocks as a traced loop
     if isinstance(sizes, tuple):
         return Tiled(*sizes, fold=fold, loop=loop)
-    if implementation is None and _prefer_native(call, return_lse):
-        return Native(native_upcasts(call))
+    if implementation is None:
+        native = _native_route(call, return_lse)
+        if native is not None:
+            return native
     tiles = _auto_tiles(call)
     if tiles is None:
         return Dense(fold, dense_flash_form(call))
@@ -258,12 +278,18 @@ def choose_path(
 
 
 def unsupported_reason(
-    call: AttentionCall, *, explicit_block_size: bool = False, return_lse: bool = False
+    call: AttentionCall,
+    *,
+    explicit_block_size: bool = False,
+    return_lse: bool = False,
+    per_tile: bool = False,
 ) -> str | None:
     """Why `call` cannot go to its library's native kernel, or None when it can.
 
     `explicit_block_size` is an int, a pair or "dense": a request for a portable
     tiled path. `return_lse`: neither kernel returns the log-sum-exp publicly.
+    `per_tile`: the kernel runs per query tile (``Native.tiles``), where a
+    ``mask_mod`` is evaluated into each tile's mask.
     torch SDPA and ``jax.nn.dot_product_attention`` (which needs Dv == Dk) take
     masks, bias, lengths, windows, segment ids and GQA.
     """
@@ -276,6 +302,7 @@ def unsupported_reason(
         for name, used in (
             ("softcap", plan.softcap is not None),
             ("score_mod", terms.score_mod is not None),
+            ("mask_mod (or block_mask)", terms.mask_mod is not None and not per_tile),
             ("alibi_slopes", terms.alibi_slopes is not None),
             ("dropout_mask", terms.dropout_keep is not None),
             ("sinks", terms.sinks is not None),
@@ -368,21 +395,55 @@ def _score_bytes(call: AttentionCall) -> int:
     return math.prod(plan.batch) * plan.num_q_heads * plan.q_len * plan.kv_len * _itemsize(call)
 
 
-def _prefer_native(call: AttentionCall, return_lse: bool) -> bool:
-    """Rule 1: the fused native kernel, unless block skipping saves most of the work."""
-    reason = unsupported_reason(call, return_lse=return_lse)
-    if not fused_native_kernel(call.query) or reason is not None:
-        return False
-    return skipped_fraction(call.plan, *EAGER_TILES) < SKIP_FRACTION_FOR_TILED
+def _native_route(call: AttentionCall, return_lse: bool) -> Native | None:
+    """Rule 1: the fused native kernel, whole or per query tile, unless the tiled path wins.
+
+    Per query tile (:data:`NATIVE_TILE` rows, ``Native.tiles``) where block skipping
+    hides at least :data:`NATIVE_TILES_MIN_SKIP` of the tile pairs or a ``mask_mod``
+    is given (the kernel cannot take one whole); whole where the tiled path would
+    skip under :data:`SKIP_FRACTION_FOR_TILED` of its pairs; else the tiled path.
+    """
+    if not fused_native_kernel(call.query):
+        return None
+    if unsupported_reason(call, return_lse=return_lse, per_tile=True) is not None:
+        return None
+    upcast = native_upcasts(call)
+    if call.terms.mask_mod is not None:
+        return Native(upcast, tiles=NATIVE_TILE)
+    if _kernel_causal(call):  # the kernel's own causal skipping: one call
+        return Native(upcast)
+    if skipped_fraction(call, NATIVE_TILE, NATIVE_TILE) >= NATIVE_TILES_MIN_SKIP:
+        return Native(upcast, tiles=NATIVE_TILE)
+    if skipped_fraction(call, *EAGER_TILES) < SKIP_FRACTION_FOR_TILED:
+        return Native(upcast)
+    return None
 
 
-def skipped_fraction(plan: AttentionPlan, block_q: int, block_k: int) -> float:
-    """Return the fraction of (query block, key block) pairs that causal/window structure hides."""
-    if plan.has_lengths or (not plan.is_causal and plan.window is None):
+def _kernel_causal(call: AttentionCall) -> bool:
+    """Causal alone on a square call: the kernel's causal flag skips the hidden half itself."""
+    plan = call.plan
+    return (
+        plan.is_causal
+        and plan.window is None
+        and plan.q_len == plan.kv_len
+        and call.terms.segment_blocks is None
+        and call.terms.block_host is None
+    )
+
+
+def skipped_fraction(call: AttentionCall, block_q: int, block_k: int) -> float:
+    """Return the fraction of (query block, key block) pairs the tiled path skips.
+
+    What :func:`~._tiled.pair_visibility` hides: causal/window structure, host segment
+    ids and a block mask's states. Nothing with an alignment from values (lengths).
+    """
+    plan, terms = call.plan, call.terms
+    by_value = terms.segment_blocks is not None or terms.block_host is not None
+    if plan.has_lengths or (not plan.band.restricts and not by_value):
         return 0.0  # nothing is static enough to skip
     q_blocks, k_blocks = block_ranges(plan.q_len, block_q), block_ranges(plan.kv_len, block_k)
     skipped = sum(
-        block_visibility(plan, q_range, k_range) == "skip"
+        pair_visibility(plan, terms, q_range, k_range) == "skip"
         for q_range in q_blocks
         for k_range in k_blocks
     )
@@ -413,15 +474,41 @@ def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
         if multithreaded_elementwise(call.query)
         else AUTO_DENSE_LIMIT_BYTES
     )
+    if _traced_block_mask(call):  # the loop skips what the states hide, at their blocks
+        return _mask_loop_tiles(call)
     if _score_bytes(call) <= limit:
         return None
     traced = traces_python_loops(call.query)
     return default_tiles(traced, plan.q_len, plan.kv_len, loop=runs_as_loop(call))
 
 
+def _mask_loop_tiles(call: AttentionCall) -> tuple[int, int]:
+    """Tiles of the traced loop over a traced block mask: multiples of its blocks.
+
+    At least :data:`MASK_LOOP_MIN_TILE` (a loop step costs more than a small block
+    computes), and whole state blocks, so every state maps onto one tile.
+    """
+    plan = call.plan
+    mq, mk = call.terms.state_block or EAGER_TILES
+    bq = mq * max(1, -(-MASK_LOOP_MIN_TILE // mq))
+    bk = mk * max(1, -(-MASK_LOOP_MIN_TILE // mk))
+    return min(bq, max(1, plan.q_len)), min(bk, max(1, plan.kv_len))
+
+
 def runs_as_loop(call: AttentionCall) -> bool:
-    """Rule 6: whether the tiled path of `call` runs as a traced loop (JAX, long calls)."""
-    return traces_python_loops(call.query) and _score_bytes(call) >= LOOP_MIN_SCORE_BYTES
+    """Rule 6: whether the tiled path of `call` runs as a traced loop (JAX).
+
+    Long calls, and calls with a block mask whose states are traced (only the loop
+    reads them by value and skips what they hide).
+    """
+    if not traces_python_loops(call.query):
+        return False
+    return _score_bytes(call) >= LOOP_MIN_SCORE_BYTES or _traced_block_mask(call)
+
+
+def _traced_block_mask(call: AttentionCall) -> bool:
+    terms = call.terms
+    return terms.block_states is not None and terms.block_host is None
 
 
 def default_tiles(traced: bool, q_len: int, kv_len: int, *, loop: bool = False) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._block_states import evaluate_mask_mod
 from ._compat import on_device
 from ._masks import Alignment, Band, arange, padding_allowed, segment_allowed
 
@@ -111,6 +112,16 @@ class ScoreTerms:
     kv_segments: Any = None
     #: host ids only (NumPy): which block pairs share no segment (``_masks.SegmentBlocks``)
     segment_blocks: Any = None
+    #: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (absolute positions), AND-ed
+    mask_mod: Callable[..., Any] | None = None
+    #: the block states of a block mask, (*batch|1, Hq|1, nq, nk) int8 (may be traced):
+    #: read by value inside the traced loop
+    block_states: Any = None
+    #: the query and key block sizes of `block_states`
+    state_block: tuple[int, int] | None = None
+    #: what the states say of a rectangle, read on the host
+    #: (``_block_states.HostStates``); None while the states are traced
+    block_host: Any = None
 
     @property
     def hides_by_value(self) -> bool:
@@ -120,6 +131,7 @@ class ScoreTerms:
             or self.q_lengths is not None
             or self.kv_lengths is not None
             or self.q_segments is not None
+            or self.mask_mod is not None
         )
 
 
@@ -211,12 +223,14 @@ def allowed_block(
     *,
     structural: bool = True,
     segments: bool = True,
+    mask_mod: bool = True,
 ) -> Any | None:
-    """Combine the user mask, causal, window, padding and segment ids for one block.
+    """Combine the user mask, causal, window, padding, segment ids and ``mask_mod`` for a block.
 
     Returns None when everything is allowed. ``structural=False`` leaves out the
     causal/window part (for blocks known to be fully inside the band),
-    ``segments=False`` the segment ids (for blocks known to lie in one segment).
+    ``segments=False`` the segment ids (for blocks known to lie in one segment),
+    ``mask_mod=False`` the ``mask_mod`` (for blocks its block mask shows in full).
     """
     parts = [slice_block(terms.mask, q_range, k_range)]  # (..., Hq|1, bq|1, bk|1)
     if structural and plan.band.restricts:  # (bq, bk) or (*batch, 1, bq, bk)
@@ -227,6 +241,18 @@ def allowed_block(
     )
     if segments:
         parts.append(segment_allowed(terms.q_segments, terms.kv_segments, q_range, k_range))
+    if mask_mod and terms.mask_mod is not None:  # (..., Hq|1, bq|1, bk|1)
+        parts.append(
+            evaluate_mask_mod(
+                xp,
+                terms.mask_mod,
+                terms.batch_index,
+                plan.num_q_heads,
+                q_range,
+                k_range,
+                plan.device,
+            )
+        )
     allowed = None
     for part in parts:
         if part is not None:

@@ -99,8 +99,16 @@ def _block_scores(
     scores = scores_block(xp, capped, bias, terms, plan, q_range, k_range)
     blocks = terms.segment_blocks  # host ids: a pair inside one document needs no id mask
     segments = blocks is None or not blocks.one_segment(q_range, k_range)
+    full = visibility == "full"  # the band and the block mask show every entry
     allowed = allowed_block(
-        xp, terms, plan, q_range, k_range, structural=visibility != "full", segments=segments
+        xp,
+        terms,
+        plan,
+        q_range,
+        k_range,
+        structural=not full,
+        segments=segments,
+        mask_mod=not full,
     )
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
@@ -118,12 +126,24 @@ def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
 
 
 def pair_visibility(plan: AttentionPlan, terms: ScoreTerms, q_range: Range, k_range: Range) -> str:
-    """:func:`block_visibility`, and ``"skip"`` for pairs host segment ids keep apart."""
+    """Return what is visible of a block pair: the one answer every eager path asks.
+
+    ``"skip"`` when the band (:func:`block_visibility`), host segment ids or the
+    block mask's states hide every entry; ``"full"`` when the band shows every entry
+    and a ``mask_mod`` (if any) is shown in full by its states (no mask work);
+    ``"partial"`` otherwise.
+    """
     vis = block_visibility(plan, q_range, k_range)
     blocks = terms.segment_blocks
     if vis != "skip" and blocks is not None and blocks.disjoint(q_range, k_range):
         return "skip"
-    return vis
+    if vis == "skip" or terms.mask_mod is None:
+        return vis
+    host = terms.block_host
+    states = "partial" if host is None else host.visibility(q_range, k_range)
+    if states == "skip":
+        return "skip"
+    return "full" if vis == "full" and states == "full" else "partial"
 
 
 def _sink_start(

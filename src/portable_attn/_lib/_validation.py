@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -440,6 +440,88 @@ def check_score_mod(score_mod: Any) -> None:
     if score_mod is not None and not callable(score_mod):
         msg = f"`score_mod` must be callable, but got {type(score_mod).__name__}"
         raise TypeError(msg)
+
+
+def check_mask_mod(mask_mod: Any, *, name: str = "mask_mod") -> None:
+    """`mask_mod`: None or a callable ``(batch, head, q_idx, kv_idx) -> bool array``."""
+    if mask_mod is not None and not callable(mask_mod):
+        msg = (
+            f"`{name}` must be callable as mask_mod(batch, head, q_idx, kv_idx), but got "
+            f"{type(mask_mod).__name__}"
+        )
+        raise TypeError(msg)
+
+
+def check_mask_mod_result(xp: Any, result: Any, target: Shape) -> None:
+    """Check that `mask_mod` returned a bool array broadcastable to the block (..., H, bq, bk)."""
+    if not hasattr(result, "shape") or not hasattr(result, "dtype"):
+        msg = (
+            f"`mask_mod` must return a boolean array broadcastable to {tuple(target)}, "
+            f"but returned {type(result).__name__} {result!r}"
+        )
+        raise TypeError(msg)
+    if result.dtype != xp.bool:
+        msg = (
+            f"`mask_mod` must return a boolean array (True = may attend), but returned "
+            f"dtype {result.dtype}"
+        )
+        raise TypeError(msg)
+    check_broadcastable_to("the result of `mask_mod`", result, tuple(target), "the block")
+
+
+def check_block_pair(name: str, value: Any, default: int) -> tuple[int, int]:
+    """Check an int or a pair of positive ints (None: `default` for both)."""
+    if value is None:
+        return default, default
+    sizes = value if isinstance(value, tuple) and len(value) == 2 else (value, value)
+    return check_count(name, sizes[0], minimum=1), check_count(name, sizes[1], minimum=1)
+
+
+def check_block_mask(
+    block_mask: Any,
+    mask_mod: Any,
+    batch: Shape,
+    num_q_heads: int,
+    q_len: int,
+    kv_len: int,
+    *,
+    kind: type,
+) -> None:
+    """Check that `block_mask` is a BlockMask built for this call's lengths, batch, heads."""
+    if not isinstance(block_mask, kind):
+        msg = (
+            "`block_mask` must be a BlockMask (portable_attn.block_mask.create_block_mask), "
+            f"but got {type(block_mask).__name__}"
+        )
+        raise TypeError(msg)
+    block_mask = cast(Any, block_mask)
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        msg = (
+            "got both `mask_mod` and a `block_mask` built from another mask_mod: pass the "
+            "block mask alone (it carries its mask_mod), or combine them with and_masks "
+            "before create_block_mask"
+        )
+        raise ValueError(msg)
+    b, h, lq, lk = block_mask.shape
+    if (lq, lk) != (q_len, kv_len):
+        msg = (
+            f"`block_mask` was built for (Lq, Lk) = ({lq}, {lk}), but `query` axis -2 has "
+            f"Lq={q_len} and `key` axis -2 has Lk={kv_len}"
+        )
+        raise ValueError(msg)
+    n = math.prod(batch)
+    if b not in (1, n):
+        msg = (
+            f"`block_mask` was built for batch={b}, but the call has {n} sequences "
+            f"(batch shape {tuple(batch)}): build it with batch={n} or None"
+        )
+        raise ValueError(msg)
+    if h not in (1, num_q_heads):
+        msg = (
+            f"`block_mask` was built for heads={h}, but `query` axis -3 has Hq={num_q_heads}: "
+            f"build it with heads={num_q_heads} or None"
+        )
+        raise ValueError(msg)
 
 
 def check_dropout(dropout_p: Any, dropout_mask: Any | None) -> float:

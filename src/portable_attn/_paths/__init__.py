@@ -22,7 +22,7 @@ from .._lib._dense import dense_attention
 from .._lib._path import DaskGrid, Dense, Empty, Native, Path, Tiled, keeps_input_dtype
 from ._autodiff import tiled_attention
 from ._dask import dask_attention
-from ._native import native_attention
+from ._native import native_attention, native_tiles
 from ._threads import threaded_attention
 
 __all__ = ["run"]
@@ -53,8 +53,10 @@ def run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any
             out, lse = tiled_attention(call, path)
         case Tiled():
             out, lse = threaded_attention(call, path)
-        case Native():
+        case Native(tiles=None):
             out, lse = native_attention(call), None  # in the input dtype when kept
+        case Native(tiles=int(tiles)):
+            out, lse = native_tiles(call, tiles), None
         case DaskGrid():
             result = dask_attention(call, path, with_lse=with_lse)
             out, lse = result if with_lse else (result, None)

@@ -50,7 +50,7 @@ from .._lib._fields import field
 from .._lib._masks import arange
 from .._lib._merge import merge_partials
 from .._lib._path import DaskGrid, Dense, Tiled
-from .._lib._scores import block_visibility
+from .._lib._tiled import pair_visibility
 from ._partial import partial_attention
 
 __all__ = ["dask_attention"]
@@ -112,6 +112,8 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
     grid = _grid(call, path)
     if call.terms.score_mod is not None:
         _check_score_mod(call, grid)
+    if call.terms.mask_mod is not None:
+        _check_mask_mod(call, grid)
     batch_axes = tuple(f"b{i}" for i in range(len(plan.batch)))
     arrays, skeleton = call.flatten()
     # every array field on the grid: the axes of its declaration, after the batch axes
@@ -130,6 +132,7 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
 
     dsk: dict[Any, Any] = {}
     head_ranges, q_ranges, k_ranges = ranges["hq"], ranges["lq"], ranges["lk"]
+    terms = call.terms
     for b_idx in itertools.product(*(range(len(ranges[a])) for a in batch_axes)):
         b_ranges = tuple(ranges[a][i] for a, i in zip(batch_axes, b_idx, strict=True))
         for hi, h_range in enumerate(head_ranges):
@@ -141,10 +144,10 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
                     lse_key = (lse_name, *b_idx, hi, qi, 0)
                     lse_dsk[lse_key] = (operator.getitem, root, 1)
                     out_key = root
-                visible = [  # key chunks with keys that causal/window do not hide entirely
+                visible = [  # key chunks with keys that the band and a block mask show
                     ki
                     for ki, kr in enumerate(k_ranges)
-                    if kr[1] > kr[0] and block_visibility(plan, q_range, kr) != "skip"
+                    if kr[1] > kr[0] and pair_visibility(plan, terms, q_range, kr) != "skip"
                 ]
                 index = {**dict(zip(batch_axes, b_idx, strict=True)), "hq": hi, "hkv": hi}
                 index["lq"] = qi
@@ -198,11 +201,14 @@ def _grid(call: AttentionCall, path: DaskGrid) -> dict[str, tuple[int, ...]]:
             if axis >= 0 and x.shape[axis] == n and n != 1:
                 bounds |= _bounds(x.chunks[axis])
         grid[f"b{i}"] = _chunks_from(bounds, n)
-    if call.terms.score_mod is not None:  # its blocks are (B..., Hq, bq, bk): all of them
+    # a score_mod's blocks are (B..., Hq, bq, bk), a mask_mod's index arrays cover
+    # every batch item and head: one chunk along both
+    whole = call.terms.score_mod is not None or call.terms.mask_mod is not None
+    if whole:
         grid.update({f"b{i}": (n,) for i, n in enumerate(plan.batch)})
     g = plan.groups
     head_bounds = {b for b in _bounds(call.query.chunks[-3]) if b % g == 0}
-    if call.terms.score_mod is not None:
+    if whole:
         head_bounds = set()
     grid["hq"] = _chunks_from(head_bounds, plan.num_q_heads)
     grid["hkv"] = tuple(n // g for n in grid["hq"])
@@ -229,6 +235,19 @@ def _check_score_mod(call: AttentionCall, grid: dict[str, tuple[int, ...]]) -> N
     score_mod(
         scores, batch, head, arange(xp, 0, bq, None)[:, None], arange(xp, 0, bk, None)[None, :]
     )
+
+
+def _check_mask_mod(call: AttentionCall, grid: dict[str, tuple[int, ...]]) -> None:
+    """Call the checked `mask_mod` once, lazily, on the index arrays of the first chunk pair.
+
+    Raises its dtype and shape errors on the Dask-level call; nothing is computed.
+    """
+    xp, plan = call.xp, call.plan
+    bq, bk = grid["lq"][0], grid["lk"][0]
+    mask_mod: Any = call.terms.mask_mod
+    head = arange(xp, 0, plan.num_q_heads, None)[:, None, None]
+    q_idx, kv_idx = arange(xp, 0, bq, None)[:, None], arange(xp, 0, bk, None)[None, :]
+    mask_mod(call.terms.batch_index, head, q_idx, kv_idx)
 
 
 def _bounds(chunks: tuple[int, ...]) -> set[int]:
@@ -325,6 +344,8 @@ def _chunk_call(kernel: _Kernel, pair: _Pair, blocks: tuple[Array | None, ...]) 
     if terms.score_mod is not None:
         mod = _head_shifted(_on_dask(terms.score_mod), h0)
         terms = dataclasses.replace(terms, score_mod=mod)
+    if terms.mask_mod is not None:  # batch and heads are one chunk (see _grid)
+        terms = dataclasses.replace(terms, mask_mod=_on_dask(terms.mask_mod))
     return dataclasses.replace(call, xp=xp, terms=terms)
 
 
@@ -353,22 +374,23 @@ def _pair_task(kernel: _Kernel, pair: _Pair, *blocks: Array | None) -> Any:
     return out, xp.broadcast_to(lse, (*full, 1))
 
 
-def _on_dask(score_mod: Callable[..., Array] | None) -> Callable[..., Array] | None:
-    """`score_mod` called as on the Dask-level call: on one-chunk Dask arrays, computed here.
+def _on_dask(fn: Callable[..., Array] | None) -> Callable[..., Array] | None:
+    """Wrap a `score_mod` / `mask_mod` to be called as on the Dask-level call (Dask arrays).
 
-    A `score_mod` written for a Dask call uses the Dask namespace (and may hold Dask
+    A function written for a Dask call uses the Dask namespace (and may hold Dask
     arrays, e.g. a learned table); inside a task the scores and index arrays are NumPy
     (CuPy) chunks, so they are lifted to one-chunk Dask arrays for the call and the
     result is computed in the task with the synchronous scheduler.
     """
-    if score_mod is None:
+    if fn is None:
         return None
 
-    def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+    def mod(*args: Array) -> Array:
         import dask.array as da
 
-        lifted = [da.from_array(x, chunks=x.shape) for x in (scores, batch, head, q_idx, kv_idx)]
-        return score_mod(*lifted).compute(scheduler="sync")
+        lifted = [da.from_array(x, chunks=x.shape) for x in args]
+        result = fn(*lifted)
+        return result.compute(scheduler="sync") if hasattr(result, "dask") else result
 
     return mod
 

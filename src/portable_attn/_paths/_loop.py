@@ -38,7 +38,7 @@ from typing import Any
 
 from .._lib._call import AttentionCall
 from .._lib._compat import stop_gradient
-from .._lib._fields import Role, field
+from .._lib._fields import Role, axis_of, field
 from .._lib._merge import merge_partials
 from .._lib._path import Tiled
 from .._lib._tiled import sum_to_shape, tiled_backward, tiled_forward
@@ -109,11 +109,7 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
 
 def _dim(name: str, x: Array, axis: str) -> int | None:
     """Return the dimension of field `name`'s `x` that runs along grid `axis`, or None."""
-    axes = field(name).axes
-    if axis not in axes:
-        return None
-    d = x.ndim - len(axes) + axes.index(axis)
-    return None if d < 0 or x.shape[d] == 1 else d  # size one: broadcast
+    return axis_of(name, x, axis)
 
 
 def _pad_to(x: Array, d: int | None, length: int) -> Array:
@@ -170,6 +166,8 @@ def _block(
     if full:
         changes.update(is_causal=False, window=None)
     call = skeleton.unflatten(blocks, **changes)
+    if full and call.terms.mask_mod is not None:  # its block mask shows the pair in full
+        call = dataclasses.replace(call, terms=dataclasses.replace(call.terms, mask_mod=None))
     return place_block(call, q_start=q_start, kv_start=kv_start, q_total=grid.lq, kv_total=grid.lk)
 
 
@@ -233,29 +231,83 @@ def _segment_pairs(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Gri
     return jnp.any(jnp.logical_not(apart), axis=0)
 
 
-def _first_and_stop(visible: Array) -> tuple[Array, Array]:
-    """Return the first True of a bool vector and one past its last (both 0 when none)."""
+def _overlaps(length: int, block: int, count: int, state_block: int) -> Array:
+    """(count, n_states) 0/1: which state blocks each loop block of `block` overlaps."""
+    import numpy as np
+
+    n_states = -(-length // state_block)
+    starts = np.arange(count) * block
+    stops = np.minimum(starts + block, length)
+    first, last = starts // state_block, (stops - 1) // state_block
+    idx = np.arange(n_states)
+    return ((idx >= first[:, None]) & (idx <= last[:, None])).astype(np.float32)
+
+
+def _mask_pairs(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> tuple[Any, Any]:
+    """(nq, nk) bool each: the pairs a block mask shows at all, and those it shows in full.
+
+    From the states' values inside the program (a traced block mask skips too),
+    reduced over batch and heads and mapped onto the loop's blocks (a loop block is
+    hidden only if every state block it overlaps is, full only if every one is).
+    (None, None) without a block mask.
+    """
     import jax.numpy as jnp
 
+    states = arrays.get("block_states")
+    if states is None:
+        return None, None
+    mq, mk = skeleton.terms.state_block or (grid.bq, grid.bk)
+    lead = tuple(range(states.ndim - 2))
+    some = jnp.any(states != 0, axis=lead).astype(jnp.float32)  # (nq_states, nk_states)
+    partly = jnp.any(states != 2, axis=lead).astype(jnp.float32)
+    oq = jnp.asarray(_overlaps(grid.lq, grid.bq, grid.nq, mq))  # (nq, nq_states)
+    ok = jnp.asarray(_overlaps(grid.lk, grid.bk, grid.nk, mk))  # (nk, nk_states)
+    shown = (oq @ some @ ok.T) > 0  # (nq, nk): counts of visible state blocks
+    full = (oq @ partly @ ok.T) == 0
+    return shown, full
+
+
+def _pairs(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
+    """(nq, nk) bool of the pairs visible by value (segment ids, block mask), or None."""
+    import jax.numpy as jnp
+
+    seg = _segment_pairs(skeleton, arrays, grid)
+    shown, _ = _mask_pairs(skeleton, arrays, grid)
+    if seg is None or shown is None:
+        return shown if seg is None else seg
+    return jnp.logical_and(seg, shown)
+
+
+def _visits(lo: Any, hi: Any, visible: Any) -> tuple[Any, Any, Any]:
+    """``(start, stop, index)``: visit ``index(t)`` for ``t`` in ``[start, stop)``.
+
+    Blocks ``[lo, hi)`` (the band and lengths); with a `visible` row of the pairs
+    visible by value (segment ids, a block mask: any pattern, strided or global
+    tokens), the list of the blocks in ``[lo, hi)`` it shows, in order.
+    """
+    import jax.numpy as jnp
+
+    if visible is None:
+        return lo, jnp.maximum(hi, lo), lambda t: t
     n = visible.shape[0]
-    first = jnp.argmax(visible)
-    stop = n - jnp.argmax(visible[::-1])
-    seen = jnp.any(visible)
-    return jnp.where(seen, first, 0), jnp.where(seen, stop, 0)
+    idx = jnp.arange(n)
+    row = jnp.logical_and(visible, jnp.logical_and(idx >= lo, idx < hi))
+    order = jnp.argsort(jnp.logical_not(row), stable=True)  # visible blocks first, in order
+    return jnp.asarray(0), jnp.sum(row.astype(jnp.int32)), lambda t: order[t]
 
 
 def _key_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """``i -> (first, stop)``: the key blocks query block `i` can see.
+    """``i -> (start, stop, index)``: the key blocks query block `i` can see (:func:`_visits`).
 
-    From the band, the lengths and the segment ids (:func:`_segment_pairs`).
+    From the band, the lengths, the segment ids and a block mask.
     """
     import jax.numpy as jnp
 
     band = skeleton.plan.band
     off_lo, off_hi, q_max, kv_max = _offsets(skeleton, arrays)
-    pairs = _segment_pairs(skeleton, arrays, grid)
+    pairs = _pairs(skeleton, arrays, grid)
 
-    def keys(i: Any) -> tuple[Any, Any]:
+    def keys(i: Any) -> tuple[Any, Any, Any]:
         first_q = i * grid.bq + off_lo  # the smallest aligned position i' of the block
         last_q = jnp.minimum(i * grid.bq + grid.bq, grid.lq) - 1 + off_hi
         lo = jnp.asarray(0)
@@ -265,23 +317,20 @@ def _key_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -
         if band.right is not None:
             hi = jnp.minimum(hi, jnp.floor_divide(last_q + band.right, grid.bk) + 1)
         hi = jnp.where(i * grid.bq >= q_max, lo, hi)  # rows past every query length
-        if pairs is not None:  # key blocks of other documents: none
-            seg_lo, seg_hi = _first_and_stop(pairs[i])
-            lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
-        return lo, jnp.maximum(hi, lo)
+        return _visits(lo, hi, None if pairs is None else pairs[i])
 
     return keys
 
 
 def _query_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """``j -> (first, stop)``: the query blocks that can see key block `j`."""
+    """``j -> (start, stop, index)``: the query blocks that can see key block `j`."""
     import jax.numpy as jnp
 
     band = skeleton.plan.band
     off_lo, off_hi, q_max, kv_max = _offsets(skeleton, arrays)
-    pairs = _segment_pairs(skeleton, arrays, grid)
+    pairs = _pairs(skeleton, arrays, grid)
 
-    def queries(j: Any) -> tuple[Any, Any]:
+    def queries(j: Any) -> tuple[Any, Any, Any]:
         first_k = j * grid.bk
         last_k = jnp.minimum(j * grid.bk + grid.bk, grid.lk) - 1
         lo = jnp.asarray(0)
@@ -291,12 +340,32 @@ def _query_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid)
         if band.left is not None:  # i' <= j + left
             hi = jnp.minimum(hi, jnp.floor_divide(last_k + band.left - off_lo, grid.bq) + 1)
         hi = jnp.where(first_k >= kv_max, lo, hi)
-        if pairs is not None:  # query blocks of other documents: none
-            seg_lo, seg_hi = _first_and_stop(pairs[:, j])
-            lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
-        return lo, jnp.maximum(hi, lo)
+        return _visits(lo, hi, None if pairs is None else pairs[:, j])
 
     return queries
+
+
+def _full_pair(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
+    """``(i, j) -> bool``: the pair needs no band and no ``mask_mod``; None if never known.
+
+    The band's part needs a static alignment (no lengths); the block mask's part
+    its states (:func:`_mask_pairs`).
+    """
+    import jax.numpy as jnp
+
+    plan = skeleton.plan
+    band_static = plan.band.restricts and not plan.has_lengths
+    if plan.band.restricts and plan.has_lengths:
+        return None  # the band's alignment comes from values: never dropped
+    _, mask_full = _mask_pairs(skeleton, arrays, grid)
+    if not band_static and mask_full is None:
+        return None
+
+    def full(i: Any, j: Any) -> Any:
+        ok = _full(skeleton, grid, i, j) if band_static else jnp.asarray(True)
+        return ok if mask_full is None else jnp.logical_and(ok, mask_full[i, j])
+
+    return full
 
 
 def _rows(x: Array, grid: _Grid, i: Any) -> Array:
@@ -340,11 +409,10 @@ def _forward(
     plan = skeleton.plan
     padded = _padded(arrays, grid)
     keys = _key_range(skeleton, arrays, grid)
+    full_pair = _full_pair(skeleton, arrays, grid)
     rows = (*plan.batch, plan.num_q_heads, grid.bq)
     dtype = plan.compute_dtype
     stop = stop_gradient if differentiable else None
-
-    band_only = skeleton.plan.band.restricts and not skeleton.plan.has_lengths
 
     def pair(i: Any, j: Any, carry: Any) -> Any:
         def run(full: bool) -> Any:
@@ -354,18 +422,19 @@ def _forward(
 
             return compute
 
-        if not band_only:  # no band, or an alignment from values: one kind of block
+        if full_pair is None:  # one kind of block: every mask applies
             return run(False)(carry)
-        return lax.cond(_full(skeleton, grid, i, j), run(True), run(False), carry)
+        return lax.cond(full_pair(i, j), run(True), run(False), carry)
 
     def query_block(i: Any) -> Any:
         init = (jnp.zeros((*rows, plan.value_dim), dtype), jnp.full((*rows, 1), -jnp.inf, dtype))
-        lo, hi = keys(i)
-        if not differentiable:  # a loop from the first to the last visible key block
-            return lax.fori_loop(lo, hi, lambda j, c: pair(i, j, c), init)
+        start, stop_at, index = keys(i)
+        if not differentiable:  # a loop over the visible key blocks
+            return lax.fori_loop(start, stop_at, lambda t, c: pair(i, index(t), c), init)
 
-        def step(j: Any, carry: Any) -> Any:  # a fixed trip count, transposable
-            visible = jnp.logical_and(j >= lo, j < hi)
+        def step(t: Any, carry: Any) -> Any:  # a fixed trip count, transposable
+            visible = jnp.logical_and(t >= start, t < stop_at)
+            j = index(jnp.minimum(t, grid.nk - 1))
             return lax.cond(visible, lambda c: pair(i, j, c), lambda c: c, carry)
 
         return lax.fori_loop(0, grid.nk, step, init)
@@ -420,12 +489,12 @@ def _backward(
         **{n: jnp.zeros_like(arrays[n]) for n in summed},
     }
     k_pad, v_pad = padded["key"], padded["value"]
-    band_only = skeleton.plan.band.restricts and not skeleton.plan.has_lengths
+    full_pair = _full_pair(skeleton, arrays, grid)
     k_blk = (*k_pad.shape[:-2], grid.bk, k_pad.shape[-1])
     v_blk = (*v_pad.shape[:-2], grid.bk, v_pad.shape[-1])
 
     def key_block(carry: dict[str, Any], j: Any) -> Any:
-        lo, hi = queries(j)
+        start, stop_at, index = queries(j)
 
         def grads_of(i: Any, full: bool) -> Any:
             def compute(_: Any) -> dict[str, Array]:
@@ -442,12 +511,11 @@ def _backward(
 
             return compute
 
-        def pair(i: Any, c: Any) -> Any:
+        def pair(t: Any, c: Any) -> Any:
+            i = index(t)
             acc, dk, dv = c
-            if band_only:  # blocks inside the band need no causal/window mask
-                g = lax.cond(
-                    _full(skeleton, grid, i, j), grads_of(i, True), grads_of(i, False), None
-                )
+            if full_pair is not None:  # blocks shown in full need no band or mask_mod
+                g = lax.cond(full_pair(i, j), grads_of(i, True), grads_of(i, False), None)
             else:
                 g = grads_of(i, False)(None)
             acc = dict(acc)
@@ -459,7 +527,7 @@ def _backward(
             return acc, dk + g["key"], dv + g["value"]
 
         zeros = (jnp.zeros(k_blk, k_pad.dtype), jnp.zeros(v_blk, v_pad.dtype))
-        carry, dk, dv = lax.fori_loop(lo, hi, pair, (carry, *zeros))
+        carry, dk, dv = lax.fori_loop(start, stop_at, pair, (carry, *zeros))
         return carry, (dk, dv)
 
     carry: Any

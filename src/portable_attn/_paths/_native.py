@@ -32,9 +32,11 @@ from .._lib._scores import (
     hidden_by_value,
     rows_may_be_empty,
 )
+from .._lib._tiled import block_ranges, pair_visibility
 from .._lib._validation import array_or_none
+from ._partial import cut_call
 
-__all__ = ["native_attention"]
+__all__ = ["native_attention", "native_tiles"]
 
 
 def _visible_rows(xp: Any, allowed: Any | None, bias: Any | None) -> Any:
@@ -97,12 +99,17 @@ def native_attention(call: AttentionCall) -> Any:
     # except with Lq == Lk, where both alignments agree and the fused causal kernel
     # can be used (it takes no mask beside it).
     plain = not hidden_by_value(bias, terms)
-    square = plan.q_len == plan.kv_len
+    # square, and aligned at the diagonal (a part placed elsewhere is not)
+    square = plan.q_len == plan.kv_len and plan.offset == 0
     kernel_causal = plan.is_causal and plan.window is None and square and plain
     hides_nothing = block_visibility(plan, whole_q, whole_k) == "full"
     # one query, causal, kv_lengths alone: j <= kv_len - 1 is what the padding says
     decoding = (
-        plan.q_len == 1 and plan.is_causal and plan.window is None and terms.q_lengths is None
+        plan.q_len == 1
+        and plan.is_causal
+        and plan.window is None
+        and terms.q_lengths is None
+        and plan.align is None  # a whole call: its one query is aligned at kv_len - 1
     )
     structural = not (kernel_causal or hides_nothing or decoding)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
@@ -125,6 +132,114 @@ def native_attention(call: AttentionCall) -> Any:
     else:
         out = _jax(xp, q, k, v, allowed, bias, plan, kernel_causal)
     return out if visible is None else xp.where(visible, out, 0.0)
+
+
+def native_tiles(call: AttentionCall, tile: int) -> Any:
+    """Run the kernel once per query tile, over the keys its visible key tiles span.
+
+    For each query tile of `tile` rows, the key tiles that block skipping hides
+    (:func:`~portable_attn._lib._tiled.pair_visibility`: the band, host segment ids,
+    a block mask) are left out: the kernel sees the keys from the first visible key
+    tile to the last (:func:`~._partial.cut_call`, at their positions in the whole
+    call), with the masks the part needs -- none where the span is shown in full and
+    lies in one segment. Consecutive tiles that together make a square causal part
+    inside one segment (a packed document) are one call with the kernel's own causal
+    flag (:func:`_causal_runs`). A query tile that sees no key is zeros (from the
+    kernel given its first key tile, all of it hidden). Exact: every visible key of a
+    row is in its tile's span.
+
+    Returns
+    -------
+    array, shape (*batch, Hq, Lq, Dv)
+        In the dtype of `call`'s Q, as :func:`native_attention`.
+    """
+    xp, plan, terms = call.xp, call.plan, call.terms
+    k_tiles = block_ranges(plan.kv_len, tile)
+    parts = []
+    for q_range in block_ranges(plan.q_len, tile):
+        seen = [pair_visibility(plan, terms, q_range, kr) for kr in k_tiles]
+        shown = [j for j, vis in enumerate(seen) if vis != "skip"]
+        # no visible key: the first key tile, whose masks hide it all (the kernel's
+        # empty-row handling gives zeros, and zero gradients that autograd can reach)
+        first, last = (shown[0], shown[-1]) if shown else (0, 0)
+        span = (k_tiles[first][0], k_tiles[last][1])
+        full = bool(shown) and all(vis == "full" for vis in seen[first : last + 1])
+        parts.append((q_range, span, full))
+    outs = []
+    for q_range, span, full in _causal_runs(call, parts):
+        part = _without_shown_masks(cut_call(call, q_range, span), terms, q_range, span, full)
+        outs.append(native_attention(part))
+    return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+
+
+def _causal_runs(call: AttentionCall, parts: list[Any]) -> list[Any]:
+    """Merge runs of tiles that share a span start into square causal parts where exact.
+
+    A run of query tiles ``[s, e)`` whose spans all start at ``s`` and whose last span
+    ends at ``e`` is the square part ``[s, e) x [s, e)``: with causal alone inside it
+    (one segment, a ``mask_mod`` shown in full, nothing else hiding by value) it is
+    one kernel call with the kernel's causal flag, which skips the upper triangle
+    itself (a packed document: SDPA on the document alone).
+    """
+    plan, terms = call.plan, call.terms
+    rest = dataclasses.replace(
+        terms, q_segments=None, kv_segments=None, segment_blocks=None, mask_mod=None
+    )
+    if not plan.is_causal or plan.window is not None or hidden_by_value(call.bias, rest):
+        return parts
+    merged: list[Any] = []
+    i = 0
+    while i < len(parts):
+        (qs, _), (lo, _), _ = parts[i]
+        j = i
+        if lo == qs:  # a run can start here: find where its last span ends on the diagonal
+            while j + 1 < len(parts) and parts[j + 1][1][0] == lo:
+                j += 1
+            while j > i and parts[j][1][1] != parts[j][0][1]:
+                j -= 1
+        qe = parts[j][0][1]
+        if j > i and parts[j][1][1] == qe and _inside_one_mask(terms, (qs, qe), (lo, qe)):
+            merged.append(((qs, qe), (lo, qe), False))
+            i = j + 1
+        else:
+            merged.append(parts[i])
+            i += 1
+    return merged
+
+
+def _inside_one_mask(terms: Any, q_range: Any, span: Any) -> bool:
+    """Whether segment ids and a ``mask_mod`` show every entry of the part (host reads)."""
+    blocks = terms.segment_blocks
+    if terms.q_segments is not None and (blocks is None or not blocks.one_segment(q_range, span)):
+        return False
+    if terms.mask_mod is not None:
+        host = terms.block_host
+        return host is not None and host.visibility(q_range, span) == "full"
+    return True
+
+
+def _without_shown_masks(
+    part: AttentionCall, terms: Any, q_range: Any, span: Any, full: bool
+) -> AttentionCall:
+    """`part` without the masks that show all of it: band, segments, ``mask_mod``."""
+    new_terms = part.terms
+    blocks = terms.segment_blocks
+    if blocks is not None and blocks.one_segment(q_range, span):
+        new_terms = dataclasses.replace(
+            new_terms, q_segments=None, kv_segments=None, segment_blocks=None
+        )
+    host = terms.block_host
+    if (
+        terms.mask_mod is not None
+        and host is not None
+        and host.visibility(q_range, span) == "full"
+    ):
+        new_terms = dataclasses.replace(new_terms, mask_mod=None, block_host=None)
+    plan = part.plan
+    if full:
+        plan = dataclasses.replace(plan, is_causal=False, window=None)
+        new_terms = dataclasses.replace(new_terms, mask_mod=None, block_host=None)
+    return dataclasses.replace(part, plan=plan, terms=new_terms)
 
 
 def _torch(

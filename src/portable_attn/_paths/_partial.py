@@ -20,11 +20,12 @@ from typing import Any
 
 from .._lib._call import AttentionCall
 from .._lib._compat import on_device
+from .._lib._fields import axis_of
 from .._lib._masks import Alignment
 from .._lib._path import DaskGrid, Dense, Empty, Path, Tiled
 from .._lib._tiled import tiled_forward
 
-__all__ = ["partial_attention", "place_block", "shift_keys"]
+__all__ = ["cut_call", "partial_attention", "place_block", "shift_keys"]
 
 Array = Any
 
@@ -50,7 +51,13 @@ def shift_keys(call: AttentionCall, kv_start: int | Array, kv_total: int) -> Att
         def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
             return inner(scores, batch, head, q_idx, kv_idx + kv_start)
 
-    new_terms = dataclasses.replace(terms, kv_lengths=local, score_mod=mod)
+    new_terms = dataclasses.replace(
+        terms,
+        kv_lengths=local,
+        score_mod=mod,
+        mask_mod=_shifted_mask_mod(terms.mask_mod, 0, kv_start),
+        block_host=None,  # a traced start: its blocks are read by nobody on the host
+    )
     return dataclasses.replace(
         call, plan=dataclasses.replace(plan, has_lengths=True), terms=new_terms
     )
@@ -99,10 +106,53 @@ def place_block(
 
     align = Alignment(q_start=q_start, kv_start=kv_start, q_total=q_total, kv_total=kv_total)
     new_plan = dataclasses.replace(plan, align=align)
+    host = terms.block_host
+    if host is not None:  # the states of the whole call, read at the part's positions
+        static = isinstance(q_start, int) and isinstance(kv_start, int)
+        host = host.placed(q_start, kv_start) if static else None
     new_terms = dataclasses.replace(
-        terms, q_lengths=q_lengths, kv_lengths=kv_lengths, score_mod=mod
+        terms,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        score_mod=mod,
+        mask_mod=_shifted_mask_mod(terms.mask_mod, q_start, kv_start),
+        block_host=host,
     )
     return dataclasses.replace(call, plan=new_plan, terms=new_terms)
+
+
+def cut_call(
+    call: AttentionCall, q_range: tuple[int, int], k_range: tuple[int, int]
+) -> AttentionCall:
+    """Return the part of `call` with queries `q_range` and keys `k_range`, placed there.
+
+    Every array field is sliced along the axes its declaration names (size-one axes
+    stay broadcast); causal, window, lengths, ALiBi, `score_mod` and `mask_mod` keep the
+    positions of the whole call (:func:`place_block`).
+    """
+    (qs, qe), (ks, ke) = q_range, k_range
+    plan = call.plan
+    arrays, skeleton = call.flatten()
+    parts = {}
+    for name, x in arrays.items():
+        for axis, (start, stop) in (("lq", q_range), ("lk", k_range)):
+            d = axis_of(name, x, axis)
+            if d is not None:
+                x = x[(slice(None),) * d + (slice(start, stop),)]
+        parts[name] = x
+    part = skeleton.unflatten(parts, q_len=qe - qs, kv_len=ke - ks)
+    return place_block(part, q_start=qs, kv_start=ks, q_total=plan.q_len, kv_total=plan.kv_len)
+
+
+def _shifted_mask_mod(mask_mod: Any, q_start: int | Array, kv_start: int | Array) -> Any:
+    """`mask_mod` seeing the absolute positions of a part placed at these starts."""
+    if mask_mod is None or (_is_zero(q_start) and _is_zero(kv_start)):
+        return mask_mod
+
+    def shifted(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+        return mask_mod(batch, head, q_idx + q_start, kv_idx + kv_start)
+
+    return shifted
 
 
 def _is_zero(x: int | Array) -> bool:

@@ -25,18 +25,31 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._lib._call import AttentionCall
+from .._lib._compat import parallel_query_blocks
 from .._lib._cpu import available_workers, blas_limited
 from .._lib._path import Blocks, Tiled
 from .._lib._scores import with_ones_column
 from .._lib._tiled import block_ranges, pair_visibility, tiled_forward
 
-__all__ = ["available_workers", "threaded_attention"]
+__all__ = ["available_workers", "tile_map", "threaded_attention"]
 
 
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     """Return the process-wide pool for `workers` threads (started once, not per call)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="portable_attn")
+
+
+def tile_map(xp: Any) -> Any:
+    """Return a ``map`` over independent tiles: a thread per core for NumPy, else ``map``.
+
+    For :func:`portable_attn.block_mask.create_block_mask`, whose tiles are
+    elementwise work that NumPy runs on one core with the GIL released.
+    """
+    workers = available_workers()
+    if workers < 2 or not parallel_query_blocks(xp.asarray(0)):
+        return map
+    return _pool(workers).map
 
 
 def _balanced_chunks(call: AttentionCall, q_ranges: list[Any], block_k: Blocks, n: int) -> list:

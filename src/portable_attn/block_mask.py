@@ -1,0 +1,154 @@
+"""FlexAttention-style masks on every backend: ``mask_mod`` and a reusable block mask.
+
+A ``mask_mod(batch, head, q_idx, kv_idx) -> bool array`` says which queries may
+attend to which keys, written with array-API operations on broadcasting index
+arrays (``batch`` (B, 1, 1, 1), ``head`` (H, 1, 1), ``q_idx`` (bq, 1), ``kv_idx``
+(1, bk): raw positions, FlexAttention's convention). :func:`create_block_mask`
+evaluates it once, tile by tile, into a :class:`BlockMask`: per (batch, head,
+query block, key block) whether the block is hidden (not computed at all),
+partially visible (computed, the mask evaluated) or fully visible (computed, no
+mask work). One block mask serves every call of a batch (every layer of a model):
+
+>>> import numpy as np
+>>> from portable_attn import scaled_dot_product_attention
+>>> from portable_attn.block_mask import and_masks, create_block_mask
+>>> doc = np.repeat(np.arange(4), 64)                      # 4 documents of 64 tokens
+>>> def same_doc(b, h, q_idx, kv_idx):
+...     return doc[q_idx] == doc[kv_idx]
+>>> def causal(b, h, q_idx, kv_idx):
+...     return q_idx >= kv_idx
+>>> bm = create_block_mask(and_masks(same_doc, causal), None, None, 256, 256, block_size=32)
+>>> bm.visible_fraction(), bm.sparsity()
+(0.1875, 81.25)
+>>> q = k = v = np.random.default_rng(0).standard_normal((1, 2, 256, 16))
+>>> scaled_dot_product_attention(q, k, v, block_mask=bm).shape
+(1, 2, 256, 16)
+
+Positions are raw indices: ``q_idx >= kv_idx`` is top-left aligned causal. The
+library's ``is_causal`` is bottom-right aligned (``kv_idx <= q_idx + Lk - Lq``);
+the two agree when ``Lq == Lk``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._lib import _validation as v
+from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, build_states
+from ._lib._compat import array_namespace, namespace_or_numpy, on_device
+from ._paths._threads import tile_map
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "FULL",
+    "HIDDEN",
+    "PARTIAL",
+    "BlockMask",
+    "and_masks",
+    "create_block_mask",
+    "or_masks",
+]
+
+Array = Any
+MaskMod = Callable[[Array, Array, Array, Array], Array]
+
+#: FlexAttention's default block size.
+DEFAULT_BLOCK_SIZE = 128
+
+
+def create_block_mask(
+    mask_mod: MaskMod,
+    batch: int | None,
+    heads: int | None,
+    q_len: int,
+    kv_len: int,
+    *,
+    block_size: int | tuple[int, int] | None = None,
+    xp: Any = None,
+    device: Any = None,
+) -> BlockMask:
+    """Evaluate `mask_mod` tile by tile into a :class:`BlockMask`.
+
+    Parameters
+    ----------
+    mask_mod : callable
+        ``mask_mod(batch, head, q_idx, kv_idx) -> bool array`` broadcasting to
+        (B, H, bq, bk), from ``batch`` (B, 1, 1, 1), ``head`` (H, 1, 1), ``q_idx``
+        (bq, 1) and ``kv_idx`` (1, bk): raw positions (FlexAttention's convention).
+        True where the query may attend to the key.
+    batch, heads : int or None
+        The batch size (the flat number of sequences, for several batch axes) and
+        query heads the mask differs over; None: the same for every sequence /
+        head (the mask is built once, for index 0, and broadcasts).
+    q_len, kv_len : int
+        Number of queries and keys.
+    block_size : int or (int, int), optional
+        Query and key block sizes; default 128 (FlexAttention's).
+    xp : namespace, optional
+        The array library to evaluate `mask_mod` with (the one its closed-over
+        arrays belong to); default NumPy.
+    device : device, optional
+        Where to evaluate it.
+
+    Returns
+    -------
+    BlockMask
+        States (B | 1, H | 1, ceil(Lq / bq), ceil(Lk / bk)), built in tiles of whole
+        blocks of at most 1 Mi booleans (NumPy: one thread per core): O(block)
+        memory, never the (Lq, Lk) mask.
+
+    Raises
+    ------
+    TypeError
+        `mask_mod` not callable or returning a non-boolean array.
+    ValueError
+        Negative lengths, non-positive sizes, a result that does not broadcast.
+    """
+    v.check_mask_mod(mask_mod)
+    xp = namespace_or_numpy(xp, caller="create_block_mask")
+    for name, n in (("batch", batch), ("heads", heads)):
+        if n is not None:
+            v.check_count(name, n, minimum=1)
+    q_len = v.check_count("q_len", q_len, minimum=0)
+    kv_len = v.check_count("kv_len", kv_len, minimum=0)
+    block = v.check_block_pair("block_size", block_size, DEFAULT_BLOCK_SIZE)
+    b, h = batch or 1, heads or 1
+    batch_index = xp.reshape(xp.arange(0, b, **on_device(device)), (b, 1, 1, 1))
+
+    def check(result: Array, shape: tuple[int, ...]) -> None:
+        v.check_mask_mod_result(xp, result, shape)
+
+    states = build_states(
+        xp, mask_mod, batch_index, h, q_len, kv_len, block, device, check, tile_map(xp)
+    )
+    return BlockMask(states, mask_mod, q_len, kv_len, block)
+
+
+def and_masks(*mask_mods: MaskMod) -> MaskMod:
+    """Return a ``mask_mod`` True where every one of `mask_mods` is (True without any)."""
+    return _combine("and_masks", mask_mods, all_of=True)
+
+
+def or_masks(*mask_mods: MaskMod) -> MaskMod:
+    """Return a ``mask_mod`` True where any of `mask_mods` is (False without any)."""
+    return _combine("or_masks", mask_mods, all_of=False)
+
+
+def _combine(name: str, mask_mods: tuple[MaskMod, ...], *, all_of: bool) -> MaskMod:
+    for i, mod in enumerate(mask_mods):
+        v.check_mask_mod(mod, name=f"{name} argument {i}")
+
+    def combined(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+        xp = array_namespace(q_idx=q_idx)
+        if not mask_mods:
+            return (q_idx >= 0) if all_of else (q_idx < 0)  # True / False, (bq, 1)
+        result = mask_mods[0](batch, head, q_idx, kv_idx)
+        for mod in mask_mods[1:]:
+            part = mod(batch, head, q_idx, kv_idx)
+            result = xp.logical_and(result, part) if all_of else xp.logical_or(result, part)
+        return result
+
+    names = ", ".join(getattr(m, "__name__", type(m).__name__) for m in mask_mods)
+    combined.__name__ = f"{name}({names})"
+    return combined
