@@ -278,9 +278,12 @@ def _visit_counts(q, k, v, bm):
 
 
 @pytest.mark.backends("jax", reason="the traced loop's visit lists at a longer length")
-def test_loop_visits_only_shown_pairs(backend, xp):
+def test_loop_visits_only_shown_pairs(backend, xp, monkeypatch):
     import jax
 
+    from portable_attn._lib import _policy
+
+    monkeypatch.setattr(_policy, "MASK_LOOP_MIN_TILE", 256)
     n = 1024  # tiles of 256 over states of 128: 4 x 4 tiles
     q, k, v = qkv(batch=(1,), hq=1, hkv=1, lq=n, lk=n, dk=4, dv=4, backend=backend)
 
