@@ -446,7 +446,9 @@ def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):
 
     calls = []
     kernel = _native.native_attention
-    monkeypatch.setattr(_native, "native_attention", lambda c: calls.append(c) or kernel(c))
+    monkeypatch.setattr(
+        _native, "native_attention", lambda c, **kw: calls.append(c) or kernel(c, **kw)
+    )
     out = scaled_dot_product_attention(qb, kb, vb, **on)
     if "q_segment_ids" in kw and kw["q_segment_ids"].max() == 1:  # documents of 8 and 5
         # each document (two tiles each) is one square causal call, without ids
@@ -465,3 +467,16 @@ def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):
     expected = backend.grad(lambda q, k, v: loss(q, k, v, **portable), qb, kb, vb)
     for a, b in zip(grads, expected, strict=True):
         assert_close(backend, a, backend.to_numpy(b), rtol=1e-8, atol=1e-10)
+
+
+def test_states_tell_which_rows_see_a_key(backend, xp):
+    """A block shown in full gives each of its rows a key: no empty-row guard needed."""
+
+    def window(b, h, q_idx, kv_idx):  # keys q - 4 .. q: the diagonal blocks are partial
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 4)
+
+    host = create_block_mask(window, None, None, 16, 16, block_size=2).host()
+    assert not host.covers_rows((0, 2), (0, 16))  # the first block row: partial only
+    assert host.covers_rows((2, 16), (0, 16))  # every later row has a full block left of it
+    assert not host.covers_rows((8, 10), (8, 10))  # its own diagonal block only
+    assert host.placed(2, 0).covers_rows((0, 14), (0, 16))

@@ -204,6 +204,22 @@ class HostStates:
             return "skip"
         return "full" if bool(xp.all(self.every[qs, ks])) else "partial"
 
+    def covers_rows(self, q_range: Range, k_range: Range) -> bool:
+        """Whether every query of `q_range` sees some key of `k_range` in a full block.
+
+        A block shown in full (in every batch item and head) overlapping both ranges
+        gives each of its rows there a visible key: when each state row of blocks over
+        `q_range` has one, no row of the rectangle is empty.
+        """
+        if q_range[0] >= q_range[1] or k_range[0] >= k_range[1]:
+            return False
+        q0, k0 = self.start
+        bq, bk = self.block
+        qs = slice((q_range[0] + q0) // bq, (q_range[1] - 1 + q0) // bq + 1)
+        ks = slice((k_range[0] + k0) // bk, (k_range[1] - 1 + k0) // bk + 1)
+        xp = self._xp
+        return bool(xp.all(xp.any(self.every[qs, ks], axis=1)))
+
     def visible_fraction(self) -> float:
         """Return the fraction of blocks some (batch, head) computes."""
         return float(self._xp.mean(self._xp.astype(self.some, self._xp.float64)))
@@ -248,6 +264,11 @@ class LazyHostStates:
         block = (q_range[1] - q_range[0], k_range[1] - k_range[0])
         return self._built(block).visibility(q_range, k_range)
 
+    def covers_rows(self, q_range: Range, k_range: Range) -> bool:
+        """:meth:`HostStates.covers_rows`, the states built on the first call."""
+        block = (q_range[1] - q_range[0], k_range[1] - k_range[0])
+        return self._built(block).covers_rows(q_range, k_range)
+
 
 class _PlacedLazy:
     """A :class:`LazyHostStates` seen from a part placed at `start`."""
@@ -257,6 +278,12 @@ class _PlacedLazy:
 
     def placed(self, q_start: int, kv_start: int) -> _PlacedLazy:
         return _PlacedLazy(self._lazy, (self._start[0] + q_start, self._start[1] + kv_start))
+
+    def covers_rows(self, q_range: Range, k_range: Range) -> bool:
+        q0, k0 = self._start
+        return self._lazy.covers_rows(
+            (q_range[0] + q0, q_range[1] + q0), (k_range[0] + k0, k_range[1] + k0)
+        )
 
     def visibility(self, q_range: Range, k_range: Range) -> str:
         q0, k0 = self._start

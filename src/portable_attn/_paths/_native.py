@@ -79,8 +79,11 @@ def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any |
     return xp.logical_and(any_key, first <= last_seen)  # (..., Lq, 1)
 
 
-def native_attention(call: AttentionCall) -> Any:
+def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
     """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the dtype of `call`'s Q.
+
+    `rows_seen`: the caller knows every query row sees a key (a block mask shows each
+    row a block in full, and nothing else hides entries): no empty-row guard.
 
     That is the compute dtype, or the half-precision input dtype itself on a
     :class:`~portable_attn._lib._path.Native` path that keeps it (the kernel then
@@ -114,7 +117,7 @@ def native_attention(call: AttentionCall) -> Any:
     structural = not (kernel_causal or hides_nothing or decoding)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
     visible = None
-    if rows_may_be_empty(bias, terms, plan):
+    if not rows_seen and rows_may_be_empty(bias, terms, plan):
         if bias is None:
             visible = _visible_rows_of_key_mask(xp, terms, plan)
         if visible is None:
@@ -168,8 +171,25 @@ def native_tiles(call: AttentionCall, tile: int) -> Any:
     outs = []
     for q_range, span, full in _causal_runs(call, parts):
         part = _without_shown_masks(cut_call(call, q_range, span), terms, q_range, span, full)
-        outs.append(native_attention(part))
+        outs.append(native_attention(part, rows_seen=_rows_seen(part, terms, q_range, span)))
     return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+
+
+def _rows_seen(part: AttentionCall, terms: Any, q_range: Any, span: Any) -> bool:
+    """Whether every row of `part` provably sees a key, from the block states alone.
+
+    When the ``mask_mod`` is the only thing that hides entries of the part (no band
+    left, no mask, lengths, segments or bias) and its states show every row of the
+    tile some block of the span in full.
+    """
+    p_terms, plan = part.terms, part.plan
+    host = terms.block_host
+    if p_terms.mask_mod is None or host is None or plan.band.restricts:
+        return False
+    others = dataclasses.replace(p_terms, mask_mod=None)
+    if hidden_by_value(part.bias, others):
+        return False
+    return bool(host.covers_rows(q_range, span))
 
 
 def _causal_runs(call: AttentionCall, parts: list[Any]) -> list[Any]:
