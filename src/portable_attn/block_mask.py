@@ -31,11 +31,10 @@ the two agree when ``Lq == Lk``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ._lib import _validation as v
-from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, build_states
+from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, MaskMod, build_states
 from ._lib._compat import array_namespace, namespace_or_numpy, on_device
 from ._paths._threads import tile_map
 
@@ -51,7 +50,6 @@ __all__ = [
 ]
 
 Array = Any
-MaskMod = Callable[[Array, Array, Array, Array], Array]
 
 #: FlexAttention's default block size.
 DEFAULT_BLOCK_SIZE = 128
