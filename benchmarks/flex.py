@@ -194,6 +194,37 @@ def measure(
     return row
 
 
+def block_mask_case(
+    case: str,
+    build: Callable[[], Any],
+    dense: np.ndarray,
+    fns_of: Callable[[Any], dict[str, Callable[[], Any]]],
+    ref: np.ndarray,
+    *,
+    repeats: int,
+    to_numpy: Callable[[Any], np.ndarray],
+    sync: Callable[[Any], Any] | None = None,
+    built: Callable[[Any], Any] = lambda x: x,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Build the case's block mask (timed), check it is `dense`, then :func:`measure`.
+
+    `fns_of(bm)` gives the case's implementations; `built` waits for a built mask.
+    """
+    bm, build_first, build_s = timed_build(build, sync=built)
+    assert np.array_equal(to_numpy(bm.to_dense()), dense), f"{case}: another mask"
+    more = {"block_mask": repr(bm), "build_first_s": build_first, "build_s": build_s}
+    return measure(
+        case,
+        fns_of(bm),
+        ref,
+        repeats=repeats,
+        to_numpy=to_numpy,
+        sync=sync,
+        extra={**more, **(extra or {})},
+    )
+
+
 # --------------------------------------------------------------------------- numpy
 def numpy_child(cfg: dict[str, Any]) -> dict[str, Any]:
     from portable_attn import scaled_dot_product_attention as sdpa
@@ -205,48 +236,37 @@ def numpy_child(cfg: dict[str, Any]) -> dict[str, Any]:
     mods = make_mask_mods(ids, left)
     rows = []
 
-    bm, build_first, build = timed_build(
-        lambda: create_block_mask(mods["document"], None, None, length, length)
-    )
     dense = dense_document(length)
-    assert np.array_equal(np.asarray(bm.to_dense()), dense), "the block mask is another mask"
     seg = ids[None]
-    fns = {
-        "ours q_segment_ids": lambda: sdpa(q, k, v, is_causal=True, q_segment_ids=seg),
-        "ours block_mask": lambda: sdpa(q, k, v, block_mask=bm),
-        "ours mask_mod": lambda: sdpa(q, k, v, mask_mod=mods["document"]),
-        "ours dense mask": lambda: sdpa(q, k, v, mask=dense),
-    }
-    extra = {"block_mask": repr(bm), "build_first_s": build_first, "build_s": build}
     rows.append(
-        measure(
+        block_mask_case(
             "document",
-            fns,
+            lambda: create_block_mask(mods["document"], None, None, length, length),
+            dense,
+            lambda bm: {
+                "ours q_segment_ids": lambda: sdpa(q, k, v, is_causal=True, q_segment_ids=seg),
+                "ours block_mask": lambda: sdpa(q, k, v, block_mask=bm),
+                "ours mask_mod": lambda: sdpa(q, k, v, mask_mod=mods["document"]),
+                "ours dense mask": lambda: sdpa(q, k, v, mask=dense),
+            },
             reference(q, k, v, dense),
             repeats=repeats,
             to_numpy=np.asarray,
-            extra=extra,
         )
     )
-
-    bw, build_first, build = timed_build(
-        lambda: create_block_mask(mods["window"], None, None, length, length)
-    )
-    dense = dense_window(length, left)
-    assert np.array_equal(np.asarray(bw.to_dense()), dense), "the block mask is another mask"
-    fns = {
-        "ours block_mask": lambda: sdpa(q, k, v, block_mask=bw),
-        "ours window=": lambda: sdpa(q, k, v, window=(left, 0), is_causal=True),
-    }
-    extra = {"block_mask": repr(bw), "build_first_s": build_first, "build_s": build}
+    window = dense_window(length, left)
     rows.append(
-        measure(
+        block_mask_case(
             "window",
-            fns,
-            reference(q, k, v, dense),
+            lambda: create_block_mask(mods["window"], None, None, length, length),
+            window,
+            lambda bw: {
+                "ours block_mask": lambda: sdpa(q, k, v, block_mask=bw),
+                "ours window=": lambda: sdpa(q, k, v, window=(left, 0), is_causal=True),
+            },
+            reference(q, k, v, window),
             repeats=repeats,
             to_numpy=np.asarray,
-            extra=extra,
         )
     )
     return {"rows": rows}
@@ -277,75 +297,63 @@ def torch_child(cfg: dict[str, Any]) -> dict[str, Any]:
 
         return call
 
+    def four_documents():
+        parts = [
+            F.scaled_dot_product_attention(
+                q[..., s : s + doc_len, :],
+                k[..., s : s + doc_len, :],
+                v[..., s : s + doc_len, :],
+                is_causal=True,
+            )
+            for s in range(0, length, doc_len)
+        ]
+        return torch.cat(parts, dim=-2)
+
     with torch.no_grad():
-        bm, build_first, build = timed_build(
-            lambda: create_block_mask(mods["document"], None, None, length, length, xp=xpt)
-        )
         dense_np = dense_document(length)
         dense = torch.from_numpy(dense_np)
-        assert torch.equal(bm.to_dense(), dense), "the block mask is another mask"
         seg = ids[None]
+        flex = flex_attention_fn(q, k, v, mods["document"], length) if cfg["flex"] else None
 
-        def four_documents():
-            parts = [
-                F.scaled_dot_product_attention(
-                    q[..., s : s + doc_len, :],
-                    k[..., s : s + doc_len, :],
-                    v[..., s : s + doc_len, :],
-                    is_causal=True,
-                )
-                for s in range(0, length, doc_len)
-            ]
-            return torch.cat(parts, dim=-2)
-
-        fns = {
-            "ours q_segment_ids": lambda: sdpa(q, k, v, is_causal=True, q_segment_ids=seg),
-            "ours block_mask": lambda: sdpa(q, k, v, block_mask=bm),
-            "ours mask_mod": lambda: sdpa(q, k, v, mask_mod=mods["document"]),
-            "sdpa dense mask": peer(
-                lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
-            ),
-            "sdpa 4 documents": peer(four_documents),
-        }
-        extra: dict[str, Any] = {
-            "block_mask": repr(bm),
-            "build_first_s": build_first,
-            "build_s": build,
-        }
-        if cfg["flex"]:
-            flex = flex_attention_fn(q, k, v, mods["document"], length)
-            extra["flex"] = flex["info"]
-            if flex["fn"] is not None:
+        def document(bm):
+            fns = {
+                "ours q_segment_ids": lambda: sdpa(q, k, v, is_causal=True, q_segment_ids=seg),
+                "ours block_mask": lambda: sdpa(q, k, v, block_mask=bm),
+                "ours mask_mod": lambda: sdpa(q, k, v, mask_mod=mods["document"]),
+                "sdpa dense mask": peer(
+                    lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+                ),
+                "sdpa 4 documents": peer(four_documents),
+            }
+            if flex is not None and flex["fn"] is not None:
                 fns["flex_attention compiled"] = peer(flex["fn"])
+            return fns
+
         rows.append(
-            measure(
+            block_mask_case(
                 "document",
-                fns,
+                lambda: create_block_mask(mods["document"], None, None, length, length, xp=xpt),
+                dense_np,
+                document,
                 reference(qn, kn, vn, dense_np),
                 repeats=repeats,
                 to_numpy=lambda t: t.numpy(),
-                extra=extra,
+                extra={"flex": flex["info"]} if flex is not None else None,
             )
         )
-
-        bw, build_first, build = timed_build(
-            lambda: create_block_mask(mods["window"], None, None, length, length, xp=xpt)
-        )
-        dense_np = dense_window(length, left)
-        assert torch.equal(bw.to_dense(), torch.from_numpy(dense_np))
-        fns = {
-            "ours block_mask": lambda: sdpa(q, k, v, block_mask=bw),
-            "ours window=": lambda: sdpa(q, k, v, window=(left, 0), is_causal=True),
-        }
-        extra = {"block_mask": repr(bw), "build_first_s": build_first, "build_s": build}
+        window = dense_window(length, left)
         rows.append(
-            measure(
+            block_mask_case(
                 "window",
-                fns,
-                reference(qn, kn, vn, dense_np),
+                lambda: create_block_mask(mods["window"], None, None, length, length, xp=xpt),
+                window,
+                lambda bw: {
+                    "ours block_mask": lambda: sdpa(q, k, v, block_mask=bw),
+                    "ours window=": lambda: sdpa(q, k, v, window=(left, 0), is_causal=True),
+                },
+                reference(qn, kn, vn, window),
                 repeats=repeats,
                 to_numpy=lambda t: t.numpy(),
-                extra=extra,
             )
         )
     return {**info, "rows": rows}
@@ -410,14 +418,8 @@ def jax_child(cfg: dict[str, Any]) -> dict[str, Any]:
         ready(bm.states)
         return bm
 
-    bm, build_first, build = timed_build(
-        lambda: create_block_mask(mods["document"], None, None, length, length, xp=jnp),
-        sync=built,
-    )
     dense_np = dense_document(length)
     dense = jnp.asarray(dense_np)
-    assert np.array_equal(np.asarray(bm.to_dense()), dense_np), "the block mask is another mask"
-
     with_block_mask = jax.jit(lambda q, k, v, bm: sdpa(q, k, v, block_mask=bm))
     with_mask = jax.jit(lambda q, k, v, m: sdpa(q, k, v, mask=m))
 
@@ -426,51 +428,43 @@ def jax_child(cfg: dict[str, Any]) -> dict[str, Any]:
         return jnp.swapaxes(jax.nn.dot_product_attention(q, k, v, mask=m), 1, 2)
 
     nn = jax.jit(nn)
-    closed_document = jax.jit(lambda q, k, v: sdpa(q, k, v, block_mask=bm))
-    fns = {
-        "ours block_mask (traced)": lambda: with_block_mask(q, k, v, bm),
-        "ours block_mask (closed over)": lambda: closed_document(q, k, v),
-        "ours dense mask": lambda: with_mask(q, k, v, dense),
-        "jax.nn dense mask": lambda: nn(qt, kt, vt, dense),
-    }
-    extra = {"block_mask": repr(bm), "build_first_s": build_first, "build_s": build}
-    rows.append(
-        measure(
-            "document",
-            fns,
-            reference(qn, kn, vn, dense_np),
-            repeats=repeats,
-            to_numpy=np.asarray,
-            sync=ready,
-            extra=extra,
-        )
-    )
 
-    bw, build_first, build = timed_build(
-        lambda: create_block_mask(mods["window"], None, None, length, length, xp=jnp),
-        sync=built,
-    )
-    dense_np = dense_window(length, left)
-    assert np.array_equal(np.asarray(bw.to_dense()), dense_np)
-    with_window = jax.jit(lambda q, k, v: sdpa(q, k, v, window=(left, 0), is_causal=True))
-    closed_window = jax.jit(lambda q, k, v: sdpa(q, k, v, block_mask=bw))
-    fns = {
-        "ours block_mask (traced)": lambda: with_block_mask(q, k, v, bw),
-        "ours block_mask (closed over)": lambda: closed_window(q, k, v),
-        "ours window=": lambda: with_window(q, k, v),
-    }
-    extra = {"block_mask": repr(bw), "build_first_s": build_first, "build_s": build}
-    rows.append(
-        measure(
-            "window",
-            fns,
-            reference(qn, kn, vn, dense_np),
-            repeats=repeats,
-            to_numpy=np.asarray,
-            sync=ready,
-            extra=extra,
+    def document(bm):
+        closed = jax.jit(lambda q, k, v: sdpa(q, k, v, block_mask=bm))
+        return {
+            "ours block_mask (traced)": lambda: with_block_mask(q, k, v, bm),
+            "ours block_mask (closed over)": lambda: closed(q, k, v),
+            "ours dense mask": lambda: with_mask(q, k, v, dense),
+            "jax.nn dense mask": lambda: nn(qt, kt, vt, dense),
+        }
+
+    def window_fns(bw):
+        closed = jax.jit(lambda q, k, v: sdpa(q, k, v, block_mask=bw))
+        with_window = jax.jit(lambda q, k, v: sdpa(q, k, v, window=(left, 0), is_causal=True))
+        return {
+            "ours block_mask (traced)": lambda: with_block_mask(q, k, v, bw),
+            "ours block_mask (closed over)": lambda: closed(q, k, v),
+            "ours window=": lambda: with_window(q, k, v),
+        }
+
+    window = dense_window(length, left)
+    for case, mod, dense_case, fns_of in (
+        ("document", mods["document"], dense_np, document),
+        ("window", mods["window"], window, window_fns),
+    ):
+        rows.append(
+            block_mask_case(
+                case,
+                lambda mod=mod: create_block_mask(mod, None, None, length, length, xp=jnp),
+                dense_case,
+                fns_of,
+                reference(qn, kn, vn, dense_case),
+                repeats=repeats,
+                to_numpy=np.asarray,
+                sync=ready,
+                built=built,
+            )
         )
-    )
     return {**info, "rows": rows}
 
 
