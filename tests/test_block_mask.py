@@ -393,6 +393,22 @@ def test_bad_arguments(backend, xp):
 
 
 @pytest.mark.backends("torch", reason="torch SDPA per query tile (Native.tiles)")
+def test_native_per_tile_rectangular_documents(backend, xp, monkeypatch):
+    """Lq < Lk (bottom-right causal): documents are not merged into square causal calls."""
+    from portable_attn._lib import _policy
+
+    monkeypatch.setattr(_policy, "NATIVE_TILE", 4)
+    q, k, v = problem(lq=8, lk=13)
+    q_ids = np.repeat(np.arange(2), [4, 4])[None]
+    kv_ids = np.repeat(np.arange(2), [7, 6])[None]
+    on = {"q_segment_ids": backend.asarray(q_ids), "kv_segment_ids": backend.asarray(kv_ids)}
+    qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
+    out = scaled_dot_product_attention(qb, kb, vb, is_causal=True, **on)
+    mask = (q_ids[..., :, None] == kv_ids[..., None, :])[:, None]
+    assert_close(backend, out, reference_attention(q, k, v, mask=mask, is_causal=True))
+
+
+@pytest.mark.backends("torch", reason="torch SDPA per query tile (Native.tiles)")
 @pytest.mark.parametrize(
     "kw",
     [

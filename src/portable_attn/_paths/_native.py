@@ -207,6 +207,8 @@ def _causal_runs(call: AttentionCall, parts: list[Any]) -> list[Any]:
     )
     if not plan.is_causal or plan.window is not None or hidden_by_value(call.bias, rest):
         return parts
+    if plan.offset != 0:  # Lq != Lk: keys right of the diagonal are visible too
+        return parts
     merged: list[Any] = []
     i = 0
     while i < len(parts):
