@@ -49,10 +49,11 @@ Array = Any
 MaskMod = Callable[[Array, Array, Array, Array], Array]
 
 HIDDEN, PARTIAL, FULL = 0, 1, 2
-#: booleans evaluated per tile of :func:`build_states` (whole blocks): 1 Mi entries
-#: (about a core's cache). Creating a causal document mask at L = 32768 on this
-#: 2-core machine: 2.7 s with 16 Mi-entry slabs of whole key rows, 1.0 s single-threaded
-#: with 1 Mi-entry tiles (fresh large buffers are page-faulted in on every step).
+#: booleans evaluated per tile of :func:`build_states` (whole blocks): 1 Mi entries.
+#: Chosen from hand runs, not a results file: slabs of whole key rows (16 Mi entries)
+#: were slower (fresh large buffers are page-faulted in on every step), and larger
+#: tiles cost memory per (batch, head) the mask differs over. The build time and
+#: memory at L = 32768 are in benchmarks/results/flex.json.
 TILE_ENTRIES = 2**20
 
 Range = tuple[int, int]
@@ -151,7 +152,7 @@ def _reduce_tile(
     grid = (*lead, rows // bq, bq, cols // bk, bk)
     n = len(lead)
     # one axis at a time: a two-axis reduction copies the tile first in some libraries
-    # (torch through array-api-compat: 1.14 ms against 0.64 ms for (8, 128, 8, 128))
+    # (torch through array-api-compat measured about twice as slow, by hand)
     some = xp.any(xp.any(xp.reshape(any_in, grid), axis=n + 3), axis=n + 1)  # (..., nq, nk)
     every = xp.all(xp.all(xp.reshape(all_in, grid), axis=n + 3), axis=n + 1)
     # HIDDEN 0, PARTIAL 1, FULL 2: every block shown in full is shown at all

@@ -152,10 +152,11 @@ EAGER_TILES = (128, 256)
 #: benchmarks/results/cases-torch.json); causal alone skips 38-47% (L = 1024-4096),
 #: where the kernel stays faster.
 SKIP_FRACTION_FOR_TILED = 0.75
-#: Query tile (and key tile) of the native kernel run per tile (``Native.tiles``, rule 1):
-#: torch SDPA per 256-row tile over its visible key span, with the span's mask, ran a
-#: packed-document causal call (4 x 1024 in 4096, B=1, H=8, D=64) as fast as SDPA on
-#: each document alone; 128 and 512 rows were 1.2x and 1.4x slower (hand runs).
+#: Query tile (and key tile) of the native kernel run per tile (``Native.tiles``, rule 1),
+#: chosen from hand runs, not a results file: of 128, 256 and 512 rows, torch SDPA per
+#: 256-row tile over its visible key span (with the span's mask) was the fastest on a
+#: packed-document causal call (4 x 1024 in 4096, B=1, H=8, D=64). The default call's
+#: figures are in benchmarks/results/flex.json and cases-torch.json.
 NATIVE_TILE = 256
 #: ... and is chosen over one whole kernel call when block skipping hides at least this
 #: fraction of the (NATIVE_TILE, NATIVE_TILE) tile pairs.
@@ -188,10 +189,10 @@ LOOP_TILES = (1024, 1024)
 #: 1.39 s against 1.80 s for the gradient) with 581 MiB / 1.5 GiB.
 LOOP_MIN_SCORE_BYTES = 2 * 2**30
 #: A traced block mask runs the traced loop whatever the length (only the loop can
-#: skip by value), in tiles of whole state blocks of at least this size. Hand runs
-#: (B=1, H=8, L=4096, D=64, float32, 4 causal documents of 1024, states of 128,
-#: jax.jit, quiet machine): 182 ms with tiles of 256, 124 ms with 512, 148 ms with
-#: 1024, against 679 ms for the same call given the dense boolean mask.
+#: skip by value), in tiles of whole state blocks of at least this size, chosen from
+#: hand runs, not a results file: of 256, 512 and 1024 (B=1, H=8, L=4096, D=64,
+#: float32, 4 causal documents of 1024, states of 128, jax.jit), 512 was the fastest;
+#: the default call's figures are in benchmarks/results/flex.json.
 MASK_LOOP_MIN_TILE = 512
 #: Below LOOP_MIN_SCORE_BYTES a traced library unrolls the Python loop into the
 #: program: blocks of at least this size ...
