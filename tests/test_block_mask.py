@@ -53,6 +53,10 @@ def nothing(b, h, q_idx, kv_idx):  # every row empty: zeros
     return q_idx < 0
 
 
+def late_rows(b, h, q_idx, kv_idx):  # the first 3 queries see no key
+    return (q_idx >= 3) & (kv_idx >= 0)
+
+
 MASK_MODS = {
     "doc_causal": doc_causal,
     "per_head": per_head,
@@ -61,6 +65,7 @@ MASK_MODS = {
     "strided": strided,
     "combined": and_masks(or_masks(prefix_lm, strided), per_head),
     "nothing": nothing,
+    "late_rows": late_rows,
 }
 PATHS = {"dense": "dense", "tiled": (3, 4), "auto": None}
 
@@ -420,6 +425,7 @@ def test_native_per_tile_rectangular_documents(backend, xp, monkeypatch):
         {"window": (2, 2), "kv_lengths": np.array([13, 6])},
         {"block_mask": "nothing"},
         {"block_mask": "prefix_lm", "mask": np.arange(L) % 4 != 1, "is_causal": True},
+        {"block_mask": "late_rows", "mask": np.arange(L) % 4 != 1},
     ],
     ids=[
         "block-mask",
@@ -430,6 +436,7 @@ def test_native_per_tile_rectangular_documents(backend, xp, monkeypatch):
         "window-lengths",
         "empty",
         "mixed",
+        "empty-rows-key-mask",
     ],
 )
 def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):

@@ -160,14 +160,15 @@ def scaled_dot_product_attention(
         ``"portable"``: always the array-API implementation. ``"native"``: the
         framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
         with our masks, alignment and empty-row handling; a call it cannot
-        express (softcap, score_mod, ALiBi, dropout, an int, pair or "dense"
-        block_size, sinks, return_lse, JAX with Dv != Dk, other libraries)
-        raises ValueError; "auto" is allowed. (``jax.nn.dot_product_attention``
+        express (softcap, score_mod, mask_mod or block_mask, ALiBi, dropout, an
+        int, pair or "dense" block_size, sinks, return_lse, JAX with Dv != Dk,
+        other libraries) raises ValueError; "auto" is allowed. (``jax.nn.dot_product_attention``
         computes its softmax in float32 even for float64 inputs: about 1e-7 from
         the float64 result.) None: the native kernel only where it is
         expressible, honours the contract and is measured faster (torch's
-        fused kernels, unless causal/window structure lets the tiled path skip
-        most blocks); the portable path otherwise (rules in
+        fused kernels, run once per query tile over its visible keys where
+        block skipping hides most tiles: windows, packed documents, a
+        `mask_mod` or `block_mask`); the portable path otherwise (rules in
         ``portable_attn._lib._policy``).
     return_lse : bool, default False
         Also return the row log-sum-exp ``log(exp(sink_h) + Σ_j exp(s_ij))`` over

@@ -21,7 +21,6 @@ holds NumPy copies, read on the host while a path decides what to compute.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from ._compat import (
     has_concrete_values,
     numpy_namespace,
     on_device,
+    register_pytree_once,
     to_host,
 )
 
@@ -329,7 +329,7 @@ class BlockMask:
         self.kv_len = kv_len
         self.block_size = block_size
         self._host: HostStates | None = None
-        _register_with_jax()
+        register_pytree_once(BlockMask)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -347,12 +347,15 @@ class BlockMask:
         """(full, partial) fractions of the (batch, head, block) states, or None if traced."""
         if not _readable(self.states):
             return None
-        import numpy as np
-
-        states = np.asarray(to_host(self.states))
+        np_xp = numpy_namespace()
+        states = to_host(self.states)
         if states.size == 0:
             return 0.0, 0.0
-        return float(np.mean(states == FULL)), float(np.mean(states == PARTIAL))
+
+        def share(state: int) -> float:
+            return float(np_xp.mean(np_xp.astype(states == state, np_xp.float64)))
+
+        return share(FULL), share(PARTIAL)
 
     def visible_fraction(self) -> float:
         """Return the fraction of blocks that are computed (partially or fully visible)."""
@@ -408,17 +411,3 @@ class BlockMask:
 def _readable(states: Any) -> bool:
     """Whether the states' values can be read now (Dask's are computed: they are small)."""
     return builds_task_graphs(states) or has_concrete_values(states)
-
-
-def _register_with_jax() -> None:
-    """Make :class:`BlockMask` a JAX pytree once JAX is imported (never imports JAX)."""
-    global _REGISTERED
-    if _REGISTERED or "jax" not in sys.modules:
-        return
-    import jax
-
-    jax.tree_util.register_pytree_node_class(BlockMask)
-    _REGISTERED = True
-
-
-_REGISTERED = False

@@ -13,6 +13,7 @@ the array's library here, and only here.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -165,6 +166,23 @@ def stop_gradient(x: Any) -> Any:
 
         return jax.lax.stop_gradient(x)
     return x
+
+
+_PYTREES: set[type] = set()
+
+
+def register_pytree_once(cls: type) -> None:
+    """Register `cls` (``tree_flatten`` / ``tree_unflatten``) as a JAX pytree, once.
+
+    Only once JAX is imported (this never imports JAX): a class instantiated before
+    that is registered by its next instance.
+    """
+    if cls in _PYTREES or "jax" not in sys.modules:
+        return
+    import jax
+
+    jax.tree_util.register_pytree_node_class(cls)
+    _PYTREES.add(cls)
 
 
 def to_host(x: Any) -> Any:

@@ -68,7 +68,7 @@ def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any |
     left = plan.band.left
     if mask is None or mask.shape[-2] != 1 or plan.has_lengths or left is not None:
         return None
-    if terms.q_segments is not None:  # rows differ by their segment
+    if terms.q_segments is not None or terms.mask_mod is not None:  # rows differ
         return None
     right = plan.band.right
     any_key = xp.any(mask, axis=-1, keepdims=True)  # (..., 1, 1)
