@@ -158,6 +158,28 @@ def test_states_agree_with_the_dense_mask(backend, xp, name, block):
     np.testing.assert_array_equal(backend.to_numpy(bm.to_dense()), dense)
 
 
+@pytest.mark.parametrize("name", ["doc_causal", "per_head", "per_batch"])
+def test_build_tiles_bound_the_entries_in_all(backend, xp, monkeypatch, name):
+    # a tile holds at most TILE_ENTRIES booleans over every (batch, head) the mask
+    # differs over, whatever the lengths: a per-head mask gets tiles of fewer blocks
+    from portable_attn._lib import _block_states
+
+    monkeypatch.setattr(_block_states, "TILE_ENTRIES", 4 * 4 * 4 * 2)  # 8 blocks of 4x4
+    sizes = []
+
+    def recorded(b, h, q_idx, kv_idx):
+        allowed = MASK_MODS[name](b, h, q_idx, kv_idx)
+        full = xp.broadcast_to(allowed, (*allowed.shape[:-2], q_idx.shape[0], kv_idx.shape[1]))
+        sizes.append(int(np.prod(full.shape)))
+        return allowed
+
+    bm = create_block_mask(recorded, B, HQ, 29, 23, block_size=4, xp=xp)
+    assert len(sizes) > 1
+    assert max(sizes) <= 4 * 4 * 4 * 2
+    dense = dense_mask(MASK_MODS[name], 29, 23)
+    np.testing.assert_array_equal(backend.to_numpy(bm.to_dense()), dense)
+
+
 def test_none_broadcasts_and_repr(backend, xp):
     bm = create_block_mask(doc_causal, None, None, 20, 20, block_size=5, xp=xp)
     assert bm.shape == (1, 1, 20, 20)
@@ -210,13 +232,14 @@ def test_hidden_blocks_are_not_computed(backend, xp, given):
         return (q_idx // 5) == (kv_idx // 5)
 
     bm = create_block_mask(docs, None, None, n, n, block_size=block)
+    building = len(evaluated)  # the states' evaluations
     evaluated.clear()
     kw = {"mask_mod": docs} if given == "mask_mod" else {"block_mask": bm}
     out = scaled_dot_product_attention(qb, kb, vb, block_size=block, score_mod=count_pairs, **kw)
     assert len(visited) == 8  # the 56 hidden pairs are skipped
     # every visible pair lies in one document: shown in full, no mask evaluated
-    # (a mask_mod alone evaluates it once more, building its states)
-    assert len(evaluated) == (0 if given == "block_mask" else 1)
+    # (a mask_mod alone evaluates it as often again, building its states)
+    assert len(evaluated) == (0 if given == "block_mask" else building)
     dense = dense_mask(docs, n, n, 1, 1)
     assert_close(backend, out, reference_attention(q, k, v, mask=dense))
 

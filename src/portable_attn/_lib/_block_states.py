@@ -21,6 +21,7 @@ holds NumPy copies, read on the host while a path decides what to compute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -49,12 +50,14 @@ Array = Any
 MaskMod = Callable[[Array, Array, Array, Array], Array]
 
 HIDDEN, PARTIAL, FULL = 0, 1, 2
-#: booleans evaluated per tile of :func:`build_states` (whole blocks): 1 Mi entries.
-#: Chosen from hand runs, not a results file: slabs of whole key rows (16 Mi entries)
-#: were slower (fresh large buffers are page-faulted in on every step), and larger
-#: tiles cost memory per (batch, head) the mask differs over. The build time and
-#: memory at L = 32768 are in benchmarks/results/flex.json.
-TILE_ENTRIES = 2**20
+#: booleans evaluated per tile of :func:`build_states` (whole blocks, all the (batch,
+#: head) pairs the mask differs over together): 4 Mi. NumPy asks the kernel for huge
+#: pages from 4 MiB on, so a boolean temporary of this size is faulted in 2 MiB at a
+#: time; smaller tiles spent about 40% of the build in page faults (glibc maps each
+#: fresh buffer above its mmap threshold). The build time and memory at L = 32768 are
+#: in benchmarks/results/flex.json ("build"); a mask_mod whose temporaries are int64
+#: (``q_idx - kv_idx``) holds 8 bytes per entry of a tile while it runs.
+TILE_ENTRIES = 2**22
 
 Range = tuple[int, int]
 
@@ -95,18 +98,26 @@ def build_states(
 
     `batch_index` is the (*batch, 1, 1, 1) flat batch index given to `mask_mod`.
     The mask is evaluated on tiles of whole blocks, each at most :data:`TILE_ENTRIES`
-    booleans per (batch, head) it differs over: memory O(block), whatever the
-    lengths; a mask that does not depend on the batch or head is reduced in its own
-    broadcast shape (not once per head). `check` (result, expected shape) validates
-    what `mask_mod` returned, on the first tile. `map_tiles` maps the tile function
-    over the tiles (a thread pool's ``map`` for libraries that release the GIL).
+    booleans in all (over the (batch, head) pairs it differs over, which one block
+    evaluated first tells): memory O(block), whatever the lengths; a mask that does
+    not depend on the batch or head is reduced in its own broadcast shape (not once
+    per head). `check` (result, expected shape) validates what `mask_mod` returned,
+    on that first block. `map_tiles` maps the tile function over the tiles (a thread
+    pool's ``map`` for libraries that release the GIL).
     """
     bq, bk = block
     nq, nk = -(-q_len // bq), -(-kv_len // bk)
     lead = (*batch_index.shape[:-3], heads)
     if nq == 0 or nk == 0:
         return xp.zeros((*lead, nq, nk), dtype=xp.int8, **on_device(device))
-    per_block = bq * bk
+    first = (min(bq, q_len), min(bk, kv_len))
+    probe = evaluate_mask_mod(
+        xp, mask_mod, batch_index, heads, (0, first[0]), (0, first[1]), device
+    )
+    if check is not None:  # raises a mask_mod's errors before any thread starts
+        check(probe, (*lead, *first))
+    differs_over = math.prod(probe.shape[:-2])  # (batch, head) pairs evaluated apart
+    per_block = bq * bk * differs_over
     cols = max(1, min(nk, TILE_ENTRIES // per_block))  # key blocks per tile
     rows = max(1, min(nq, TILE_ENTRIES // (per_block * cols)))  # query blocks per tile
 
@@ -116,16 +127,13 @@ def build_states(
         k_range = (j * bk, min((j + cols) * bk, kv_len))
         allowed = evaluate_mask_mod(xp, mask_mod, batch_index, heads, q_range, k_range, device)
         block_shape = (q_range[1] - q_range[0], k_range[1] - k_range[0])
-        if check is not None and i == j == 0:
-            check(allowed, (*lead, *block_shape))
         allowed = xp.broadcast_to(allowed, (*allowed.shape[:-2], *block_shape))
         n_rows, n_cols = min(rows, nq - i), min(cols, nk - j)
         states = _reduce_tile(xp, allowed, n_rows * bq, n_cols * bk, block, device)
         return xp.broadcast_to(states, (*lead, n_rows, n_cols))
 
     starts = [(i, j) for i in range(0, nq, rows) for j in range(0, nk, cols)]
-    first = tile(starts[0])  # raises a mask_mod's errors before any thread starts
-    tiles = [first, *map_tiles(tile, starts[1:])]
+    tiles = list(map_tiles(tile, starts))
     per_row = -(-nk // cols)
     lines = [tiles[r : r + per_row] for r in range(0, len(tiles), per_row)]
     axis = len(lead)

@@ -190,10 +190,12 @@ LOOP_TILES = (1024, 1024)
 LOOP_MIN_SCORE_BYTES = 2 * 2**30
 #: A traced block mask runs the traced loop whatever the length (only the loop can
 #: skip by value), in tiles of whole state blocks of at least this size, chosen from
-#: hand runs, not a results file: of 256, 512 and 1024 (B=1, H=8, L=4096, D=64,
-#: float32, 4 causal documents of 1024, states of 128, jax.jit), 512 was the fastest;
-#: the default call's figures are in benchmarks/results/flex.json.
-MASK_LOOP_MIN_TILE = 512
+#: hand runs, not a results file (B=1, H=8, L=4096, D=64, float32, states of 128,
+#: jax.jit; tiles of 128, 256 and 512): larger tiles suit the 4 causal documents of
+#: 1024 (fewer loop steps), smaller ones the causal window of 256 (less work outside
+#: the band); 256 was within 15% of the faster of the three on both. The default
+#: call's figures are in benchmarks/results/flex.json.
+MASK_LOOP_MIN_TILE = 256
 #: Below LOOP_MIN_SCORE_BYTES a traced library unrolls the Python loop into the
 #: program: blocks of at least this size ...
 TRACED_MIN_BLOCK = 256

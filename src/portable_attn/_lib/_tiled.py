@@ -18,8 +18,9 @@ register the backward with torch and JAX live in ``portable_attn._paths._autodif
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._call import AttentionCall
 from ._compat import on_device
@@ -45,6 +46,8 @@ from ._softmax import safe_denominator
 
 __all__ = [
     "Blocks",
+    "RowState",
+    "RowWalk",
     "block_ranges",
     "block_visibility",
     "pair_visibility",
@@ -146,23 +149,142 @@ def pair_visibility(plan: AttentionPlan, terms: ScoreTerms, q_range: Range, k_ra
     return "full" if vis == "full" and states == "full" else "partial"
 
 
-def _sink_start(
-    xp: Any, terms: ScoreTerms, plan: AttentionPlan, bq: int, fold: bool, stop_gradient: Any
-) -> tuple[Any, Any, Any]:
-    """Start the running (max, denominator, accumulator) of a query block at the sink.
+class RowState(NamedTuple):
+    """The online softmax of one query block's rows, between key blocks.
 
-    The sink is a key with logit ``sink_h`` and a zero value: the running max starts
-    at it and the denominator at ``exp(sink_h - max) = 1`` (0 for a ``-inf`` sink).
+    ``m`` the running max (None before the first block), ``l_sum`` the running
+    denominator (None when it rides along as the accumulator's last column),
+    ``acc`` the running weighted sum, ``rows_seen``: some earlier block showed every
+    row a finite score (a static fact, False in a traced loop's carry).
     """
-    shape = (*plan.batch, plan.num_q_heads, bq, 1)
-    m = xp.broadcast_to(terms.sinks, shape)
-    if stop_gradient is not None:
-        m = stop_gradient(m)
-    l_sum = xp.exp(terms.sinks - xp.where(m == -xp.inf, 0.0, m))  # (..., Hq, bq, 1): 1 or 0
-    acc = _zeros(xp, (*plan.batch, plan.num_q_heads, bq, plan.value_dim), plan)
-    if fold:  # the denominator rides along as the accumulator's last column
-        return m, None, xp.concat([acc, l_sum], axis=-1)
-    return m, l_sum, acc
+
+    m: Any
+    l_sum: Any
+    acc: Any
+    rows_seen: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWalk:
+    """The online softmax of one call: start a query block's rows, visit a key block, finish.
+
+    One implementation for every loop over key blocks: the Python loop of
+    :func:`tiled_forward` and the traced loop of ``_paths._loop`` (which carries
+    ``(m, l_sum, acc)`` from :meth:`carry_start`).
+    """
+
+    call: AttentionCall
+    fold: bool
+    v_ones: Any
+    stop_gradient: Any
+    owned: bool
+    hide_rows: bool
+
+    @classmethod
+    def of(
+        cls,
+        call: AttentionCall,
+        *,
+        fold: bool = False,
+        v_ones: Any = None,
+        stop_gradient: Any = None,
+    ) -> RowWalk:
+        if fold and v_ones is None:  # the row sums ride along as a last column of P V
+            v_ones = with_ones_column(call.xp, call.value, call.plan)
+        # Without a score_mod the block scores are always a fresh array of ours (a
+        # matmul, softcap, bias, ALiBi or where result) that autodiff has not saved:
+        # subtracting the max in place is safe. (JAX arrays rebind on ``-=``; the
+        # torch backward is the custom one, which runs this forward without grad.)
+        # With sinks the running max starts at the sinks, which a ``torch.func.vmap``
+        # over them batches while the scores are not: no in-place update then.
+        terms = call.terms
+        owned = terms.score_mod is None and terms.sinks is None
+        hide = hidden_by_value(call.bias, terms)
+        return cls(call, fold, v_ones, stop_gradient, owned, hide)
+
+    def start(self, bq: int) -> RowState:
+        """Return the state before the first key block: at the sink if any, else empty."""
+        xp, terms, plan = self.call.xp, self.call.terms, self.call.plan
+        if terms.sinks is None:
+            return RowState(None, None, None)
+        # The sink is a key with logit ``sink_h`` and a zero value: the running max
+        # starts at it and the denominator at ``exp(sink_h - max) = 1`` (0 for -inf).
+        shape = (*plan.batch, plan.num_q_heads, bq, 1)
+        m = xp.broadcast_to(terms.sinks, shape)
+        if self.stop_gradient is not None:
+            m = self.stop_gradient(m)
+        l_sum = xp.exp(terms.sinks - xp.where(m == -xp.inf, 0.0, m))  # (..., Hq, bq, 1)
+        acc = _zeros(xp, (*plan.batch, plan.num_q_heads, bq, plan.value_dim), plan)
+        if self.fold:  # the denominator rides along as the accumulator's last column
+            return RowState(m, None, xp.concat([acc, l_sum], axis=-1))
+        return RowState(m, l_sum, acc)
+
+    def carry_start(self, bq: int) -> tuple[Any, Any, Any]:
+        """Return ``(m, l_sum, acc)`` of rows that saw nothing yet: -inf, 0, 0 (a loop carry)."""
+        xp, plan = self.call.xp, self.call.plan
+        rows = (*plan.batch, plan.num_q_heads, bq)
+        m = xp.full((*rows, 1), -xp.inf, dtype=plan.compute_dtype, **on_device(plan.device))
+        width = plan.value_dim + (1 if self.fold else 0)
+        acc = _zeros(xp, (*rows, width), plan)
+        return m, (None if self.fold else _zeros(xp, (*rows, 1), plan)), acc
+
+    def step(
+        self, state: RowState, q_rows: Any, q_range: Range, k_range: Range, vis: str
+    ) -> RowState:
+        """Visit key block `k_range` (not skipped: `vis` "full" or "partial")."""
+        call = self.call
+        xp, terms, plan = call.xp, call.terms, call.plan
+        hkv, hq = plan.num_kv_heads, plan.num_q_heads
+        m, l_sum, acc, rows_seen = state
+        ks, ke = k_range
+        _, _, s = _block_scores(
+            xp, q_rows, call.key[..., ks:ke, :], call.bias, terms, plan, q_range, k_range, vis
+        )
+        m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
+        m_new = m_blk if m is None else xp.maximum(m, m_blk)
+        if self.stop_gradient is not None:
+            m_new = self.stop_gradient(m_new)
+        if rows_seen:  # m_new is finite in every row already
+            m_safe = m_new
+        else:  # a row hidden in every block so far keeps max 0: exp(-inf) = 0
+            m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)
+            rows_seen = not self.hide_rows and vis == "full"
+        if self.owned:
+            s -= m_safe  # saves allocating (and faulting in) a third (bq, bk) block
+            p = xp.exp(s)  # (..., Hq, bq, bk)
+        else:
+            p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
+        del s  # keep at most two (bq, bk) blocks alive
+        if self.fold:
+            pv = heads_to_rows(xp, p, hkv) @ self.v_ones[..., ks:ke, :]  # (..., Hkv, G*bq, Dv+1)
+            pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv+1): [P V | rowsum P]
+            acc = pv if m is None else xp.exp(m - m_safe) * acc + pv
+            return RowState(m_new, None, acc, rows_seen)
+        kept = heads_to_rows(xp, _keep(xp, p, terms, q_range, k_range), hkv)
+        pv = rows_to_heads(xp, kept @ call.value[..., ks:ke, :], hq)  # (..., Hq, bq, Dv)
+        p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
+        if m is None:
+            return RowState(m_new, p_sum, pv, rows_seen)
+        alpha = xp.exp(m - m_safe)  # rescale what was summed under the old max
+        return RowState(m_new, alpha * l_sum + p_sum, alpha * acc + pv, rows_seen)
+
+    def finish(self, state: RowState, bq: int) -> tuple[Any, Any]:
+        """Return output (..., Hq, bq, Dv) and lse (..., Hq, bq, 1); lse ``-inf``: nothing seen."""
+        xp, terms, plan = self.call.xp, self.call.terms, self.call.plan
+        m, l_sum, acc, rows_seen = state
+        if m is None:  # every key block hidden for this query block (no sink): zero rows
+            return empty_result(xp, plan, None, rows=bq)
+        if self.fold:
+            dv = plan.value_dim
+            acc, l_sum = acc[..., :dv], acc[..., dv:]
+        if terms.dropout_keep is not None:
+            acc = acc * terms.dropout_scale
+        denominator = safe_denominator(xp, l_sum)
+        m_safe = m if rows_seen else xp.where(m == -xp.inf, 0.0, m)
+        lse = m_safe + xp.log(denominator)
+        if not rows_seen:
+            lse = xp.where(l_sum == 0.0, -xp.inf, lse)
+        return acc / denominator, xp.broadcast_to(lse, (*plan.batch, plan.num_q_heads, bq, 1))
 
 
 def tiled_forward(
@@ -180,13 +302,13 @@ def tiled_forward(
     ``lse`` is ``-inf`` for rows with no visible key (and no sink): the one
     convention of every path (:func:`empty_result`).
 
-    Per visible block: one score matmul, a row max, ``exp(s - m)`` (the max
-    subtracted in place) and, with `fold` (decided by the path policy), one matmul
-    with ``[V | 1]``, which gives the weighted sum and the row sums of the
-    weights together (no separate pass for the sum); the running sum then rides
-    along as the last column of the accumulator, so one rescale ``alpha * acc``
-    covers both. The ``where`` that keeps an all-hidden row's max at 0 is left
-    out once a block has shown every row a finite score.
+    Per visible block (:meth:`RowWalk.step`): one score matmul, a row max,
+    ``exp(s - m)`` (the max subtracted in place) and, with `fold` (decided by the
+    path policy), one matmul with ``[V | 1]``, which gives the weighted sum and the
+    row sums of the weights together (no separate pass for the sum); the running sum
+    then rides along as the last column of the accumulator, so one rescale
+    ``alpha * acc`` covers both. The ``where`` that keeps an all-hidden row's max at
+    0 is left out once a block has shown every row a finite score.
 
     `q_ranges` (keyword-only) computes only those query ranges (by default the
     blocks of `block_q`), concatenated along the query axis: a caller can split
@@ -197,87 +319,23 @@ def tiled_forward(
     zero, and leaving it out of the graph avoids a NaN that XLA's optimised
     program produced for it (GQA, 2x2 tiles, a position-dependent score_mod).
     """
-    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
-    terms, plan = call.terms, call.plan
-    hkv, hq = plan.num_kv_heads, plan.num_q_heads
-    dv = plan.value_dim
+    xp, q, plan = call.xp, call.query, call.plan
+    walk = RowWalk.of(call, fold=fold, v_ones=v_ones, stop_gradient=stop_gradient)
     k_blocks = block_ranges(plan.kv_len, block_k)
-    if fold and v_ones is None:  # the row sums ride along as a last column of P V
-        v_ones = with_ones_column(xp, v, plan)
-    hide_rows = hidden_by_value(bias, terms)
-    # Without a score_mod the block scores are always a fresh array of ours (a
-    # matmul, softcap, bias, ALiBi or where result) that autodiff has not saved:
-    # subtracting the max in place is safe. (JAX arrays rebind on ``-=``; the
-    # torch backward is the custom one, which runs this forward without grad.)
-    # With sinks the running max starts at the sinks, which a ``torch.func.vmap`` over
-    # them batches while the scores are not: no in-place update then.
-    owned = terms.score_mod is None and terms.sinks is None
     if q_ranges is None:
         q_ranges = block_ranges(plan.q_len, block_q)
     outs, lses = [], []
     for q_range in q_ranges:
         q_rows = scaled_query_rows(xp, q[..., q_range[0] : q_range[1], :], plan)
-        m: Any = None  # running max
-        l_sum: Any = None  # running denominator
-        acc: Any = None  # running weighted sum
-        if terms.sinks is not None:
-            bq = q_range[1] - q_range[0]
-            m, l_sum, acc = _sink_start(xp, terms, plan, bq, fold, stop_gradient)
-        rows_seen = False  # some earlier block showed every row a finite score
-        for k_range in k_blocks:
-            vis = pair_visibility(plan, terms, q_range, k_range)
-            if vis == "skip":
-                continue
-            ks, ke = k_range
-            _, _, s = _block_scores(
-                xp, q_rows, k[..., ks:ke, :], bias, terms, plan, q_range, k_range, vis
-            )
-            m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
-            m_new = m_blk if m is None else xp.maximum(m, m_blk)
-            if stop_gradient is not None:
-                m_new = stop_gradient(m_new)
-            if rows_seen:  # m_new is finite in every row already
-                m_safe = m_new
-            else:  # a row hidden in every block so far keeps max 0: exp(-inf) = 0
-                m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)
-                rows_seen = not hide_rows and vis == "full"
-            if owned:
-                s -= m_safe  # saves allocating (and faulting in) a third (bq, bk) block
-                p = xp.exp(s)  # (..., Hq, bq, bk)
-            else:
-                p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
-            del s  # keep at most two (bq, bk) blocks alive
-            if fold:
-                pv = heads_to_rows(xp, p, hkv) @ v_ones[..., ks:ke, :]  # (..., Hkv, G*bq, Dv+1)
-                pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv+1): [P V | rowsum P]
-                acc = pv if m is None else xp.exp(m - m_safe) * acc + pv
-            else:
-                kept = heads_to_rows(xp, _keep(xp, p, terms, q_range, k_range), hkv)
-                pv = rows_to_heads(xp, kept @ v[..., ks:ke, :], hq)  # (..., Hq, bq, Dv)
-                p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
-                if m is None:
-                    l_sum, acc = p_sum, pv
-                else:
-                    alpha = xp.exp(m - m_safe)  # rescale what was summed under the old max
-                    l_sum, acc = alpha * l_sum + p_sum, alpha * acc + pv
-            m = m_new
         bq = q_range[1] - q_range[0]
-        if m is None:  # every key block hidden for this query block (no sink): zero rows
-            out_blk, lse_blk = empty_result(xp, plan, None, rows=bq)
-            outs.append(out_blk)
-            lses.append(lse_blk)
-            continue
-        if fold:
-            acc, l_sum = acc[..., :dv], acc[..., dv:]
-        if terms.dropout_keep is not None:
-            acc = acc * terms.dropout_scale
-        denominator = safe_denominator(xp, l_sum)
-        outs.append(acc / denominator)
-        m_safe = m if rows_seen else xp.where(m == -xp.inf, 0.0, m)
-        lse = m_safe + xp.log(denominator)
-        if not rows_seen:
-            lse = xp.where(l_sum == 0.0, -xp.inf, lse)
-        lses.append(xp.broadcast_to(lse, (*plan.batch, hq, bq, 1)))
+        state = walk.start(bq)
+        for k_range in k_blocks:
+            vis = pair_visibility(plan, call.terms, q_range, k_range)
+            if vis != "skip":
+                state = walk.step(state, q_rows, q_range, k_range, vis)
+        out_blk, lse_blk = walk.finish(state, bq)
+        outs.append(out_blk)
+        lses.append(lse_blk)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
     return out, lse
