@@ -60,6 +60,8 @@ HIDDEN, PARTIAL, FULL = 0, 1, 2
 TILE_ENTRIES = 2**22
 
 Range = tuple[int, int]
+#: rectangles whose answers a :class:`HostStates` keeps (a few tile grids' worth)
+ANSWERS_KEPT = 2**16
 
 
 def evaluate_mask_mod(
@@ -191,6 +193,9 @@ class HostStates:
         lead = tuple(range(states.ndim - 2))
         self.some = np_xp.any(states != HIDDEN, axis=lead)  # (nq, nk)
         self.every = np_xp.all(states == FULL, axis=lead)  # (nq, nk)
+        # answers by absolute rectangle, shared with the placed copies: a block mask
+        # serves every call (every layer), which asks of the same tiles each time
+        self._answers: dict[tuple[str, int, int, int, int], Any] = {}
 
     def placed(self, q_start: int, kv_start: int) -> HostStates:
         """Return the same states for a part whose query 0 / key 0 sit at these positions."""
@@ -204,14 +209,30 @@ class HostStates:
         if q_range[0] >= q_range[1] or k_range[0] >= k_range[1]:
             return "partial"
         q0, k0 = self.start
-        q_range, k_range = (q_range[0] + q0, q_range[1] + q0), (k_range[0] + k0, k_range[1] + k0)
+        key = ("vis", q_range[0] + q0, q_range[1] + q0, k_range[0] + k0, k_range[1] + k0)
+        answer = self._answers.get(key)
+        if answer is None:
+            qs, ks = self._blocks(key)
+            xp = self._xp
+            if not bool(xp.any(self.some[qs, ks])):
+                answer = "skip"
+            else:
+                answer = "full" if bool(xp.all(self.every[qs, ks])) else "partial"
+            self._remember(key, answer)
+        return answer
+
+    def _blocks(self, key: tuple[str, int, int, int, int]) -> tuple[slice, slice]:
+        """Return the state blocks a rectangle (absolute positions, stops exclusive) overlaps."""
+        _, q_first, q_stop, k_first, k_stop = key
         bq, bk = self.block
-        qs = slice(q_range[0] // bq, (q_range[1] - 1) // bq + 1)
-        ks = slice(k_range[0] // bk, (k_range[1] - 1) // bk + 1)
-        xp = self._xp
-        if not bool(xp.any(self.some[qs, ks])):
-            return "skip"
-        return "full" if bool(xp.all(self.every[qs, ks])) else "partial"
+        return slice(q_first // bq, (q_stop - 1) // bq + 1), slice(
+            k_first // bk, (k_stop - 1) // bk + 1
+        )
+
+    def _remember(self, key: tuple[str, int, int, int, int], answer: Any) -> None:
+        if len(self._answers) >= ANSWERS_KEPT:  # many different rectangles: start again
+            self._answers.clear()
+        self._answers[key] = answer
 
     def covers_rows(self, q_range: Range, k_range: Range) -> bool:
         """Whether every query of `q_range` sees some key of `k_range` in a full block.
@@ -223,11 +244,14 @@ class HostStates:
         if q_range[0] >= q_range[1] or k_range[0] >= k_range[1]:
             return False
         q0, k0 = self.start
-        bq, bk = self.block
-        qs = slice((q_range[0] + q0) // bq, (q_range[1] - 1 + q0) // bq + 1)
-        ks = slice((k_range[0] + k0) // bk, (k_range[1] - 1 + k0) // bk + 1)
-        xp = self._xp
-        return bool(xp.all(xp.any(self.every[qs, ks], axis=1)))
+        key = ("rows", q_range[0] + q0, q_range[1] + q0, k_range[0] + k0, k_range[1] + k0)
+        answer = self._answers.get(key)
+        if answer is None:
+            qs, ks = self._blocks(key)
+            xp = self._xp
+            answer = bool(xp.all(xp.any(self.every[qs, ks], axis=1)))
+            self._remember(key, answer)
+        return bool(answer)
 
     def visible_fraction(self) -> float:
         """Return the fraction of blocks some (batch, head) computes."""
