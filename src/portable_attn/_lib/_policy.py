@@ -180,14 +180,14 @@ DASK_MERGE_FAN_IN = 4
 #: results file; benchmarks/results/loop.json measures these tiles.
 LOOP_TILES = (1024, 1024)
 #: Traced libraries run the tiled path as a traced loop from this many bytes of dense
-#: scores (B x Hq x Lq x Lk x itemsize; L = 8192 for B=1, H=8 in float32). Measured
-#: (benchmarks/results/loop.json, causal, B=1, H=8, D=64, float32, jax.jit, each case
-#: in a fresh process): at L = 8192 the loop took 1.88 s forward and 5.99 s for
-#: jit(grad) with 200 / 410 MiB of extra peak RSS, against 1.73 s / 5.79 s and
-#: 1459 / 4137 MiB unrolled; at 16384, 7.72 s and 111 MiB against 11.40 s and
-#: 5047 MiB; at 4096 the unrolled program was the faster (0.49 s against 0.59 s,
-#: 1.39 s against 1.80 s for the gradient) with 581 MiB / 1.5 GiB.
-LOOP_MIN_SCORE_BYTES = 2 * 2**30
+#: scores (B x Hq x Lq x Lk x itemsize; L = 4096 for B=1, H=8 in float32). Measured
+#: (benchmarks/results/loop.json at a2876ee, causal, B=1, H=8, D=64, float32, jax.jit,
+#: each case in a fresh process), loop against unrolled: at L = 4096, 0.138 s against
+#: 0.176 s forward and 0.62 s against 0.74 s for jit(grad), compiled in 0.23 s against
+#: 2.3 s, with 153 / 287 MiB of extra peak RSS against 607 / 1430 MiB; at 8192,
+#: 0.43 s against 0.74 s (2.2 s against 3.1 s for the gradient); at 2048 the two run
+#: within 4% forward and the unrolled gradient is 12% faster (0.18 s against 0.21 s).
+LOOP_MIN_SCORE_BYTES = 512 * 2**20
 #: A traced block mask runs the traced loop whatever the length (only the loop can
 #: skip by value), in tiles of whole state blocks of at least this size, chosen from
 #: hand runs, not a results file (B=1, H=8, L=4096, D=64, float32, states of 128,
