@@ -14,7 +14,7 @@ extra peak RSS of compile plus calls over the inputs (``VmHWM`` after
     python benchmarks/loop.py            # the table, JSON in benchmarks/results/loop.json
     python benchmarks/loop.py --quick    # short lengths only (not for publishing)
     python benchmarks/loop.py --only default:forward:1024:1,jax.nn:forward:1024:1 \
-        --out loop-default.json          # some cases, in another results file
+        --out loop-some.json             # some cases, in another results file
 """
 
 from __future__ import annotations

@@ -195,10 +195,22 @@ class TestTracedTiles:
         assert bq >= policy.TRACED_MIN_BLOCK
         assert -(-length // bq) <= policy.TRACED_MAX_BLOCKS
 
-    @pytest.mark.parametrize(("length", "block"), [(9, 9), (2048, 1024), (65536, 1024)])
+    @pytest.mark.parametrize(("length", "block"), [(9, 9), (2048, 512), (65536, 512)])
     def test_the_loop_tiles_clipped_to_the_lengths(self, length, block):
         bq, bk = default_tiles(True, length, length, loop=True)
         assert bq == bk == block == min(length, policy.LOOP_TILES[0])
+        windowed = default_tiles(True, length, length, loop=True, windowed=True)
+        assert windowed == (min(length, policy.LOOP_WINDOW_TILES[0]),) * 2
+
+    @pytest.mark.backends("jax", reason="JAX: the traced loop's tiles")
+    def test_a_windowed_long_call_loops_in_window_tiles(self, backend, monkeypatch):
+        monkeypatch.setattr(policy, "LOOP_MIN_SCORE_BYTES", 0)
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        _, (q, k, v) = _arrays(backend, lq=600, lk=600)
+        for window, tiles in ((None, policy.LOOP_TILES), ((3, 0), policy.LOOP_WINDOW_TILES)):
+            path = choose_path(prepare(q, k, v, window=window), "auto", "portable")
+            assert _route(path) == Tiled(*tiles, loop=True)
 
     def test_jax_runs_long_calls_as_a_loop(self, backend, monkeypatch):
         call = prepare(*_arrays(backend)[1])

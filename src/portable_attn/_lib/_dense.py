@@ -58,7 +58,7 @@ def _exp_logits(
     # The empty-row guards also wherever a mask is applied, though the band alone may
     # leave no row empty: XLA CPU compiles the guarded form faster (L = 1024, causal,
     # jax.jit: 0.85-0.89x jax.nn with the guard, 1.03-1.07x without, in one session;
-    # benchmarks/results/loop-default.json has the default call after this choice).
+    # benchmarks/results/loop.json at a2876ee has the default call after this choice).
     may_be_empty = rows_may_be_empty(bias, terms, plan) or allowed is not None
     exp_logits, sums, shift = masked_exp(
         xp,

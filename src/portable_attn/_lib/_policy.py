@@ -112,6 +112,7 @@ __all__ = [
     "THREADS_MIN_SCORE_BYTES",
     "LOOP_MIN_SCORE_BYTES",
     "LOOP_TILES",
+    "LOOP_WINDOW_TILES",
     "NATIVE_TILE",
     "NATIVE_TILES_MIN_SKIP",
     "MASK_LOOP_MIN_TILE",
@@ -172,13 +173,17 @@ THREADS_MIN_SCORE_BYTES = 128 * 2**20
 #: stays under one chunk pair of scores (..., Hq, bq, bk) while 4 Dv <= bk, and a query
 #: chunk over n key chunks costs about n / 3 merge tasks.
 DASK_MERGE_FAN_IN = 4
-#: ``(block_q, block_k)`` of the traced loop (rule 6), clipped to the lengths. A step
-#: of the loop costs more than a block of the unrolled program (it is not fused with
-#: its neighbours), so fewer, larger blocks win while one (H, 1024, 1024) float32
-#: block of scores (32 MiB for H = 8) stays small beside O(L) inputs. Chosen from
-#: hand runs of 256-1024 blocks at L = 4096 (the larger the faster), not from a
-#: results file; benchmarks/results/loop.json measures these tiles.
-LOOP_TILES = (1024, 1024)
+#: ``(block_q, block_k)`` of the traced loop (rule 6), clipped to the lengths. A loop
+#: step carries the online softmax (no per-step merge), so it costs about what its
+#: block computes; smaller blocks skip more of the causal half. Chosen from hand runs,
+#: not a results file (B=1, H=8, D=64, float32, jax.jit, L = 4096 and 8192, causal and
+#: plain, forward and jit(grad); blocks of 256, 512 and 1024): 512 was the fastest or
+#: within noise of it in each; benchmarks/results/loop.json measures these tiles.
+LOOP_TILES = (512, 512)
+#: ... and of a call with a window (a left bound of the band): most of a 512 block lies
+#: outside a narrow band, so the loop takes blocks of this size there, chosen from the
+#: same hand runs (window (256, 0) + causal at L = 4096: 256 was the fastest of the three).
+LOOP_WINDOW_TILES = (256, 256)
 #: Traced libraries run the tiled path as a traced loop from this many bytes of dense
 #: scores (B x Hq x Lq x Lk x itemsize; L = 4096 for B=1, H=8 in float32). Measured
 #: (benchmarks/results/loop.json at a2876ee, causal, B=1, H=8, D=64, float32, jax.jit,
@@ -485,7 +490,10 @@ def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
     if _score_bytes(call) <= limit:
         return None
     traced = traces_python_loops(call.query)
-    return default_tiles(traced, plan.q_len, plan.kv_len, loop=runs_as_loop(call))
+    windowed = plan.band.left is not None
+    return default_tiles(
+        traced, plan.q_len, plan.kv_len, loop=runs_as_loop(call), windowed=windowed
+    )
 
 
 def _mask_loop_tiles(call: AttentionCall) -> tuple[int, int]:
@@ -517,15 +525,19 @@ def _traced_block_mask(call: AttentionCall) -> bool:
     return terms.block_states is not None and terms.block_host is None
 
 
-def default_tiles(traced: bool, q_len: int, kv_len: int, *, loop: bool = False) -> tuple[int, int]:
+def default_tiles(
+    traced: bool, q_len: int, kv_len: int, *, loop: bool = False, windowed: bool = False
+) -> tuple[int, int]:
     """``(block_q, block_k)`` for ``block_size="auto"`` above the dense limit.
 
     `traced`: the library traces Python loops (JAX); `loop`: the blocks run as a
-    traced loop (:data:`LOOP_TILES`), else unrolled in at most
+    traced loop (:data:`LOOP_TILES`; :data:`LOOP_WINDOW_TILES` for a `windowed`
+    band), else unrolled in at most
     :data:`TRACED_MAX_BLOCKS` blocks of at least :data:`TRACED_MIN_BLOCK` per axis.
     """
     if traced and loop:
-        return min(LOOP_TILES[0], max(1, q_len)), min(LOOP_TILES[1], max(1, kv_len))
+        bq, bk = LOOP_WINDOW_TILES if windowed else LOOP_TILES
+        return min(bq, max(1, q_len)), min(bk, max(1, kv_len))
     if traced:
         per_axis = TRACED_MAX_BLOCKS * 128
         return (
