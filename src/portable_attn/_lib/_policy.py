@@ -185,14 +185,15 @@ LOOP_TILES = (512, 512)
 #: same hand runs (window (256, 0) + causal at L = 4096: 256 was the fastest of the three).
 LOOP_WINDOW_TILES = (256, 256)
 #: Traced libraries run the tiled path as a traced loop from this many bytes of dense
-#: scores (B x Hq x Lq x Lk x itemsize; L = 4096 for B=1, H=8 in float32). Measured
-#: (benchmarks/results/loop.json at a2876ee, causal, B=1, H=8, D=64, float32, jax.jit,
-#: each case in a fresh process), loop against unrolled: at L = 4096, 0.138 s against
-#: 0.176 s forward and 0.62 s against 0.74 s for jit(grad), compiled in 0.23 s against
-#: 2.3 s, with 153 / 287 MiB of extra peak RSS against 607 / 1430 MiB; at 8192,
-#: 0.43 s against 0.74 s (2.2 s against 3.1 s for the gradient); at 2048 the two run
-#: within 4% forward and the unrolled gradient is 12% faster (0.18 s against 0.21 s).
-LOOP_MIN_SCORE_BYTES = 512 * 2**20
+#: scores (B x Hq x Lq x Lk x itemsize; L = 2048 for B=1, H=8 in float32), below which
+#: the dense path (AUTO_DENSE_LIMIT_BYTES) or, between the two, the unrolled program
+#: runs. Measured (benchmarks/results/loop.json at 543f13a, causal, B=1, H=8, D=64,
+#: float32, jax.jit, each case in a fresh process), loop against unrolled: at L = 2048,
+#: 0.043 s against 0.126 s forward and 0.15 s against 0.29 s for jit(grad); at 4096,
+#: 0.137 s against 0.278 s and 0.47 s against 0.75 s, compiled in 0.26 s against 2.3 s,
+#: with 100 / 208 MiB of extra peak RSS against 602 / 1444 MiB; at 8192, 0.46 s
+#: against 0.74 s (1.7 s against 3.0 s for the gradient).
+LOOP_MIN_SCORE_BYTES = 128 * 2**20
 #: A traced block mask runs the traced loop whatever the length (only the loop can
 #: skip by value), in tiles of whole state blocks of at least this size, chosen from
 #: hand runs, not a results file (B=1, H=8, L=4096, D=64, float32, states of 128,
