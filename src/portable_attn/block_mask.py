@@ -93,8 +93,9 @@ def create_block_mask(
     -------
     BlockMask
         States (B | 1, H | 1, ceil(Lq / bq), ceil(Lk / bk)), built in tiles of whole
-        blocks of at most 1 Mi booleans (NumPy: one thread per core): O(block)
-        memory, never the (Lq, Lk) mask.
+        blocks of at most 4 Mi booleans in all, over every (batch, head) the rule
+        differs over (NumPy: one thread per core): O(block) memory, never the
+        (Lq, Lk) mask.
 
     Raises
     ------
