@@ -53,10 +53,11 @@ HIDDEN, PARTIAL, FULL = 0, 1, 2
 #: booleans evaluated per tile of :func:`build_states` (whole blocks, all the (batch,
 #: head) pairs the mask differs over together): 4 Mi. NumPy asks the kernel for huge
 #: pages from 4 MiB on, so a boolean temporary of this size is faulted in 2 MiB at a
-#: time; smaller tiles spent about 40% of the build in page faults (glibc maps each
-#: fresh buffer above its mmap threshold). The build time and memory at L = 32768 are
-#: in benchmarks/results/flex.json ("build"); a mask_mod whose temporaries are int64
-#: (``q_idx - kv_idx``) holds 8 bytes per entry of a tile while it runs.
+#: time; with smaller tiles much of the build went to page faults (glibc maps each
+#: fresh buffer above its mmap threshold; hand runs, not a results file). The build
+#: time and memory at L = 32768 are in benchmarks/results/flex.json ("build"); a
+#: mask_mod whose temporaries are int64 (``q_idx - kv_idx``) holds 8 bytes per entry
+#: of a tile while it runs.
 TILE_ENTRIES = 2**22
 
 Range = tuple[int, int]

@@ -199,7 +199,7 @@ LOOP_MIN_SCORE_BYTES = 128 * 2**20
 #: hand runs, not a results file (B=1, H=8, L=4096, D=64, float32, states of 128,
 #: jax.jit; tiles of 128, 256 and 512): larger tiles suit the 4 causal documents of
 #: 1024 (fewer loop steps), smaller ones the causal window of 256 (less work outside
-#: the band); 256 was within 15% of the faster of the three on both. The default
+#: the band); 256 was close to the faster of the three on both. The default
 #: call's figures are in benchmarks/results/flex.json.
 MASK_LOOP_MIN_TILE = 256
 #: Below LOOP_MIN_SCORE_BYTES a traced library unrolls the Python loop into the

@@ -18,7 +18,8 @@ same kernel runs inside JAX's structured loops instead:
   whose running max, denominator and weighted sum are the key loop's carry,
   normalised once per query block (as the Python loop does). Merging each step's
   normalised partial result instead (a stack, a log and three exps per step) made
-  a loop step about 4x as costly at 128 x 128 blocks (hand runs);
+  a loop step several times as costly at 128 x 128 blocks (hand runs, not a
+  results file; benchmarks/results/loop.json measures the loop as it is);
 - uneven last blocks: Q, K, V and every field are padded to whole blocks along
   their ``Lq``/``Lk`` axes; the padded keys are hidden by a key length, the padded
   query rows are cut off the result;
