@@ -51,7 +51,8 @@ How the path is chosen (`block_size`, `implementation`):
   3. Otherwise dense while the dense logits fit in :data:`AUTO_DENSE_LIMIT_BYTES`
      (:data:`AUTO_DENSE_LIMIT_BYTES_MULTITHREADED` for libraries with
      multi-threaded elementwise kernels), tiled above with :data:`EAGER_TILES`,
-     or, for traced libraries (JAX), :data:`LOOP_TILES` as a traced loop (rule 6)
+     or, for traced libraries (JAX), :data:`LOOP_TILES` (:data:`LOOP_WINDOW_TILES`
+     under a window) as a traced loop (rule 6)
      or, below :data:`LOOP_MIN_SCORE_BYTES`, at least :data:`TRACED_MIN_BLOCK`
      and at most :data:`TRACED_MAX_BLOCKS` blocks per axis, unrolled.
   4. On the tiled path, libraries whose elementwise ops run on one core and
@@ -66,8 +67,9 @@ How the path is chosen (`block_size`, `implementation`):
      (``Tiled.loop``: ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``): the
      program and its live buffers stay O(1) in the number of blocks, which an
      unrolled Python loop is not (under ``jax.jit`` it kept 5 GiB alive at
-     L = 16384, and 11 GiB for ``jit(grad)``: issue 21's table); below, where the
-     unrolled program is measured faster and its memory is bounded, it unrolls.
+     L = 16384, and 11 GiB for ``jit(grad)``: issue 21's table), and which it
+     outran at every length measured (``LOOP_MIN_SCORE_BYTES`` cites the figures);
+     below, the dense path runs, or the unrolled program between the two limits.
   7. Half precision (float16, bfloat16) accumulates in float32 on every path, but
      only the paths that need it get float32 copies of Q, K and V: a native kernel
      that accumulates in float32 itself takes them in their dtype where
@@ -500,8 +502,8 @@ def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
 def _mask_loop_tiles(call: AttentionCall) -> tuple[int, int]:
     """Tiles of the traced loop over a traced block mask: multiples of its blocks.
 
-    At least :data:`MASK_LOOP_MIN_TILE` (a loop step costs more than a small block
-    computes), and whole state blocks, so every state maps onto one tile.
+    At least :data:`MASK_LOOP_MIN_TILE` (fewer loop steps where the mask shows many
+    blocks), and whole state blocks, so every state maps onto one tile.
     """
     plan = call.plan
     mq, mk = call.terms.state_block or EAGER_TILES
