@@ -11,7 +11,9 @@ cost of the float32 copies); interleaved rounds, medians and per-round ratios.
 torch: the default call, both native routes (half Q, K, V given to SDPA as they are,
 or as float32 copies) and SDPA itself in the inputs' dtype (asserted), plain / causal /
 padding (the last quarter of the keys masked); max error against float64 SDPA on the
-same inputs; the peak resident memory a causal call adds, each in its own process.
+same inputs; the peak resident memory a causal call adds, each in its own process,
+as the first call of the process and after one small call (``warm``: the call's own
+working memory, without the modules and caches a process loads once).
 jax: under ``jit``, the default call, the dense path in both half forms (float32
 copies, FlashAttention's form) and ``jax.nn.dot_product_attention`` in bfloat16.
 The machine's load average is recorded: it is shared.
@@ -83,7 +85,7 @@ def torch_child(dtype: str, length: int) -> dict:
             "sdpa": sdpa,
         }
         with torch.no_grad():
-            res = interleaved_seconds(fns, repeats=7 if length < 4096 else 5)
+            res = interleaved_seconds(fns, repeats=15 if length < 4096 else 7)
             exact = F.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), **peer)
             errors = {}
             for name, fn in fns.items():
@@ -112,22 +114,31 @@ def torch_child(dtype: str, length: int) -> dict:
     return {"dtype": dtype, "L": length, "rows": rows, "loadavg_after": _loadavg()}
 
 
-def torch_memory_child(dtype: str, length: int, impl: str) -> dict:
-    """Peak resident memory one causal call adds in a fresh process (MiB)."""
+def torch_memory_child(dtype: str, length: int, impl: str, warm: bool) -> dict:
+    """Peak resident memory one causal call adds in a fresh process (MiB).
+
+    `warm`: after one small call (L = 64) of the same implementation, so the figure is
+    the call's own working memory; the first call of a process also loads modules
+    (array-api-compat's torch namespace, on ours) and fills caches once.
+    """
     import torch
     import torch.nn.functional as F
 
     from portable_attn import scaled_dot_product_attention
 
-    q, k, v, kw, peer = _torch_inputs(dtype, length, "causal")
-    with torch.no_grad():
+    def call(length: int) -> float:
+        q, k, v, kw, peer = _torch_inputs(dtype, length, "causal")
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if impl == "sdpa":
             F.scaled_dot_product_attention(q, k, v, **peer)
         else:
             scaled_dot_product_attention(q, k, v, **kw)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"extra_peak_MiB": (after - before) / 1024}
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+    with torch.no_grad():
+        if warm:
+            call(64)
+        return {"extra_peak_MiB": call(length)}
 
 
 def _swap_heads(x):
@@ -219,7 +230,7 @@ def main(argv: list[str]) -> int:
         if kind == "torch":
             result = torch_child(rest[0], int(rest[1]))
         elif kind == "torch-memory":
-            result = torch_memory_child(rest[0], int(rest[1]), rest[2])
+            result = torch_memory_child(rest[0], int(rest[1]), rest[2], rest[3] == "warm")
         else:
             result = jax_child(int(rest[0]))
         print("RESULT " + json.dumps(result))
@@ -236,9 +247,12 @@ def main(argv: list[str]) -> int:
             _child("torch", dt, str(n)) for dt in ("bfloat16", "float16") for n in lengths
         ]
         out["memory_causal"] = {
-            f"{dt} L={n} {impl}": _child("torch-memory", dt, str(n), impl)["extra_peak_MiB"]
+            f"{dt} L={n} {impl} {when}": _child("torch-memory", dt, str(n), impl, when)[
+                "extra_peak_MiB"
+            ]
             for dt in ("bfloat16",)
             for n in (max(lengths),)
+            for when in ("warm", "first")
             for impl in ("default", "sdpa")
         }
         print(out["memory_causal"])
