@@ -55,6 +55,7 @@ class TestFields:
             "mask_mod",
             "state_block",
             "block_host",
+            "kv_length_values",
         }
         terms = {f.name for f in dataclasses.fields(ScoreTerms)}
         assert terms - non_arrays == declared

@@ -52,6 +52,39 @@ class TestLengths:
         np.testing.assert_allclose(padded[:, :, :4], backend.to_numpy(short), atol=1e-13)
         assert np.all(padded[:, :, 4:] == 0)
 
+    @pytest.mark.parametrize("block_size", PATHS)
+    @pytest.mark.parametrize("lengths", [[5, 2, 6], [9, 9, 9], [0, 3, 12]], ids=str)
+    def test_host_lengths_cut_the_keys_none_sees(self, backend, block_size, lengths):
+        # Where lengths are read on the host (NumPy, torch CPU) the keys past the largest
+        # length are computed by no path (policy rule 0): NaN there cannot reach the
+        # output. Elsewhere they are masked, as before; the results agree with the oracle.
+        from portable_attn._lib._call import prepare
+        from portable_attn._lib._compat import reads_host_values
+        from portable_attn._lib._policy import kept_keys
+
+        q, k, v = problem()
+        kw = {"kv_lengths": np.array(lengths), "is_causal": True}
+        check(backend, q, k, v, block_size=block_size, **kw)
+        lens = backend.asarray(np.array(lengths))
+        call = prepare(*(backend.asarray(a) for a in (q, k, v)), kv_lengths=lens)
+        cut = max(1, max(lengths))
+        expected = cut if reads_host_values(lens) and cut < 9 else None
+        assert kept_keys(call) == expected
+        if expected is not None:  # keys past every length: never read
+            k_nan, v_nan = k.copy(), v.copy()
+            k_nan[..., expected:, :] = np.nan
+            v_nan[..., expected:, :] = np.nan
+            out = scaled_dot_product_attention(
+                *(backend.asarray(a) for a in (q, k_nan, v_nan)),
+                kv_lengths=lens,
+                is_causal=True,
+                block_size=block_size,
+            )
+            reference = scaled_dot_product_attention(
+                q, k, v, kv_lengths=np.array(lengths), is_causal=True
+            )
+            np.testing.assert_allclose(backend.to_numpy(out), reference, atol=1e-10)
+
     def test_lengths_must_be_integers(self, backend):
         q, k, v = problem(backend=backend)
         with pytest.raises(TypeError, match=r"`kv_lengths` must be an integer array.*float64"):

@@ -13,9 +13,10 @@ from typing import Any, Literal
 from ._lib._block_states import BlockMask
 from ._lib._call import prepare
 from ._lib._dense import dense_weights
-from ._lib._policy import choose_path
+from ._lib._policy import choose_path, kept_keys
 from ._lib._validation import check_given, check_is_flag
 from ._paths import run
+from ._paths._partial import first_keys
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
@@ -242,6 +243,9 @@ def scaled_dot_product_attention(
         block_mask=block_mask,
     )
     return_lse = check_is_flag("return_lse", return_lse)
+    keys = kept_keys(call)  # the keys the lengths show some row (policy rule 0)
+    if keys is not None:
+        call = first_keys(call, keys)
     path = choose_path(call, block_size, implementation, return_lse=return_lse)
     out, lse = run(call, path, with_lse=return_lse)
     return (call.finish(out), call.finish_lse(lse)) if return_lse else call.finish(out)

@@ -462,6 +462,10 @@ def _score_terms(
             v.check_lengths(xp, name, x, plan.batch)
             x = signed_lengths(xp, x)
             lengths[name] = xp.reshape(x, (*x.shape, 1, 1, 1))  # (*batch, 1, 1, 1)
+    length_values = None
+    if kv_lengths is not None and reads_host_values(kv_lengths):  # free: no sync, no trace
+        # ints (NumPy, torch); None for an empty batch, which has no value to read
+        length_values = frozenset(kv_lengths.reshape(-1).tolist()) or None
     if lengths:  # i' = i + kv_len[b] - q_len[b] (Alignment.offset)
         plan = dataclasses.replace(plan, has_lengths=True)
     slopes = alibi_slopes
@@ -471,7 +475,8 @@ def _score_terms(
     v.check_score_mod(score_mod)
     if score_mod is not None:
         score_mod = _checked_score_mod(xp, score_mod)
-    dropout_p = v.check_dropout(dropout_p, dropout_mask)
+    if not (type(dropout_p) is float and dropout_p == 0.0 and dropout_mask is None):
+        dropout_p = v.check_dropout(dropout_p, dropout_mask)  # the default needs no check
     keep = dropout_mask
     if keep is not None:
         v.check_mask_dtype(xp, "dropout_mask", keep)
@@ -496,6 +501,7 @@ def _score_terms(
         mask=mask,
         q_lengths=lengths.get("q_lengths"),
         kv_lengths=lengths.get("kv_lengths"),
+        kv_length_values=length_values,
         alibi_slopes=slopes,
         score_mod=score_mod,
         batch_index=batch_index,

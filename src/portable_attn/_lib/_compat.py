@@ -18,7 +18,8 @@ import warnings
 from typing import Any
 
 import array_api_compat
-from array_api_compat import device, is_array_api_obj, size
+from array_api_compat import device as _compat_device
+from array_api_compat import is_array_api_obj, size
 
 __all__ = [
     "array_namespace",
@@ -52,6 +53,23 @@ __all__ = [
 
 _NAMESPACE_BY_TYPE: dict[type, Any] = {}
 _LIBRARY_BY_TYPE: dict[type, str] = {}
+
+
+#: Array types whose ``.device`` attribute is what ``array_api_compat.device`` returns:
+#: read directly, since the per-call checks ask for every argument's device (torch).
+_DEVICE_ATTRIBUTE: set[type] = set()
+
+
+def device(x: Any) -> Any:
+    """Return the device of `x` (``array_api_compat.device``; torch: ``.device`` directly)."""
+    if type(x) in _DEVICE_ATTRIBUTE:
+        return x.device
+    if library_name(x) == "torch":
+        import torch
+
+        if type(x) is torch.Tensor:  # not a subclass, whose device may be wrapped
+            _DEVICE_ATTRIBUTE.add(torch.Tensor)
+    return _compat_device(x)
 
 
 def library_name(x: Any) -> str:

@@ -28,6 +28,11 @@ How the path is chosen (`block_size`, `implementation`):
   this table, which picks the fastest exact path measured for the library, the
   shape and the arguments:
 
+  0. Before any path is chosen, :func:`scaled_dot_product_attention` drops the keys
+     that `kv_lengths` read on the host hide from every row (:func:`kept_keys`: a
+     KV cache filled to 3584 of 4096 attends over 3584 keys), whatever the path; an
+     exact cut, since lengths, not ``Lk``, align the rows.
+
   1. ``implementation=None`` on a library whose native kernel is fused
      (:func:`~._compat.fused_native_kernel`: torch SDPA) and a call the
      kernel can express (see :func:`unsupported_reason`: no softcap,
@@ -128,6 +133,7 @@ __all__ = [
     "native_upcasts",
     "runs_as_loop",
     "fold_row_sums",
+    "kept_keys",
     "skipped_fraction",
     "unsupported_reason",
 ]
@@ -289,6 +295,28 @@ def choose_path(
     if tiles is None:
         return Dense(fold, dense_flash_form(call))
     return Tiled(*tiles, fold=fold, workers=_workers(call), loop=loop)
+
+
+def kept_keys(call: AttentionCall) -> int | None:
+    """Rule 0: how many leading keys `call` needs, when `kv_lengths` hide the rest.
+
+    With `kv_lengths` read on the host (``ScoreTerms.kv_length_values``: NumPy, torch
+    CPU) no row sees a key at or past the largest length, so the keys from there
+    on are computed by no path: return that length (at least 1, so gradients still
+    reach K and V as zeros), or None when every key may be seen. The cut call is
+    the same whole call, with lengths, not ``Lk``, aligning its rows
+    (``i' = i + kv_len - q_len``); every array with a key axis is cut with the keys.
+    Not with what is laid out over the whole key axis on the host: segment ids
+    (their block skipper) and a ``mask_mod`` or block mask (its block states).
+    """
+    terms = call.terms
+    values = terms.kv_length_values
+    if values is None or call.plan.align is not None:
+        return None
+    if terms.q_segments is not None or terms.mask_mod is not None:
+        return None
+    keep = max(1, max(values))
+    return keep if keep < call.plan.kv_len else None
 
 
 def unsupported_reason(

@@ -122,6 +122,10 @@ class ScoreTerms:
     #: what the states say of a rectangle, read on the host
     #: (``_block_states.HostStates``); None while the states are traced
     block_host: Any = None
+    #: the distinct values of `kv_lengths`, read on the host when that is free
+    #: (:func:`~._compat.reads_host_values`: NumPy, torch CPU), for the whole call
+    #: only: every part made of the call (``place_block``, ``shift_keys``) drops them
+    kv_length_values: frozenset[int] | None = None
 
     @property
     def hides_by_value(self) -> bool:
@@ -236,9 +240,8 @@ def allowed_block(
     if structural and plan.band.restricts:  # (bq, bk) or (*batch, 1, bq, bk)
         offset = query_offset(plan, terms)
         parts.append(plan.band.allowed(xp, q_range, k_range, offset, plan.device))
-    parts.append(
-        padding_allowed(xp, q_range, k_range, terms.q_lengths, terms.kv_lengths, plan.device)
-    )
+    kv_lengths = None if _lengths_show_keys(terms, plan, k_range) else terms.kv_lengths
+    parts.append(padding_allowed(xp, q_range, k_range, terms.q_lengths, kv_lengths, plan.device))
     if segments:
         parts.append(segment_allowed(terms.q_segments, terms.kv_segments, q_range, k_range))
     if mask_mod and terms.mask_mod is not None:  # (..., Hq|1, bq|1, bk|1)
@@ -333,14 +336,52 @@ def hidden_by_value(bias: Any | None, terms: ScoreTerms) -> bool:
     )
 
 
+def _lengths_show_keys(terms: ScoreTerms, plan: AttentionPlan, k_range: Range) -> bool:
+    """Whether host-read `kv_lengths` of a whole call leave every key of `k_range` valid."""
+    values = terms.kv_length_values
+    return values is not None and plan.align is None and min(values) >= k_range[1]
+
+
 def rows_may_be_empty(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) -> bool:
     """Whether some query row can end up with no visible key: the one answer to that question.
 
     Either something value-dependent hides entries (:func:`hidden_by_value`) or the
-    band alone leaves a row without keys (``Lq > Lk`` with causal, say).
+    band alone leaves a row without keys (``Lq > Lk`` with causal, say). Lengths
+    read on the host (:func:`_lengths_show_every_row`) answer it by value.
     """
+    if _lengths_show_every_row(bias, terms, plan):
+        return False
     offset = None if plan.has_lengths else plan.offset
     return hidden_by_value(bias, terms) or plan.band.empties_rows(plan.q_len, plan.kv_len, offset)
+
+
+def _lengths_show_every_row(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) -> bool:
+    """Whether host-read `kv_lengths`, the only thing hiding by value, leave no row empty.
+
+    A whole call (no part) with `kv_lengths` alone: query ``i`` of batch ``b`` sees the
+    keys ``j < n_b`` of its band around ``i' = i + n_b - Lq``, so a row is empty only
+    where ``n_b <= 0`` or the band misses ``[0, min(n_b, Lk))`` (decoding with every
+    length positive is never empty: no guard is needed).
+    """
+    values = terms.kv_length_values
+    if values is None or plan.align is not None or plan.q_len == 0:
+        return False
+    others = (
+        terms.mask,
+        terms.q_lengths,
+        terms.q_segments,
+        terms.mask_mod,
+        terms.score_mod,
+        terms.alibi_slopes,
+        bias,
+    )
+    if any(x is not None for x in others):
+        return False
+    band = plan.band
+    return all(
+        n > 0 and not band.empties_rows(plan.q_len, min(n, plan.kv_len), n - plan.q_len)
+        for n in values
+    )
 
 
 def empty_result(

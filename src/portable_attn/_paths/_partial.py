@@ -25,7 +25,7 @@ from .._lib._masks import Alignment
 from .._lib._path import DaskGrid, Dense, Empty, Path, Tiled
 from .._lib._tiled import tiled_forward
 
-__all__ = ["cut_call", "partial_attention", "place_block", "shift_keys"]
+__all__ = ["cut_call", "first_keys", "partial_attention", "place_block", "shift_keys"]
 
 Array = Any
 
@@ -54,6 +54,7 @@ def shift_keys(call: AttentionCall, kv_start: int | Array, kv_total: int) -> Att
     new_terms = dataclasses.replace(
         terms,
         kv_lengths=local,
+        kv_length_values=None,  # the part's lengths are shifted: read by nobody
         score_mod=mod,
         mask_mod=_shifted_mask_mod(terms.mask_mod, 0, kv_start),
         block_host=None,  # a traced start: its blocks are read by nobody on the host
@@ -114,6 +115,7 @@ def place_block(
         terms,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        kv_length_values=None,  # those of the whole call, not of the part
         score_mod=mod,
         mask_mod=_shifted_mask_mod(terms.mask_mod, q_start, kv_start),
         block_host=host,
@@ -142,6 +144,22 @@ def cut_call(
         parts[name] = x
     part = skeleton.unflatten(parts, q_len=qe - qs, kv_len=ke - ks)
     return place_block(part, q_start=qs, kv_start=ks, q_total=plan.q_len, kv_total=plan.kv_len)
+
+
+def first_keys(call: AttentionCall, kv_len: int) -> AttentionCall:
+    """Return `call` with only its first `kv_len` keys: still a whole call, not a part.
+
+    For calls whose `kv_lengths` hide every key from `kv_len` on (the policy's
+    :func:`~portable_attn._lib._policy.kept_keys`): their rows are aligned by the
+    lengths, which the cut leaves as they are. Every array field with a key axis is
+    sliced (views); gradients of the keys cut off are zeros.
+    """
+    arrays, skeleton = call.flatten()
+    parts = {}
+    for name, x in arrays.items():
+        d = axis_of(name, x, "lk")
+        parts[name] = x if d is None else x[(slice(None),) * d + (slice(0, kv_len),)]
+    return skeleton.unflatten(parts, kv_len=kv_len)
 
 
 def _shifted_mask_mod(mask_mod: Any, q_start: int | Array, kv_start: int | Array) -> Any:
