@@ -130,10 +130,14 @@ class ScoreTerms:
     @property
     def hides_by_value(self) -> bool:
         """Whether a user mask, lengths or segment ids can hide entries of any block."""
+        return self.kv_lengths is not None or self.hides_besides_kv_lengths
+
+    @property
+    def hides_besides_kv_lengths(self) -> bool:
+        """:attr:`hides_by_value` with `kv_lengths` left out."""
         return (
             self.mask is not None
             or self.q_lengths is not None
-            or self.kv_lengths is not None
             or self.q_segments is not None
             or self.mask_mod is not None
         )
@@ -328,8 +332,13 @@ def hidden_by_value(bias: Any | None, terms: ScoreTerms) -> bool:
     huge slope) can give ``-inf`` scores. Without any of them only the band hides
     entries: a block the band shows in "full" has a finite score in every row.
     """
+    return terms.kv_lengths is not None or _hidden_besides_kv_lengths(bias, terms)
+
+
+def _hidden_besides_kv_lengths(bias: Any | None, terms: ScoreTerms) -> bool:
+    """:func:`hidden_by_value` with `kv_lengths` left out."""
     return (
-        terms.hides_by_value
+        terms.hides_besides_kv_lengths
         or bias is not None
         or terms.score_mod is not None
         or terms.alibi_slopes is not None
@@ -366,16 +375,7 @@ def _lengths_show_every_row(bias: Any | None, terms: ScoreTerms, plan: Attention
     values = terms.kv_length_values
     if values is None or plan.align is not None or plan.q_len == 0:
         return False
-    others = (
-        terms.mask,
-        terms.q_lengths,
-        terms.q_segments,
-        terms.mask_mod,
-        terms.score_mod,
-        terms.alibi_slopes,
-        bias,
-    )
-    if any(x is not None for x in others):
+    if _hidden_besides_kv_lengths(bias, terms):
         return False
     band = plan.band
     return all(

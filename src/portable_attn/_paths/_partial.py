@@ -134,15 +134,7 @@ def cut_call(
     """
     (qs, qe), (ks, ke) = q_range, k_range
     plan = call.plan
-    arrays, skeleton = call.flatten()
-    parts = {}
-    for name, x in arrays.items():
-        for axis, (start, stop) in (("lq", q_range), ("lk", k_range)):
-            d = axis_of(name, x, axis)
-            if d is not None:
-                x = x[(slice(None),) * d + (slice(start, stop),)]
-        parts[name] = x
-    part = skeleton.unflatten(parts, q_len=qe - qs, kv_len=ke - ks)
+    part = _sliced(call, {"lq": q_range, "lk": k_range}, q_len=qe - qs, kv_len=ke - ks)
     return place_block(part, q_start=qs, kv_start=ks, q_total=plan.q_len, kv_total=plan.kv_len)
 
 
@@ -154,12 +146,26 @@ def first_keys(call: AttentionCall, kv_len: int) -> AttentionCall:
     lengths, which the cut leaves as they are. Every array field with a key axis is
     sliced (views); gradients of the keys cut off are zeros.
     """
+    return _sliced(call, {"lk": (0, kv_len)}, kv_len=kv_len)
+
+
+def _sliced(
+    call: AttentionCall, ranges: dict[str, tuple[int, int]], **sizes: int
+) -> AttentionCall:
+    """`call` with every array field sliced to `ranges` (grid axis -> range), `sizes` set.
+
+    Each field is sliced along the axes its declaration names (size-one axes stay
+    broadcast); nothing is placed: that is the caller's business.
+    """
     arrays, skeleton = call.flatten()
     parts = {}
     for name, x in arrays.items():
-        d = axis_of(name, x, "lk")
-        parts[name] = x if d is None else x[(slice(None),) * d + (slice(0, kv_len),)]
-    return skeleton.unflatten(parts, kv_len=kv_len)
+        for axis, (start, stop) in ranges.items():
+            d = axis_of(name, x, axis)
+            if d is not None:
+                x = x[(slice(None),) * d + (slice(start, stop),)]
+        parts[name] = x
+    return skeleton.unflatten(parts, **sizes)
 
 
 def _shifted_mask_mod(mask_mod: Any, q_start: int | Array, kv_start: int | Array) -> Any:
