@@ -228,7 +228,9 @@ TRACED_MAX_BLOCKS = 16
 #:   L = 1024-2048 and 31 MiB of peak memory at L = 4096 (issue 25, e325749), for the
 #:   same error. Own dtype.
 #: - torch CPU float16: SDPA in float16 is slow on this CPU (no fast float16 GEMM):
-#:   the float32 route ran at 0.65-0.77x of SDPA in float16. Upcast.
+#:   the float32 route ran at 0.63-0.74x of SDPA in float16 at L = 1024-4096 in all but
+#:   one row (half-torch.json at cb3194b; the first row of its process, plain at
+#:   L = 1024, at 1.22x there and 0.64x in the run at e2a084f). Upcast.
 #: - torch CUDA bfloat16 / float16: the flash, memory-efficient and cuDNN kernels
 #:   take half precision only (float32 falls back to the math kernel) and accumulate
 #:   in float32. Own dtype; not yet timed here: benchmarks/gpu.sh measures both routes
