@@ -23,6 +23,60 @@ from portable_attn.testing import Backend
 PATHS = [None, 3]  # `block_size` of the dense path, and of a tiled one whose blocks divide nothing
 
 
+#: (Lq, Lk) of the tiled-path cases: Lq > Lk and Lq < Lk; no small block size divides them
+TILE_SIZES = [(29, 23), (23, 29)]
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _rel_mod(scores, b, h, i, j):
+    return scores - 0.1 * (h + 1) * np.abs(i - j) + 0.01 * b
+
+
+#: keyword arguments of each case of the tiled path for (Lq, Lk), for :func:`qkv`'s
+#: batch 2, 4 query heads, 2 key/value heads: every score term and mask
+TILE_CASES = {
+    "plain": lambda lq, lk: {},
+    "mask": lambda lq, lk: {"mask": _rng(7).random((2, 1, lq, lk)) < 0.7},
+    "bias": lambda lq, lk: {"bias": _rng(8).standard_normal((4, lq, lk))},
+    "neg_inf_bias": lambda lq, lk: {"bias": np.where(_rng(9).random((lq, lk)) < 0.5, -np.inf, 0)},
+    "causal": lambda lq, lk: {"is_causal": True},
+    "window": lambda lq, lk: {"window": (4, 2)},
+    "causal_window_softcap": lambda lq, lk: {
+        "is_causal": True,
+        "window": (5, None),
+        "softcap": 1.5,
+    },
+    "lengths": lambda lq, lk: {
+        "q_lengths": np.array([lq, lq // 2]),
+        "kv_lengths": np.array([lk - 6, lk]),
+        "is_causal": True,
+    },
+    "alibi": lambda lq, lk: {
+        "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+        "is_causal": True,
+    },
+    "score_mod": lambda lq, lk: {"score_mod": _rel_mod},
+    "dropout": lambda lq, lk: {
+        "dropout_p": 0.3,
+        "dropout_mask": _rng(10).random((2, 4, lq, lk)) > 0.3,
+    },
+    "scale_key_mask": lambda lq, lk: {"scale": 0.3, "mask": _rng(11).random(lk) < 0.8},
+    "sinks": lambda lq, lk: {"sinks": np.array([0.5, -1.0, 2.0, -np.inf]), "is_causal": True},
+    "segments": lambda lq, lk: {
+        "q_segment_ids": np.broadcast_to(np.arange(lq) * 3 // lq, (2, lq)),
+        "kv_segment_ids": np.broadcast_to(np.arange(lk) * 3 // lk, (2, lk)),
+    },
+    "mask_mod": lambda lq, lk: {"mask_mod": _striped},
+}
+
+
+def _striped(b, h, i, j):
+    return (i + h + b) % 3 != j % 2
+
+
 def randn(*shape: int, seed: int = 0, dtype: Any = np.float64) -> np.ndarray:
     """Standard normal NumPy data of `shape`, the same for the same `seed`."""
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype, copy=False)

@@ -32,7 +32,9 @@ def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
 
 def _route(path):
     """The route of a path, without the fold decision (pinned by its own tests)."""
-    if isinstance(path, Dense | Tiled):
+    if isinstance(path, Tiled):  # nor buffering (test_numpy_tiles_are_buffered)
+        return dataclasses.replace(path, fold=False, buffered=False)
+    if isinstance(path, Dense):
         return dataclasses.replace(path, fold=False)
     if isinstance(path, DaskGrid):
         return dataclasses.replace(path, inner=_route(path.inner))
@@ -48,8 +50,13 @@ def _halves(n):
     return ((n + 1) // 2, n // 2)  # the Dask test arrays' chunks along an axis of n
 
 
-def _dask(lq=9, lk=9, inner=policy.EAGER_TILES):
-    """The Dask path: one task per (Lq chunk, Lk chunk) pair, `inner` tiles inside it."""
+def _dask(lq=9, lk=9, inner="auto"):
+    """The Dask path: one task per (Lq chunk, Lk chunk) pair, `inner` tiles inside it.
+
+    By default the NumPy chunk pairs' tiles (:func:`policy.buffered_tiles`).
+    """
+    if inner == "auto":
+        inner = policy.buffered_tiles(max(_halves(lq)), max(_halves(lk)))
     inner = Dense() if inner is None else Tiled(*inner)
     return DaskGrid(_halves(lq), _halves(lk), inner, policy.DASK_MERGE_FAN_IN)
 
@@ -137,6 +144,13 @@ class TestDefaultRoute:
         assert _path(backend, block_size=(2, 3)) == tiled((2, 3))
         assert _path(backend, block_size=4, implementation="portable") == tiled((4, 4))
 
+    def test_numpy_tiles_are_buffered(self, backend):
+        """NumPy, and Dask of NumPy chunks, run the tiled loop in reused buffers: no other."""
+        _, (q, k, v) = _arrays(backend)
+        path = choose_path(prepare(q, k, v), 4, None)
+        tiled = path.inner if isinstance(path, DaskGrid) else path
+        assert tiled.buffered == (backend.family in ("numpy", "dask"))
+
     def test_no_query_or_no_key_is_empty(self, backend):
         assert _path(backend, shape={"lq": 0}) == Empty()
         assert _path(backend, shape={"lk": 0}, block_size=4) == Empty()
@@ -153,14 +167,17 @@ class TestAuto:
     def test_above_the_limit_tiles(self, backend, monkeypatch):
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        monkeypatch.setattr(policy, "BUFFERED_DENSE_LIMIT_BYTES", 0)
         data, (q, k, v) = _arrays(backend)
         mask_np = np.random.default_rng(1).random((9, 9)) < 0.7
         mask = backend.asarray(mask_np)
         path = _route(choose_path(prepare(q, k, v, mask=mask, softcap=5.0), None, None))
-        if backend.family == "dask":  # chunk pairs of 5 x 5 scores, tiled at 128 x 256 inside
+        if backend.family == "dask":  # chunk pairs of 5 x 5 scores, tiled inside
             assert path == _portable(backend)
         elif backend.family == "jax":
             assert path == Tiled(*default_tiles(True, 9, 9))  # short: unrolled
+        elif backend.family == "numpy":  # in reused buffers
+            assert path == Tiled(*policy.buffered_tiles(9, 9))
         else:
             assert path == Tiled(*policy.EAGER_TILES)
         out = scaled_dot_product_attention(q, k, v, mask=mask, softcap=5.0)
@@ -223,6 +240,19 @@ class TestTracedTiles:
 
     def test_eager_libraries_get_the_eager_tiles(self):
         assert default_tiles(False, 32768, 32768) == policy.EAGER_TILES
+
+    @pytest.mark.parametrize(
+        ("lq", "lk", "tiles"),
+        [
+            (32768, 32768, (256, 256)),
+            (100, 4096, (100, 655)),
+            (1, 4096, (1, 4096)),
+            (1, 3, (1, 3)),
+        ],
+    )
+    def test_buffered_tiles_hold_a_block_of_scores(self, lq, lk, tiles):
+        """Query tiles of 256 rows; key tiles widen while the query tile is shorter."""
+        assert default_tiles(False, lq, lk, buffered=True) == tiles
 
 
 class TestNative:
@@ -294,10 +324,11 @@ class TestDaskChunkTiles:
         grid = ((16,) * 4, (24,) * 4)
         fan_in = policy.DASK_MERGE_FAN_IN
         assert _route(choose_path(call, None, None)) == DaskGrid(
-            *grid, Tiled(*policy.EAGER_TILES), fan_in
+            *grid, Tiled(*policy.buffered_tiles(16, 24)), fan_in
         )
-        monkeypatch.setattr(policy, "EAGER_TILES", (8, 16))
-        # the tasks keep the chunks; the tiles inside a chunk pair are EAGER_TILES
+        monkeypatch.setattr(policy, "BUFFERED_TILE", 8)
+        monkeypatch.setattr(policy, "BUFFERED_BLOCK_SCORES", 8 * 16)
+        # the tasks keep the chunks; the tiles inside a NumPy chunk pair are buffered_tiles
         assert _route(choose_path(call, None, None)) == DaskGrid(*grid, Tiled(8, 16), fan_in)
         assert _route(choose_path(call, "auto", None)) == DaskGrid(*grid, Tiled(8, 16), fan_in)
         assert _route(choose_path(call, 4, None)) == DaskGrid(*grid, Tiled(4, 4), fan_in)

@@ -315,6 +315,17 @@ def parallel_query_blocks(x: Any) -> bool:
     return library_name(x) == "numpy"
 
 
+def reuses_buffers(x: Any) -> bool:
+    """Whether the tiled path runs its block loop in reused buffers (``out=``): NumPy.
+
+    NumPy arrays, and Dask arrays of NumPy chunks (their pair tasks run NumPy). No
+    autodiff records NumPy's in-place writes (``portable_attn._paths._buffered``).
+    """
+    if builds_task_graphs(x):
+        x = getattr(x, "_meta", None)
+    return library_name(x) == "numpy"
+
+
 def default_integer_dtype(xp: Any) -> Any:
     """Return the namespace's default integer dtype (int32 for JAX without ``jax_enable_x64``)."""
     info = getattr(xp, "__array_namespace_info__", None)

@@ -46,7 +46,9 @@ class Tiled:
     `fold`: as for :class:`Dense`, per block; `workers`: threads over the query
     blocks (NumPy), 1 for the calling thread alone; `loop`: the blocks run as a
     traced loop (JAX: ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``) instead of a
-    Python loop, so the program does not grow with the number of blocks.
+    Python loop, so the program does not grow with the number of blocks; `buffered`:
+    the block loop writes into buffers allocated once per call (NumPy's ``out=``,
+    ``_paths/_buffered.py``) instead of fresh arrays per block.
     """
 
     block_q: Blocks
@@ -54,6 +56,7 @@ class Tiled:
     fold: bool = False
     workers: int = 1
     loop: bool = False
+    buffered: bool = False
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,10 @@ How the path is chosen (`block_size`, `implementation`):
      chunk are merged :data:`DASK_MERGE_FAN_IN` at a time.
   3. Otherwise dense while the dense logits fit in :data:`AUTO_DENSE_LIMIT_BYTES`
      (:data:`AUTO_DENSE_LIMIT_BYTES_MULTITHREADED` for libraries with
-     multi-threaded elementwise kernels), tiled above with :data:`EAGER_TILES`,
+     multi-threaded elementwise kernels, :data:`BUFFERED_DENSE_LIMIT_BYTES` for
+     NumPy, whose tiled path runs in reused buffers: ``Tiled.buffered``), tiled
+     above with :data:`EAGER_TILES` (NumPy, and Dask's NumPy chunk pairs:
+     :func:`buffered_tiles`),
      or, for traced libraries (JAX), :data:`LOOP_TILES` (:data:`LOOP_WINDOW_TILES`
      under a window) as a traced loop (rule 6)
      or, below :data:`LOOP_MIN_SCORE_BYTES`, at least :data:`TRACED_MIN_BLOCK`
@@ -104,6 +107,7 @@ from ._compat import (
     multithreaded_elementwise,
     native_kernel_needs_equal_dims,
     parallel_query_blocks,
+    reuses_buffers,
     traces_python_loops,
 )
 from ._cpu import available_workers, can_limit_blas
@@ -113,6 +117,9 @@ from ._tiled import block_ranges, pair_visibility
 __all__ = [
     "AUTO_DENSE_LIMIT_BYTES",
     "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED",
+    "BUFFERED_BLOCK_SCORES",
+    "BUFFERED_DENSE_LIMIT_BYTES",
+    "BUFFERED_TILE",
     "DASK_MERGE_FAN_IN",
     "EAGER_TILES",
     "SKIP_FRACTION_FOR_TILED",
@@ -128,6 +135,7 @@ __all__ = [
     "NATIVE_HALF_ROUTES",
     "PORTABLE_HALF_FLASH",
     "choose_path",
+    "buffered_tiles",
     "default_tiles",
     "dense_flash_form",
     "native_upcasts",
@@ -154,6 +162,21 @@ AUTO_DENSE_LIMIT_BYTES_MULTITHREADED = 4 * 2**20
 #: ``(block_q, block_k)`` of ``"auto"`` for eagerly executed libraries: two
 #: (H, 128, 256) float32 score blocks (1 MiB each for H = 8) stay cache-friendly.
 EAGER_TILES = (128, 256)
+#: NumPy (``Tiled.buffered``: the block loop in reused buffers, ``_paths/_buffered.py``)
+#: keeps the dense path only while its logits take at most this many bytes: from
+#: L = 128 at B=1, H=8 (512 KiB) the buffered tiled path is the faster of the two, and
+#: at L = 512-1024 it is 0.6-0.75x the dense path (benchmarks/results/numpy-tiles.json).
+BUFFERED_DENSE_LIMIT_BYTES = 256 * 2**10
+#: The tiles of the buffered tiled path: query tiles of this many rows (fewer for a
+#: shorter Lq) ...
+BUFFERED_TILE = 256
+#: ... and key tiles of BUFFERED_TILE, widened while the query tile is shorter to hold
+#: this many scores per (batch, head): a decoding step (Lq = 1) takes 4096 keys in
+#: one block. Chosen from hand runs of 64-256 x 256-512 tiles at L = 128-4096 (256 x
+#: 256 was the fastest or within noise of it on causal calls, and within 10% on plain
+#: ones; one query row over 4096 keys ran 20% faster in one block than in 16); the
+#: default call's figures are in benchmarks/results/numpy-tiles.json.
+BUFFERED_BLOCK_SCORES = 256 * 256
 #: The default routes a call the fused native kernel could take whole (and not per
 #: tile) to the tiled path instead when causal/window structure hides at least this
 #: fraction of the (query block, key block) pairs of EAGER_TILES: torch, window
@@ -288,7 +311,7 @@ def choose_path(
         return Dense(fold, dense_flash_form(call))
     loop = runs_as_loop(call)  # rule 6: JAX runs long calls' blocks as a traced loop
     if isinstance(sizes, tuple):
-        return Tiled(*sizes, fold=fold, loop=loop)
+        return Tiled(*sizes, fold=fold, loop=loop, buffered=reuses_buffers(call.query))
     if implementation is None:
         native = _native_route(call, return_lse)
         if native is not None:
@@ -296,7 +319,8 @@ def choose_path(
     tiles = _auto_tiles(call)
     if tiles is None:
         return Dense(fold, dense_flash_form(call))
-    return Tiled(*tiles, fold=fold, workers=_workers(call), loop=loop)
+    buffered = reuses_buffers(call.query)
+    return Tiled(*tiles, fold=fold, workers=_workers(call), loop=loop, buffered=buffered)
 
 
 def kept_keys(call: AttentionCall) -> int | None:
@@ -502,22 +526,28 @@ def _dask_path(call: AttentionCall, sizes: Any) -> DaskGrid:
     # the pair tasks run NumPy (CuPy) chunks: eager, so folding follows their query chunk
     fold = fold_row_sums(call, q_len=max(q_chunks))
     inner: Dense | Tiled
+    buffered = reuses_buffers(call.query)
     if sizes == "dense":
         inner = Dense(fold)
     else:
-        block_q, block_k = EAGER_TILES if sizes == "auto" else sizes
-        inner = Tiled(block_q, block_k, fold=fold)
+        block_q, block_k = (
+            default_tiles(False, max(q_chunks), max(k_chunks), buffered=buffered)
+            if sizes == "auto"
+            else sizes
+        )
+        inner = Tiled(block_q, block_k, fold=fold, buffered=buffered)
     return DaskGrid(tuple(q_chunks), tuple(k_chunks), inner, DASK_MERGE_FAN_IN)
 
 
 def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
     """Rule 3: (block_q, block_k) of the tiled path, or None for the dense path."""
     plan = call.plan
-    limit = (
-        AUTO_DENSE_LIMIT_BYTES_MULTITHREADED
-        if multithreaded_elementwise(call.query)
-        else AUTO_DENSE_LIMIT_BYTES
-    )
+    buffered = reuses_buffers(call.query)
+    limit = AUTO_DENSE_LIMIT_BYTES
+    if multithreaded_elementwise(call.query):
+        limit = AUTO_DENSE_LIMIT_BYTES_MULTITHREADED
+    elif buffered:
+        limit = BUFFERED_DENSE_LIMIT_BYTES
     if _traced_block_mask(call):  # the loop skips what the states hide, at their blocks
         return _mask_loop_tiles(call)
     if _score_bytes(call) <= limit:
@@ -525,7 +555,12 @@ def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:
     traced = traces_python_loops(call.query)
     windowed = plan.band.left is not None
     return default_tiles(
-        traced, plan.q_len, plan.kv_len, loop=runs_as_loop(call), windowed=windowed
+        traced,
+        plan.q_len,
+        plan.kv_len,
+        loop=runs_as_loop(call),
+        windowed=windowed,
+        buffered=buffered,
     )
 
 
@@ -559,7 +594,13 @@ def _traced_block_mask(call: AttentionCall) -> bool:
 
 
 def default_tiles(
-    traced: bool, q_len: int, kv_len: int, *, loop: bool = False, windowed: bool = False
+    traced: bool,
+    q_len: int,
+    kv_len: int,
+    *,
+    loop: bool = False,
+    windowed: bool = False,
+    buffered: bool = False,
 ) -> tuple[int, int]:
     """``(block_q, block_k)`` for ``block_size="auto"`` above the dense limit.
 
@@ -567,7 +608,11 @@ def default_tiles(
     traced loop (:data:`LOOP_TILES`; :data:`LOOP_WINDOW_TILES` for a `windowed`
     band), else unrolled in at most
     :data:`TRACED_MAX_BLOCKS` blocks of at least :data:`TRACED_MIN_BLOCK` per axis.
+    `buffered`: the block loop runs in reused buffers (NumPy: :func:`buffered_tiles`).
+    Other eager libraries take :data:`EAGER_TILES`.
     """
+    if buffered:
+        return buffered_tiles(q_len, kv_len)
     if traced and loop:
         bq, bk = LOOP_WINDOW_TILES if windowed else LOOP_TILES
         return min(bq, max(1, q_len)), min(bk, max(1, kv_len))
@@ -578,6 +623,17 @@ def default_tiles(
             max(TRACED_MIN_BLOCK, 128 * math.ceil(kv_len / per_axis)),
         )
     return EAGER_TILES
+
+
+def buffered_tiles(q_len: int, kv_len: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` of the buffered tiled path (NumPy), clipped to the lengths.
+
+    :data:`BUFFERED_TILE` query rows (or all of a shorter Lq), and key tiles of
+    :data:`BUFFERED_TILE` widened to :data:`BUFFERED_BLOCK_SCORES` scores per block.
+    """
+    bq = min(BUFFERED_TILE, max(1, q_len))
+    bk = max(BUFFERED_TILE, BUFFERED_BLOCK_SCORES // bq)
+    return bq, min(bk, max(1, kv_len))
 
 
 def _itemsize(call: AttentionCall) -> int:

@@ -7,7 +7,9 @@ the policy (:mod:`portable_attn._lib._policy`) chose, which no path imports:
 ``Empty``          :meth:`AttentionCall.empty_result` (zeros, lse ``-inf`` or the sink)
 ``Dense``          :func:`portable_attn._lib._dense.dense_attention`
 ``Tiled``          :func:`._autodiff.tiled_attention` (the tiled kernel with its O(L)
-                   backward), or :func:`._threads.threaded_attention` with workers
+                   backward), or :func:`._threads.threaded_attention` (NumPy: the
+                   kernel in reused buffers, ``_buffered.py``, its query blocks in
+                   threads)
 ``Native``         :func:`._native.native_attention` (torch SDPA, ``jax.nn``)
 ``DaskGrid``       :func:`._dask.dask_attention` (one task per visible chunk pair)
 =================  =================================================================
@@ -49,9 +51,9 @@ def run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any
         case Dense(fold=fold, flash=flash):
             result = dense_attention(call, fold=fold, flash=flash, with_lse=with_lse)
             out, lse = result if with_lse else (result, None)
-        case Tiled(workers=1):
+        case Tiled(workers=1, buffered=False):
             out, lse = tiled_attention(call, path)
-        case Tiled():
+        case Tiled():  # NumPy: in reused buffers, its query blocks in threads
             out, lse = threaded_attention(call, path)
         case Native(tiles=None):
             out, lse = native_attention(call), None  # in the input dtype when kept

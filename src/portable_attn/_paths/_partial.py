@@ -24,6 +24,7 @@ from .._lib._fields import axis_of
 from .._lib._masks import Alignment
 from .._lib._path import DaskGrid, Dense, Empty, Path, Tiled
 from .._lib._tiled import tiled_forward
+from ._buffered import buffered_forward
 
 __all__ = ["cut_call", "first_keys", "partial_attention", "place_block", "shift_keys"]
 
@@ -234,6 +235,8 @@ def partial_attention(
     match path:
         case Empty():
             return call.empty_result()
+        case Tiled(block_q=block_q, block_k=block_k, fold=fold, buffered=True):
+            return buffered_forward(call, block_q, block_k, fold=fold)  # NumPy (Dask chunks)
         case Tiled(block_q=block_q, block_k=block_k, fold=fold):
             return tiled_forward(call, block_q, block_k, fold=fold)
         case Dense(fold=fold):  # one block, with its lse

@@ -30,6 +30,7 @@ from .._lib._cpu import available_workers, blas_limited
 from .._lib._path import Blocks, Tiled
 from .._lib._scores import with_ones_column
 from .._lib._tiled import block_ranges, pair_visibility, tiled_forward
+from ._buffered import buffered_forward
 
 __all__ = ["available_workers", "tile_map", "threaded_attention"]
 
@@ -85,7 +86,9 @@ def threaded_attention(
     """Compute the tiled path's output (..., Hq, Lq, Dv) and lse, its query blocks in threads.
 
     Computes exactly ``tiled_forward(call, path.block_q, path.block_k, fold=path.fold)``
-    with the query blocks in ``path.workers`` threads.
+    with the query blocks in ``path.workers`` threads; with ``path.buffered``, each
+    thread runs :func:`~._buffered.buffered_forward` (the same blocks in reused
+    buffers), writing its rows of one output.
 
     Parameters
     ----------
@@ -113,6 +116,8 @@ def threaded_attention(
     q_ranges = block_ranges(plan.q_len, block_q)
     n_runs = min(len(q_ranges), max(1, path.workers) * max(1, tasks_per_worker))
     workers = min(path.workers, n_runs)
+    if workers <= 1 and path.buffered:
+        return buffered_forward(call, block_q, block_k, fold=path.fold)
     if workers <= 1:
         return tiled_forward(call, block_q, block_k, fold=path.fold)
     # the [V | 1] of the tiled path, built once and shared by every run
@@ -124,6 +129,18 @@ def threaded_attention(
     lse = call.zeros(plan.q_len, 1)
 
     def run(ranges: list[Any]) -> None:
+        if path.buffered:  # one workspace per thread, reused by its blocks
+            buffered_forward(
+                call,
+                block_q,
+                block_k,
+                fold=path.fold,
+                q_ranges=ranges,
+                v_ones=v_ones,
+                out=out,
+                lse=lse,
+            )
+            return
         for q_range in ranges:
             block, block_lse = tiled_forward(
                 call, block_q, block_k, fold=path.fold, q_ranges=[q_range], v_ones=v_ones
