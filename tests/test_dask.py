@@ -230,6 +230,13 @@ class TestChunkPairs:
 
 
 class TestTasks:
+    @pytest.fixture(autouse=True)
+    def _a_task_per_pair(self, monkeypatch):
+        """Pairs share no task here (TestRuns covers the runs)."""
+        from portable_attn._lib import _policy
+
+        monkeypatch.setattr(_policy, "DASK_TASK_SCORES", 0)
+
     def test_tasks_are_a_small_multiple_of_the_chunk_pairs(self, backend):
         """No causal structure: every pair is a task, plus one merge per query chunk."""
         (q, k, v), (q_np, k_np, v_np) = _problem(16, 24)  # 4 x 4 chunk pairs per batch item
@@ -278,6 +285,36 @@ class TestTasks:
             out = scaled_dot_product_attention(q, k, v, is_causal=True, kv_lengths=lengths)
         assert ran == []
         assert type(out).__module__.startswith("dask")
+
+
+class TestRuns:
+    """Small chunk pairs of a query chunk share a task, which merges them (DASK_TASK_SCORES)."""
+
+    def test_small_pairs_share_one_task_per_query_chunk(self, backend):
+        (q, k, v), (q_np, k_np, v_np) = _problem(16, 16, lq=64, lk=64)
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert _attention_tasks(out) == B * 4  # 10 visible pairs, no merge task
+        expected = reference_attention(q_np, k_np, v_np, is_causal=True)
+        np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)
+
+    @pytest.mark.parametrize("sinks", [False, True])
+    def test_runs_reach_the_threshold_then_merge(self, backend, monkeypatch, sinks):
+        """A threshold of two pairs: 4 visible key chunks are 2 runs and a merge."""
+        import dask.array as da
+
+        from portable_attn._lib import _policy
+
+        sink_logits = np.array([0.5, -1.0, 2.0, -np.inf])
+        kw = {"sinks": da.from_array(sink_logits)} if sinks else {}
+        (q, k, v), (q_np, k_np, v_np) = _problem(16, 16, lq=64, lk=64)
+        pair = HQ * 16 * 16  # scores of one pair of a batch item
+        monkeypatch.setattr(_policy, "DASK_TASK_SCORES", 2 * pair)
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        # query chunks see 1, 2, 3, 4 key chunks: runs 1, 1, 2 (+ merge), 2 (+ merge)
+        assert _attention_tasks(out) == B * (1 + 1 + 3 + 3)
+        oracle = {"sinks": sink_logits} if sinks else {}
+        expected = reference_attention(q_np, k_np, v_np, is_causal=True, **oracle)
+        np.testing.assert_allclose(out.compute(), expected, atol=1e-12, rtol=1e-10)
 
 
 class TestOneSideChunked:

@@ -58,7 +58,9 @@ def _dask(lq=9, lk=9, inner="auto"):
     if inner == "auto":
         inner = policy.buffered_tiles(max(_halves(lq)), max(_halves(lk)))
     inner = Dense() if inner is None else Tiled(*inner)
-    return DaskGrid(_halves(lq), _halves(lk), inner, policy.DASK_MERGE_FAN_IN)
+    return DaskGrid(
+        _halves(lq), _halves(lk), inner, policy.DASK_MERGE_FAN_IN, policy.DASK_TASK_SCORES
+    )
 
 
 def _portable(backend, lq=9, lk=9):
@@ -322,17 +324,17 @@ class TestDaskChunkTiles:
         )
         call = prepare(q, k, v, is_causal=True)
         grid = ((16,) * 4, (24,) * 4)
-        fan_in = policy.DASK_MERGE_FAN_IN
+        fan_in = policy.DASK_MERGE_FAN_IN, policy.DASK_TASK_SCORES
         assert _route(choose_path(call, None, None)) == DaskGrid(
-            *grid, Tiled(*policy.buffered_tiles(16, 24)), fan_in
+            *grid, Tiled(*policy.buffered_tiles(16, 24)), *fan_in
         )
         monkeypatch.setattr(policy, "BUFFERED_TILE", 8)
         monkeypatch.setattr(policy, "BUFFERED_BLOCK_SCORES", 8 * 16)
         # the tasks keep the chunks; the tiles inside a NumPy chunk pair are buffered_tiles
-        assert _route(choose_path(call, None, None)) == DaskGrid(*grid, Tiled(8, 16), fan_in)
-        assert _route(choose_path(call, "auto", None)) == DaskGrid(*grid, Tiled(8, 16), fan_in)
-        assert _route(choose_path(call, 4, None)) == DaskGrid(*grid, Tiled(4, 4), fan_in)
-        assert _route(choose_path(call, "dense", None)) == DaskGrid(*grid, Dense(), fan_in)
+        assert _route(choose_path(call, None, None)) == DaskGrid(*grid, Tiled(8, 16), *fan_in)
+        assert _route(choose_path(call, "auto", None)) == DaskGrid(*grid, Tiled(8, 16), *fan_in)
+        assert _route(choose_path(call, 4, None)) == DaskGrid(*grid, Tiled(4, 4), *fan_in)
+        assert _route(choose_path(call, "dense", None)) == DaskGrid(*grid, Dense(), *fan_in)
         expected = reference_attention(*data, is_causal=True)
         for block_size in (None, "auto"):
             out = scaled_dot_product_attention(q, k, v, is_causal=True, block_size=block_size)

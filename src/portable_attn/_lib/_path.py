@@ -78,17 +78,20 @@ class Native:
 
 @dataclass(frozen=True)
 class DaskGrid:
-    """Dask: one task per visible (query chunk, key chunk) pair, merged by a tree.
+    """Dask: tasks over the visible (query chunk, key chunk) pairs, merged by a tree.
 
     `q_chunks`, `k_chunks`: the chunk sizes along ``Lq`` and ``Lk``; `inner`: the
-    path each pair task runs on its chunks (:class:`Dense`: one block per pair);
-    `merge_fan_in`: partials merged per merge task.
+    path each pair runs on its chunks (:class:`Dense`: one block per pair);
+    `merge_fan_in`: partials merged per merge task; `task_scores`: consecutive
+    visible pairs of a query chunk share one task (and its merge) until it holds
+    that many scores (0: a task per pair).
     """
 
     q_chunks: tuple[int, ...]
     k_chunks: tuple[int, ...]
     inner: Dense | Tiled
     merge_fan_in: int
+    task_scores: int = 0
 
 
 #: The path of one call: exactly one of these.

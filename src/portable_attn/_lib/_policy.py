@@ -121,6 +121,7 @@ __all__ = [
     "BUFFERED_DENSE_LIMIT_BYTES",
     "BUFFERED_TILE",
     "DASK_MERGE_FAN_IN",
+    "DASK_TASK_SCORES",
     "EAGER_TILES",
     "SKIP_FRACTION_FOR_TILED",
     "THREADS_MIN_SCORE_BYTES",
@@ -204,6 +205,12 @@ THREADS_MIN_SCORE_BYTES = 128 * 2**20
 #: stays under one chunk pair of scores (..., Hq, bq, bk) while 4 Dv <= bk, and a query
 #: chunk over n key chunks costs about n / 3 merge tasks.
 DASK_MERGE_FAN_IN = 4
+#: Consecutive visible chunk pairs of one query chunk share one Dask task (which merges
+#: them itself) until the task holds this many scores: a task costs about a millisecond
+#: of scheduling whatever it computes, more than a (1, 8, 256, 256) pair computes, while
+#: a (1, 8, 1024, 1024) pair (8 Mi scores) stays a task of its own
+#: (benchmarks/results/targets.json: tasks per call, per-task overhead, throughput).
+DASK_TASK_SCORES = 4 * 2**20
 #: ``(block_q, block_k)`` of the traced loop (rule 6), clipped to the lengths. A loop
 #: step carries the online softmax (no per-step merge), so it costs about what its
 #: block computes; smaller blocks skip more of the causal half. Chosen from hand runs,
@@ -536,7 +543,7 @@ def _dask_path(call: AttentionCall, sizes: Any) -> DaskGrid:
             else sizes
         )
         inner = Tiled(block_q, block_k, fold=fold, buffered=buffered)
-    return DaskGrid(tuple(q_chunks), tuple(k_chunks), inner, DASK_MERGE_FAN_IN)
+    return DaskGrid(tuple(q_chunks), tuple(k_chunks), inner, DASK_MERGE_FAN_IN, DASK_TASK_SCORES)
 
 
 def _auto_tiles(call: AttentionCall) -> tuple[Blocks, Blocks] | None:

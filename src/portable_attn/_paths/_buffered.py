@@ -28,7 +28,9 @@ the allocations (``tests/test_buffered.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -45,28 +47,83 @@ from .._lib._scores import (
 )
 from .._lib._tiled import block_ranges, pair_visibility
 
-__all__ = ["Workspace", "buffered_forward"]
+__all__ = ["KEEP_WORKSPACE_BYTES", "Workspace", "buffered_forward", "buffered_parts"]
 
 Range = tuple[int, int]
 
 
+#: A thread keeps its workspace for its next call up to this many bytes (a larger one
+#: is allocated per call, where faulting it in costs little beside what it computes):
+#: then neither the per-call allocation nor glibc's thresholds (which Dask's workers
+#: set to trim at 64 KiB) decide the speed of small calls and Dask's chunk pairs.
+KEEP_WORKSPACE_BYTES = 16 * 2**20
+_ALIGN = 64  # bytes: every buffer of the arena starts on a cache line
+_LOCAL = threading.local()
+
+
 class Workspace:
-    """The buffers of one thread's block loop: flat arrays, carved into views per block.
+    """The buffers of one thread's block loop, carved from one arena of bytes.
 
     A view of the first ``prod(shape)`` elements of a flat buffer is C-contiguous
     whatever the shape, so the shorter last blocks (and the ``(..., Hkv, G*bq, bk)``
-    row layout of grouped-query attention) reuse the same memory.
+    row layout of grouped-query attention) reuse the same memory. The arena is the
+    thread's own, kept between calls (:data:`KEEP_WORKSPACE_BYTES`); a call made
+    while the thread's arena is in use (a ``score_mod`` that calls attention) gets
+    an arena of its own.
     """
 
-    def __init__(self, call: AttentionCall, block_q: int, block_k: int, width: int) -> None:
+    scores: np.ndarray
+    hidden: np.ndarray
+    acc: np.ndarray
+    pv: np.ndarray
+    query: np.ndarray
+    v_ones: np.ndarray
+
+    def __init__(
+        self, call: AttentionCall, block_q: int, block_k: int, width: int, v_ones: int = 0
+    ) -> None:
         plan = call.plan
-        dt = plan.compute_dtype
+        dt = np.dtype(plan.compute_dtype)
         rows = math.prod(plan.batch) * plan.num_q_heads * block_q
-        self.scores = np.empty(rows * block_k, dtype=dt)  # scores, then weights, in place
-        self.hidden = np.empty(rows * block_k, dtype=bool)  # the masks' complement
-        self.acc = np.empty(rows * width, dtype=dt)  # the running weighted sum
-        self.pv = np.empty(rows * width, dtype=dt)  # one block's P @ V
-        self.query = np.empty(rows * plan.key_dim, dtype=call.query.dtype)  # scale * Q
+        sizes = {
+            "scores": (rows * block_k, dt),  # scores, then weights, in place
+            "hidden": (rows * block_k, np.dtype(bool)),  # the masks' complement
+            "acc": (rows * width, dt),  # the running weighted sum
+            "pv": (rows * width, dt),  # one block's P @ V
+            "query": (rows * plan.key_dim, np.dtype(call.query.dtype)),  # scale * Q
+        }
+        if v_ones:  # [V | 1] of each key part, the row sums folded into P @ V
+            sizes["v_ones"] = (v_ones, np.dtype(call.value.dtype))
+        offsets, total = {}, 0
+        for name, (n, dtype) in sizes.items():
+            offsets[name] = total
+            total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
+        self.arena, self.owns_thread_arena = self._take(total)
+        for name, (n, dtype) in sizes.items():
+            start = offsets[name]
+            setattr(self, name, self.arena[start : start + n * dtype.itemsize].view(dtype))
+
+    @staticmethod
+    def _take(nbytes: int) -> tuple[np.ndarray, bool]:
+        """Return an arena of at least `nbytes`, and whether it is the thread's (now busy)."""
+        if getattr(_LOCAL, "busy", False) or nbytes > KEEP_WORKSPACE_BYTES:
+            return np.empty(nbytes, dtype=np.uint8), False  # a call inside a call, or large
+        held = getattr(_LOCAL, "arena", None)
+        if held is None or held.size < nbytes:
+            held = np.empty(nbytes, dtype=np.uint8)
+            _LOCAL.arena = held
+        _LOCAL.busy = True
+        return held, True
+
+    def release(self) -> None:
+        """Hand the thread's arena back for its next call (after the last use of a view)."""
+        if self.owns_thread_arena:
+            _LOCAL.busy = False
+
+    def arena_view(self, name: str, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Return `shape` elements of buffer `name` from element `offset` on, C-contiguous."""
+        n = math.prod(shape)
+        return getattr(self, name)[offset : offset + n].reshape(shape)
 
     @staticmethod
     def view(buffer: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -109,7 +166,7 @@ def buffered_forward(
         Compute only these query ranges (by default every block of `block_q`).
     v_ones : array, optional
         ``[V | 1]`` (:func:`~portable_attn._lib._scores.with_ones_column`), shared
-        by the threads of one call; built here when `fold` and not given.
+        by the threads of one call; built in the workspace when `fold` and not given.
     out, lse : arrays (..., Hq, Lq, Dv) and (..., Hq, Lq, 1), optional
         Where the rows of `q_ranges` are written (the threads of one call share
         them); allocated here when not given.
@@ -120,53 +177,108 @@ def buffered_forward(
     lse : array, shape (..., Hq, Lq, 1)
         ``-inf`` for rows with no visible key (and no sink).
     """
-    plan, terms = call.plan, call.terms
+    plan = call.plan
     if q_ranges is None:
         q_ranges = block_ranges(plan.q_len, block_q)
     if out is None:
         out = call.zeros(plan.q_len, plan.value_dim)
     if lse is None:
         lse = call.zeros(plan.q_len, 1)
-    if fold and v_ones is None:
-        v = call.value
-        v_ones = np.concatenate([v, np.ones((*v.shape[:-1], 1), dtype=v.dtype)], axis=-1)
-    k_blocks = block_ranges(plan.kv_len, block_k)
-    width = plan.value_dim + (1 if fold else 0)
+    return _walk([call], block_k, fold, q_ranges, [v_ones], out, lse)
+
+
+def buffered_parts(
+    calls: list[AttentionCall], block_q: Blocks, block_k: Blocks, *, fold: bool = False
+) -> tuple[Any, Any]:
+    """Attention of one set of queries over consecutive key parts, as one online softmax.
+
+    Each call holds the same queries (and query-side arrays) and one part of the
+    keys, placed at its absolute key positions (a Dask chunk pair:
+    ``_partial.place_block``); a ``once_per_row`` field (the sink) is in the first
+    call only. The result is the attention over every part's keys: the parts are
+    walked as consecutive key blocks of one call, with no partial results to merge.
+
+    Returns
+    -------
+    out : array, shape (..., Hq, Lq, Dv)
+    lse : array, shape (..., Hq, Lq, 1)
+        ``-inf`` for rows with no visible key (and no sink).
+    """
+    call = calls[0]
+    plan = call.plan
+    out = call.zeros(plan.q_len, plan.value_dim)
+    lse = call.zeros(plan.q_len, 1)
+    q_ranges = block_ranges(plan.q_len, block_q)
+    return _walk(calls, block_k, fold, q_ranges, [None] * len(calls), out, lse)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+    """One part of the keys a walk visits: its call, ``Kᵀ``, the values, its key blocks."""
+
+    call: AttentionCall
+    k_t: np.ndarray  # (..., Hkv, Dk, Lk_part): a view of the call's keys
+    values: np.ndarray  # V, or [V | 1] with the row sums folded
+    blocks: list[Range]
+    hide_rows: bool  # something besides the band may hide entries or give -inf scores
+
+
+def _walk(
+    calls: list[AttentionCall],
+    block_k: Blocks,
+    fold: bool,
+    q_ranges: list[Range],
+    v_ones: list[Any],
+    out: Any,
+    lse: Any,
+) -> tuple[Any, Any]:
+    """Walk the query blocks of `q_ranges` over every key part of `calls`, into `out`, `lse`."""
+    first = calls[0]
+    width = first.plan.value_dim + (1 if fold else 0)
+    shapes = [(*c.value.shape[:-1], width) for c in calls]
+    build = [fold and given is None for given in v_ones]
+    extra = sum(math.prod(shape) for shape, b in zip(shapes, build, strict=True) if b)
     bq = max((e - s for s, e in q_ranges), default=1)
-    space = Workspace(call, bq, _block_width(block_k, plan.kv_len), width)
-    walk = _Walk(call, space, fold, v_ones, hidden_by_value(call.bias, terms))
-    k_t = np.swapaxes(call.key, -1, -2)  # (..., Hkv, Dk, Lk): a view
-    for q_range in q_ranges:
-        qs, qe = q_range
-        visible = [
-            (k_range, vis)
-            for k_range in k_blocks
-            if (vis := pair_visibility(plan, terms, q_range, k_range)) != "skip"
-        ]
-        walk.rows(q_range, visible, k_t, out[..., qs:qe, :], lse[..., qs:qe, :])
+    bk = max(_block_width(block_k, c.plan.kv_len) for c in calls)
+    space = Workspace(first, bq, bk, width, extra)
+    try:
+        parts, offset = [], 0
+        for call, shape, given, made in zip(calls, shapes, v_ones, build, strict=True):
+            values = call.value if not fold else given
+            if made:  # [V | 1] in the workspace
+                values = space.arena_view("v_ones", offset, shape)
+                offset += math.prod(shape)
+                np.copyto(values[..., :-1], call.value)
+                values[..., -1] = 1.0
+            blocks = block_ranges(call.plan.kv_len, block_k)
+            k_t = np.swapaxes(call.key, -1, -2)  # (..., Hkv, Dk, Lk): a view
+            hide = hidden_by_value(call.bias, call.terms)
+            parts.append(_Keys(call, k_t, values, blocks, hide))
+        walk = _Walk(first, space, fold)
+        for qs, qe in q_ranges:
+            walk.rows((qs, qe), parts, out[..., qs:qe, :], lse[..., qs:qe, :])
+    finally:
+        space.release()
     return out, lse
 
 
 class _Walk:
     """The online softmax of one query block at a time, in a :class:`Workspace`."""
 
-    def __init__(
-        self, call: AttentionCall, space: Workspace, fold: bool, v_ones: Any, hide_rows: bool
-    ) -> None:
-        self.call, self.space, self.fold, self.hide_rows = call, space, fold, hide_rows
-        self.v_ones = v_ones
+    def __init__(self, call: AttentionCall, space: Workspace, fold: bool) -> None:
+        self.call, self.space, self.fold = call, space, fold
 
-    def rows(
-        self,
-        q_range: Range,
-        visible: list[tuple[Range, str]],
-        k_t: np.ndarray,
-        out: np.ndarray,
-        lse: np.ndarray,
-    ) -> None:
-        """Compute one query block over its `visible` key blocks into `out` and `lse` (views)."""
+    def rows(self, q_range: Range, parts: list[_Keys], out: np.ndarray, lse: np.ndarray) -> None:
+        """Compute one query block over the visible key blocks of `parts` into `out`, `lse`."""
         call, space = self.call, self.space
         plan, terms = call.plan, call.terms
+        visible = [
+            (part, k_range, vis)
+            for part in parts
+            for k_range in part.blocks
+            if (vis := pair_visibility(part.call.plan, part.call.terms, q_range, k_range))
+            != "skip"
+        ]
         qs, qe = q_range
         bq = qe - qs
         heads = (*plan.batch, plan.num_q_heads, bq)
@@ -182,9 +294,9 @@ class _Walk:
         dv = plan.value_dim
         acc = space.view(space.acc, (*heads, dv + (1 if self.fold else 0)))
         m, l_sum, rows_seen = self._start(acc, heads)
-        for k_range, vis in visible:
+        for part, k_range, vis in visible:
             m, l_sum, rows_seen = self._step(
-                q_rows, k_t, acc, m, l_sum, rows_seen, q_range, k_range, vis
+                part, q_rows, acc, m, l_sum, rows_seen, q_range, k_range, vis
             )
         if self.fold:
             acc, l_sum = acc[..., :dv], acc[..., dv:]
@@ -213,16 +325,16 @@ class _Walk:
         return m, None, False
 
     def _scores(
-        self, q_rows: np.ndarray, k_t: np.ndarray, q_range: Range, k_range: Range, vis: str
+        self, part: _Keys, q_rows: np.ndarray, q_range: Range, k_range: Range, vis: str
     ) -> np.ndarray:
         """One block's scores (..., Hq, bq, bk) in the workspace, hidden entries ``-inf``."""
-        call, space = self.call, self.space
+        call, space = part.call, self.space
         plan, terms = call.plan, call.terms
         (qs, qe), (ks, ke) = q_range, k_range
         hkv, hq = plan.num_kv_heads, plan.num_q_heads
         xp = call.xp  # the portable score pipeline's helpers take the namespace
         rows = space.view(space.scores, (*plan.batch, hkv, q_rows.shape[-2], ke - ks))
-        np.matmul(q_rows, k_t[..., ks:ke], out=rows)  # (..., Hkv, G*bq, bk)
+        np.matmul(q_rows, part.k_t[..., ks:ke], out=rows)  # (..., Hkv, G*bq, bk)
         s = rows.reshape((*plan.batch, hq, qe - qs, ke - ks))  # a view: (..., Hq, bq, bk)
         if plan.softcap is not None:  # softcap · tanh(s / softcap)
             np.divide(s, plan.softcap, out=s)
@@ -260,8 +372,8 @@ class _Walk:
 
     def _step(
         self,
+        part: _Keys,
         q_rows: np.ndarray,
-        k_t: np.ndarray,
         acc: np.ndarray,
         m: Any,
         l_sum: Any,
@@ -271,11 +383,10 @@ class _Walk:
         vis: str,
     ) -> tuple[Any, Any, bool]:
         """Visit one key block (``RowWalk.step``, in place); return ``(m, l_sum, rows_seen)``."""
-        call, space = self.call, self.space
-        plan, terms = call.plan, call.terms
-        hkv = plan.num_kv_heads
+        space, terms = self.space, part.call.terms
+        hkv = part.call.plan.num_kv_heads
         ks, ke = k_range
-        s = self._scores(q_rows, k_t, q_range, k_range, vis)
+        s = self._scores(part, q_rows, q_range, k_range, vis)
         m_new = np.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
         if m is not None:
             np.maximum(m, m_new, out=m_new)
@@ -283,15 +394,13 @@ class _Walk:
             m_safe = m_new
         else:  # a row hidden in every block so far keeps max 0: exp(-inf) = 0
             m_safe = np.where(m_new == -np.inf, 0.0, m_new)
-            rows_seen = not self.hide_rows and vis == "full"
+            rows_seen = not part.hide_rows and vis == "full"
         np.subtract(s, m_safe, out=s)
         np.exp(s, out=s)  # the weights, (..., Hq, bq, bk)
         alpha = None if m is None else np.exp(m - m_safe)  # rescales the old sums
         p_rows = _heads_to_rows(s, hkv)
-        if self.fold:
-            v_blk = self.v_ones[..., ks:ke, :]
-        else:
-            v_blk = call.value[..., ks:ke, :]
+        v_blk = part.values[..., ks:ke, :]
+        if not self.fold:
             p_sum = np.sum(s, axis=-1, keepdims=True)  # before dropout, as RowWalk
             keep = slice_block(terms.dropout_keep, q_range, k_range)
             if keep is not None:

@@ -51,7 +51,8 @@ from .._lib._masks import arange
 from .._lib._merge import merge_partials
 from .._lib._path import DaskGrid, Dense, Tiled
 from .._lib._tiled import pair_visibility
-from ._partial import partial_attention
+from ._buffered import buffered_parts
+from ._partial import partial_attention, placed_part
 
 __all__ = ["dask_attention"]
 
@@ -135,7 +136,9 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
     terms = call.terms
     for b_idx in itertools.product(*(range(len(ranges[a])) for a in batch_axes)):
         b_ranges = tuple(ranges[a][i] for a, i in zip(batch_axes, b_idx, strict=True))
+        batch_rows = math.prod(e - s for s, e in b_ranges)
         for hi, h_range in enumerate(head_ranges):
+            rows = batch_rows * (h_range[1] - h_range[0])  # (batch, head) rows of a chunk
             for qi, q_range in enumerate(q_ranges):
                 out_key = (name, *b_idx, hi, qi, 0)
                 if with_lse:  # the root returns (out, lse): one getter each
@@ -158,16 +161,20 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
                     dsk[out_key] = (_zeros_task, kernel, pair, *args)
                     continue
                 parts = []
-                for ki in visible:
-                    final = len(visible) == 1
-                    pair = _Pair(b_ranges, h_range, q_range, k_ranges[ki], final=final)
-                    keys = {"lk": ki, **index}
-                    args = [_block_key(aligned[n], keys) for n in names]
-                    if ki != visible[0]:  # a sink logit counts once a row: in one partial
-                        for i in once:
-                            args[i] = None
-                    key = out_key if final else (pair_name, *b_idx, hi, qi, ki)
-                    dsk[key] = (_pair_task, kernel, pair, *args)
+                runs = _runs(visible, rows * (q_range[1] - q_range[0]), k_ranges, path)
+                for run in runs:
+                    final = len(runs) == 1
+                    pairs, args = [], []
+                    for ki in run:
+                        pairs.append(_Pair(b_ranges, h_range, q_range, k_ranges[ki], final))
+                        keys = {"lk": ki, **index}
+                        blocks = [_block_key(aligned[n], keys) for n in names]
+                        if ki != visible[0]:  # a sink logit counts once a row: in one partial
+                            for i in once:
+                                blocks[i] = None
+                        args += blocks
+                    key = out_key if final else (pair_name, *b_idx, hi, qi, run[0])
+                    dsk[key] = (_run_task, kernel, tuple(pairs), *args)
                     parts.append(key)
                 if len(parts) > 1:
                     root = (merge_name, *b_idx, hi, qi)
@@ -349,12 +356,29 @@ def _chunk_call(kernel: _Kernel, pair: _Pair, blocks: tuple[Array | None, ...]) 
     return dataclasses.replace(call, xp=xp, terms=terms)
 
 
-def _pair_task(kernel: _Kernel, pair: _Pair, *blocks: Array | None) -> Any:
+def _runs(visible: list[int], rows: int, k_ranges: list[Range], path: DaskGrid) -> list[list]:
+    """Group a query chunk's visible key chunks into the runs that one task each computes.
+
+    Consecutive key chunks join a run until it holds ``path.task_scores`` scores
+    (`rows` (batch, head) rows of the query chunk times its keys): small chunk pairs
+    share a task, whose overhead costs more than they compute; large ones stay alone.
+    """
+    runs: list[list[int]] = []
+    scores = 0
+    for ki in visible:
+        if not runs or scores >= path.task_scores:
+            runs.append([])
+            scores = 0
+        runs[-1].append(ki)
+        scores += rows * (k_ranges[ki][1] - k_ranges[ki][0])
+    return runs
+
+
+def _pair_task(kernel: _Kernel, pair: _Pair, *blocks: Array | None) -> tuple[Array, Array]:
     """Compute one chunk pair: its output (..., Hq_c, bq, Dv) and lse (..., Hq_c, bq, 1).
 
     `blocks` are the pair's blocks of the fields ``kernel.names`` (None for a
-    ``once_per_row`` field that another pair of the query chunk counts). Returns the
-    output alone when the pair is the only visible one of its query chunk.
+    ``once_per_row`` field that another pair of the query chunk counts).
     """
     call = _chunk_call(kernel, pair, blocks)
     whole = kernel.skeleton.plan
@@ -366,12 +390,47 @@ def _pair_task(kernel: _Kernel, pair: _Pair, *blocks: Array | None) -> Any:
         q_start=pair.q[0],
         q_total=whole.q_len,
     )
+    return _full_rows(call, out, lse)
+
+
+def _placed(kernel: _Kernel, pair: _Pair, call: AttentionCall) -> AttentionCall:
+    """Return the call of a chunk pair, placed at its absolute query and key positions."""
+    whole = kernel.skeleton.plan
+    return placed_part(
+        call, kv_start=pair.k[0], kv_total=whole.kv_len, q_start=pair.q[0], q_total=whole.q_len
+    )
+
+
+def _full_rows(call: AttentionCall, out: Array, lse: Array) -> tuple[Array, Array]:
+    """Return `out` and `lse` broadcast to every (batch, head) row of the chunk pair."""
     xp, plan = call.xp, call.plan
     full = (*plan.batch, plan.num_q_heads, plan.q_len)
-    out = xp.broadcast_to(out, (*full, plan.value_dim))
-    if pair.final and not kernel.with_lse:
-        return out
-    return out, xp.broadcast_to(lse, (*full, 1))
+    return xp.broadcast_to(out, (*full, plan.value_dim)), xp.broadcast_to(lse, (*full, 1))
+
+
+def _run_task(kernel: _Kernel, pairs: tuple[_Pair, ...], *blocks: Array | None) -> Any:
+    """Compute a run of chunk pairs of one query chunk, merged: ``(out, lse)``.
+
+    `blocks` hold each pair's blocks of the fields ``kernel.names``, pair after
+    pair. Returns the output alone when the run is its query chunk's only one.
+    """
+    n = len(kernel.names)
+    alone = pairs[0].final and not kernel.with_lse
+    inner = kernel.inner
+    if isinstance(inner, Tiled) and inner.buffered and len(pairs) > 1:  # NumPy: one walk
+        calls = [
+            _placed(kernel, pair, _chunk_call(kernel, pair, blocks[i * n : (i + 1) * n]))
+            for i, pair in enumerate(pairs)
+        ]
+        out, lse = buffered_parts(calls, inner.block_q, inner.block_k, fold=inner.fold)
+        out, lse = _full_rows(calls[0], out, lse)
+        return out if alone else (out, lse)
+    parts = [
+        _pair_task(kernel, pair, *blocks[i * n : (i + 1) * n]) for i, pair in enumerate(pairs)
+    ]
+    if len(parts) > 1:
+        return _merge_task(alone, parts)
+    return parts[0][0] if alone else parts[0]
 
 
 def _on_dask(fn: Callable[..., Array] | None) -> Callable[..., Array] | None:

@@ -184,6 +184,24 @@ def _is_zero(x: int | Array) -> bool:
     return isinstance(x, int) and x == 0
 
 
+def placed_part(
+    call: AttentionCall,
+    *,
+    kv_start: int | Array,
+    kv_total: int,
+    q_start: int | None = None,
+    q_total: int | None = None,
+) -> AttentionCall:
+    """`call` in the compute dtype, placed where its part sits (see :func:`partial_attention`)."""
+    call = call.in_compute_dtype()  # the tiled kernel computes in float32 (or float64)
+    if q_start is None:
+        return shift_keys(call, kv_start, kv_total)
+    total = call.plan.q_len if q_total is None else q_total
+    return place_block(
+        call, q_start=q_start, kv_start=int(kv_start), q_total=total, kv_total=kv_total
+    )
+
+
 def partial_attention(
     call: AttentionCall,
     path: Path,
@@ -223,14 +241,9 @@ def partial_attention(
         Row log-sum-exp of this part's scores, ``-inf`` for rows with no visible
         key in it (the sink logit with sinks).
     """
-    call = call.in_compute_dtype()  # the tiled kernel computes in float32 (or float64)
-    if q_start is None:
-        call = shift_keys(call, kv_start, kv_total)
-    else:
-        total = call.plan.q_len if q_total is None else q_total
-        call = place_block(
-            call, q_start=q_start, kv_start=int(kv_start), q_total=total, kv_total=kv_total
-        )
+    call = placed_part(
+        call, kv_start=kv_start, kv_total=kv_total, q_start=q_start, q_total=q_total
+    )
     plan = call.plan
     match path:
         case Empty():
