@@ -366,6 +366,26 @@ def tiled_table(results: str | Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def targets_table(data: Mapping[str, Any] | None) -> str:
+    """Issue 23's targets (``benchmarks/targets.py``): each figure, its bound, met or not."""
+    if not data:
+        return "(no targets.json: run python benchmarks/targets.py)"
+    rows = []
+    for result in data.get("groups", {}).values():
+        for t in (result or {}).get("targets", []):
+            sense = ">=" if t["target"].startswith("dask") else "<="
+            where = t.get("worst_case") or (f"L={t['L']}" if "L" in t else "")
+            rows.append(
+                [
+                    t["target"] + (f" ({where})" if where else ""),
+                    f"{t['value']:.2f}",
+                    f"{sense} {t['bound']}",
+                    "met" if t["met"] else "**not met**",
+                ]
+            )
+    return _table(["target", "measured", "bound", ""], rows)
+
+
 def markdown(datas: Mapping[str, Mapping[str, Any] | None]) -> str:
     """Every backend's table, the notes and the overhead/memory summary."""
     parts = []

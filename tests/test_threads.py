@@ -28,11 +28,14 @@ from portable_attn.testing import reference_attention
 pytestmark = pytest.mark.backends("numpy", reason="threads for NumPy's one-core ufuncs")
 
 
-def _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, dtype="float64", **kw):
+def _threaded_and_tiled(
+    backend, q, k, v, block_q, block_k, workers, dtype="float64", buffered=False, **kw
+):
     arrays = [backend.asarray(a, dtype) for a in (q, k, v)]
     call = prepare(*arrays, **on_backend(backend, kw))
     fold = fold_row_sums(call)
-    threaded, _ = threaded_attention(call, Tiled(block_q, block_k, fold, workers))
+    path = Tiled(block_q, block_k, fold, workers, buffered=buffered)
+    threaded, _ = threaded_attention(call, path)
     tiled, _ = tiled_forward(call, block_q, block_k, fold=fold)
     return call.finish(threaded), call.finish(tiled)
 
@@ -40,10 +43,13 @@ def _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, dtype="floa
 @pytest.mark.parametrize("name", list(TILE_CASES))
 @pytest.mark.parametrize(("lq", "lk"), TILE_SIZES)
 @pytest.mark.parametrize(("block_q", "block_k", "workers"), [(4, 5, 2), (3, 7, 3), (8, 64, 2)])
-def test_equals_tiled_path_and_oracle(backend, name, lq, lk, block_q, block_k, workers):
+@pytest.mark.parametrize("buffered", [False, True])
+def test_equals_tiled_path_and_oracle(backend, name, lq, lk, block_q, block_k, workers, buffered):
     kw = TILE_CASES[name](lq, lk)
     q, k, v = qkv(lq=lq, lk=lk)  # GQA: 4 query heads over 2 key/value heads
-    threaded, tiled = _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, **kw)
+    threaded, tiled = _threaded_and_tiled(
+        backend, q, k, v, block_q, block_k, workers, buffered=buffered, **kw
+    )
     np.testing.assert_array_equal(backend.to_numpy(threaded), backend.to_numpy(tiled))
     if "mask_mod" not in kw:  # the oracle takes masks (tests/test_buffered.py converts)
         assert_close(backend, threaded, reference_attention(q, k, v, **kw))

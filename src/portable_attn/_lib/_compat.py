@@ -315,6 +315,17 @@ def parallel_query_blocks(x: Any) -> bool:
     return library_name(x) == "numpy"
 
 
+def compiles_eager_calls(x: Any) -> bool:
+    """Whether an eager call on `x` runs its path as one compiled program (concrete JAX).
+
+    JAX dispatches every eager operation on its own (about 10-20 us each on a CPU), so
+    an eager call compiles its path once per call signature and reuses it, as
+    ``jax.nn.dot_product_attention`` (itself under ``jax.jit``) does; traced calls
+    (under ``jit``, ``grad``, ``vmap``) are already one program.
+    """
+    return library_name(x) == "jax" and not is_traced(x)
+
+
 def reuses_buffers(x: Any) -> bool:
     """Whether the tiled path runs its block loop in reused buffers (``out=``): NumPy.
 

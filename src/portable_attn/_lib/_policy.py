@@ -267,14 +267,17 @@ TRACED_MAX_BLOCKS = 16
 #:   and the kernel torch selects.
 #: - JAX (``implementation="native"`` only; the default is the portable path):
 #:   ``jax.nn.dot_product_attention``'s XLA form takes the products with
-#:   ``preferred_element_type=float32`` and a float32 softmax. Own dtype.
+#:   ``preferred_element_type=float32`` and a float32 softmax. Own dtype, except
+#:   float16 on a CPU: under ``jax.jit`` (and so every eager call, which runs
+#:   compiled: ``_paths/_compiled.py``) XLA CPU refuses it ("The precision
+#:   'F16_F16_F32' is not supported by dot_general on CPU", jax 0.10.2). Upcast.
 NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
     ("torch", "cpu", "bfloat16"): True,
     ("torch", "cpu", "float16"): False,
     ("torch", "cuda", "bfloat16"): True,
     ("torch", "cuda", "float16"): True,
     ("jax", "cpu", "bfloat16"): True,
-    ("jax", "cpu", "float16"): True,
+    ("jax", "cpu", "float16"): False,
     ("jax", "gpu", "bfloat16"): True,
     ("jax", "gpu", "float16"): True,
 }

@@ -20,9 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from .._lib._call import AttentionCall
+from .._lib._compat import compiles_eager_calls
 from .._lib._dense import dense_attention
 from .._lib._path import DaskGrid, Dense, Empty, Native, Path, Tiled, keeps_input_dtype
 from ._autodiff import tiled_attention
+from ._compiled import compiled_run
 from ._dask import dask_attention
 from ._native import native_attention, native_tiles
 from ._threads import threaded_attention
@@ -32,6 +34,22 @@ __all__ = ["run"]
 
 def run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any, Any]:
     """Compute `call` on `path`: ``(out, lse)``, head axis kept.
+
+    An eager JAX call runs as one compiled program, cached per call signature
+    (:mod:`._compiled`), unless it holds a user function (a ``score_mod`` or
+    ``mask_mod``: a program would keep the values it closes over from the first
+    call, and a function made anew per call would compile per call); every other
+    call runs as it is (:func:`_run`).
+    """
+    terms = call.terms
+    user_functions = terms.score_mod is not None or terms.mask_mod is not None
+    if compiles_eager_calls(call.query) and not user_functions and not isinstance(path, Empty):
+        return compiled_run(call, path, with_lse, _run)
+    return _run(call, path, with_lse=with_lse)
+
+
+def _run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any, Any]:
+    """Compute `call` on `path` here: ``(out, lse)``, head axis kept.
 
     Both are in the compute dtype, except `out` of a path that keeps half-precision
     inputs in their dtype (a native kernel's result is then in that dtype).

@@ -1,0 +1,466 @@
+"""Issue 23's targets ("fast without tuning"), every one in one command, with a verdict each.
+
+    python benchmarks/targets.py                  # all groups; benchmarks/results/targets.json
+    python benchmarks/targets.py --only numpy,dask
+    python benchmarks/targets.py --quick          # a smoke run (few repeats; not for publishing)
+
+Each group runs in a fresh process (its own imports, allocator and thread pools), one
+after the other; never run it next to other work: the cores are shared. Every figure
+is a median of interleaved, round-robin samples in one process
+(``benchmarks/_timing.py``); a ratio is the median of per-round ratios. Nothing is
+tuned: default flags, no environment variables, a ``LocalCluster`` as created by
+default.
+
+- ``numpy``: the default call against the float32 textbook (B=1, H=8, D=64; plain,
+  causal, padding at L = 512 and 1024; the dtype of both asserted, outputs compared);
+  the same call timed right after a large call (a dense L = 4096 textbook, which moves
+  glibc's mmap threshold) and right after a small one (L = 64), as pairs in one
+  process; and the default against the dense path at L = 64-256 and for a decoding
+  step (the rows behind ``BUFFERED_DENSE_LIMIT_BYTES`` and ``BUFFERED_BLOCK_SCORES``).
+- ``dask``: one NumPy process (its default call) against ``LocalCluster(n_workers=2,
+  threads_per_worker=1)`` and ``n_workers=1`` (nothing else set), B=16, H=8, L=1024,
+  D=64, causal, float32, inputs persisted on the workers, one number per sequence back;
+  one chunk per sequence and L chunked at 256; the attention's tasks per call; the
+  per-task overhead (a graph of no-op tasks on the same cluster); and, as a second row,
+  the glibc worker settings of ``benchmarks/scale.py`` (``RECOMMENDED``), to show
+  whether they still matter.
+- ``torch``: ``benchmarks/bench.py --backend torch`` (its SDPA peers get the same
+  masks); the targets are window (256, 0) + causal at L = 1024 and 4096 and decode with
+  ``kv_lengths``.
+- ``jax``: ``benchmarks/bench.py --backend jax``: the whole case table under ``jit``
+  against ``jax.nn.dot_product_attention``, and the eager per-call overhead.
+
+The ``numpy``, ``torch`` and ``jax`` groups run ``benchmarks/bench.py`` in full first, so
+``cases-<backend>.json`` (the case tables of the README and the Performance page) are
+refreshed at the same commit (a ``--quick`` run writes them to a scratch folder).
+- ``flax``: ``benchmarks/integrations.py --part flax``: Linen and NNX with our
+  ``attention_fn`` against their own attention on a padded batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import report
+from _timing import interleaved_seconds
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results" / "targets.json"
+GROUPS = ("numpy", "dask", "torch", "jax", "flax")
+
+#: issue 23's bounds, by target name
+BOUNDS = {
+    "numpy L=1024 vs textbook": 0.75,
+    "numpy L=512 vs textbook": 0.90,
+    "numpy same call after a large / after a small call": 1.10,
+    "dask 2 workers vs numpy, chunk per sequence": 0.85,
+    "dask 2 workers vs numpy, L chunked at 256": 0.60,
+    "dask 1 -> 2 workers, chunk per sequence": 1.6,
+    "dask 1 -> 2 workers, L chunked at 256": 1.6,
+    "torch window (256, 0) + causal vs SDPA with the band mask": 0.70,
+    "torch decode with kv_lengths vs SDPA with the mask": 1.10,
+    "jax jit vs jax.nn, every case at L=1024 and 4096": 0.90,
+    "jax eager overhead (us per call over the textbook)": 25.0,
+    "flax linen attention_fn vs linen's own": 1.10,
+    "flax nnx attention_fn vs nnx's own": 1.10,
+}
+#: targets where a larger figure is better (throughput ratios)
+AT_LEAST = {name for name in BOUNDS if name.startswith("dask")}
+
+
+def say(*args: Any) -> None:
+    """Progress on stderr: a group's stdout carries its JSON."""
+    print(*args, file=sys.stderr, flush=True)
+
+
+def verdict(name: str, value: float) -> dict[str, Any]:
+    bound = BOUNDS[name]
+    met = value >= bound if name in AT_LEAST else value <= bound
+    return {"target": name, "value": round(value, 3), "bound": bound, "met": met}
+
+
+# --------------------------------------------------------------------------- numpy
+def numpy_group(quick: bool) -> dict[str, Any]:
+    import numpy as np
+
+    from portable_attn import scaled_dot_product_attention as sdpa
+
+    bench_rows("numpy", quick)  # the case table (cases-numpy.json), in its own process
+    h, d = 8, 64
+    reps = 3 if quick else 15
+    rng = np.random.default_rng(0)
+
+    def textbook(q, k, v, mask=None):
+        s = (q @ np.swapaxes(k, -1, -2)) * (1 / math.sqrt(q.shape[-1]))  # never np.sqrt
+        if mask is not None:
+            s = np.where(mask, s, -math.inf)
+        e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+        return (e / np.sum(e, axis=-1, keepdims=True)) @ v
+
+    def problem(n: int, case: str, lq: int | None = None, batch: int = 1) -> tuple:
+        lq = n if lq is None else lq
+        q = rng.standard_normal((batch, h, lq, d), dtype=np.float32)
+        k, v = (rng.standard_normal((batch, h, n, d), dtype=np.float32) for _ in range(2))
+        kw: dict[str, Any] = {}
+        mask = None
+        if case == "causal":
+            kw = {"is_causal": True}
+            mask = np.tril(np.ones((lq, n), dtype=bool), n - lq)
+        elif case == "padding":
+            mask = np.broadcast_to(np.arange(n) < n - n // 8, (batch, 1, 1, n))
+            kw = {"mask": mask}
+        return (q, k, v), kw, mask
+
+    rows, targets = [], []
+    for n in (512, 1024):
+        for case in ("plain", "causal", "padding"):
+            (q, k, v), kw, mask = problem(n, case)
+            ours, ref = sdpa(q, k, v, **kw), textbook(q, k, v, mask)
+            assert ours.dtype == ref.dtype == np.float32, (ours.dtype, ref.dtype)
+            np.testing.assert_allclose(ours, ref, rtol=1e-3, atol=1e-4)
+            fns = {
+                "ours": lambda q=q, k=k, v=v, kw=kw: sdpa(q, k, v, **kw),
+                "textbook": lambda q=q, k=k, v=v, m=mask: textbook(q, k, v, m),
+            }
+            t = interleaved_seconds(fns, repeats=reps)
+            ratio = statistics.median(t.ratios("ours", "textbook"))
+            rows.append(
+                {
+                    "L": n,
+                    "case": case,
+                    "ms": {name: 1e3 * s for name, s in t.medians.items()},
+                    "ratio": ratio,
+                }
+            )
+            say(f"numpy L={n} {case}: {ratio:.2f}x the textbook")
+            if case == "plain":
+                targets.append(verdict(f"numpy L={n} vs textbook", ratio))
+
+    # the same call after a large call and after a small call, as pairs in one process
+    big = [rng.standard_normal((1, h, 4096, d), dtype=np.float32) for _ in range(3)]
+    small = [rng.standard_normal((1, h, 64, d), dtype=np.float32) for _ in range(3)]
+    history = []
+    for n in (512, 1024):
+        (q, k, v), _, _ = problem(n, "plain")
+
+        def after(before, q=q, k=k, v=v):
+            def timed():
+                before()
+                start = time.perf_counter()
+                sdpa(q, k, v)
+                return time.perf_counter() - start
+
+            return timed
+
+        pairs: dict[str, list[float]] = {"after a large call": [], "after a small call": []}
+        runs = {
+            "after a large call": after(lambda: textbook(*big)),
+            "after a small call": after(lambda: sdpa(*small)),
+        }
+        for name in runs:
+            runs[name]()  # warm
+        for i in range(reps * 2):
+            order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+            for name in order:
+                pairs[name].append(runs[name]())
+        ratio = statistics.median(
+            a / b
+            for a, b in zip(pairs["after a large call"], pairs["after a small call"], strict=True)
+        )
+        spread = max(ratio, 1 / ratio)
+        history.append(
+            {
+                "L": n,
+                "ms": {name: 1e3 * statistics.median(s) for name, s in pairs.items()},
+                "large_over_small": ratio,
+            }
+        )
+        say(f"numpy L={n}: after a large / after a small call {ratio:.3f}")
+        targets.append(verdict("numpy same call after a large / after a small call", spread))
+    targets = _worst(targets, "numpy same call after a large / after a small call")
+
+    # the rows behind the policy's NumPy constants: dense against the default (tiled)
+    crossover = []
+    for n in (64, 128, 256):
+        (q, k, v), _, _ = problem(n, "plain")
+        fns = {
+            "default": lambda q=q, k=k, v=v: sdpa(q, k, v),
+            "dense": lambda q=q, k=k, v=v: sdpa(q, k, v, block_size="dense"),
+            "tiled": lambda q=q, k=k, v=v: sdpa(q, k, v, block_size=(256, 256)),
+        }
+        t = interleaved_seconds(fns, repeats=reps * 2)
+        crossover.append(
+            {
+                "L": n,
+                "ms": {name: 1e3 * s for name, s in t.medians.items()},
+                "tiled_over_dense": statistics.median(t.ratios("tiled", "dense")),
+            }
+        )
+    (q, k, v), kw, _ = problem(4096, "causal", lq=1, batch=4)
+    fns = {
+        "default (one block)": lambda: sdpa(q, k, v, **kw),
+        "16 key blocks of 256": lambda: sdpa(q, k, v, block_size=(1, 256), **kw),
+        "dense": lambda: sdpa(q, k, v, block_size="dense", **kw),
+    }
+    t = interleaved_seconds(fns, repeats=reps * 2)
+    decode = {"B": 4, "Lq": 1, "Lk": 4096, "ms": {n: 1e3 * s for n, s in t.medians.items()}}
+    return {
+        "rows": rows,
+        "history": history,
+        "dense_or_tiled": crossover,
+        "decode": decode,
+        "targets": targets,
+    }
+
+
+def _worst(targets: list[dict], name: str) -> list[dict]:
+    """Keep the worst row of target `name` (one verdict per target)."""
+    same = [t for t in targets if t["target"] == name]
+    if len(same) < 2:
+        return targets
+    worst = (
+        max(same, key=lambda t: t["value"])
+        if name not in AT_LEAST
+        else min(same, key=lambda t: t["value"])
+    )
+    return [t for t in targets if t["target"] != name] + [worst]
+
+
+# --------------------------------------------------------------------------- dask
+def dask_group(quick: bool) -> dict[str, Any]:
+    import dask.array as da
+    import distributed
+    import numpy as np
+    import scale
+
+    from portable_attn import scaled_dot_product_attention as sdpa
+
+    b, h, n, d = (4, 8, 512, 64) if quick else (16, 8, 1024, 64)
+    reps = 3 if quick else 7
+    chunkings = {"chunk per sequence": n, "L chunked at 256": 256}
+    rng = np.random.default_rng(0)
+    qkv = [rng.standard_normal((b, h, n, d), dtype=np.float32) for _ in range(3)]
+    runs: dict[str, Any] = {"numpy": lambda: sdpa(*qkv, is_causal=True)}
+    clusters, tasks = [], {}
+    settings = {"default": None, "glibc settings": scale.RECOMMENDED}
+    try:
+        for label, env in settings.items():
+            for workers in (1, 2) if label == "default" else (2,):
+                if env is None:
+                    cluster = distributed.LocalCluster(
+                        n_workers=workers, threads_per_worker=1, dashboard_address=None
+                    )
+                else:
+                    cluster = scale._local_cluster(workers, "recommended")
+                client = distributed.Client(cluster, set_as_default=False)
+                clusters.append((cluster, client))
+                for chunk_label, chunk in chunkings.items():
+                    r = da.random.default_rng(0)
+                    arrays = [
+                        r.standard_normal((b, h, n, d), chunks=(1, h, chunk, d), dtype="float32")
+                        for _ in range(3)
+                    ]
+                    arrays = client.persist(arrays)
+                    client.gather(client.compute([x.sum() for x in arrays]))
+                    out = sdpa(*arrays, is_causal=True)
+                    layer = dict(out.__dask_graph__().layers[out.name])
+                    tasks[chunk_label] = len(layer)
+                    total = out.sum(axis=(1, 2, 3))  # one number per sequence comes back
+                    name = f"{label}, {workers} worker{'s' * (workers > 1)}, {chunk_label}"
+                    runs[name] = lambda c=client, t=total: c.compute(t, sync=True)
+                if label == "default" and workers == 2:
+                    overhead = _task_overhead(client, 200 if quick else 1000)
+        for run in runs.values():  # warm: imports and first calls everywhere
+            run()
+        t = interleaved_seconds(runs, repeats=reps)
+    finally:
+        for cluster, client in clusters:
+            client.close()
+            cluster.close()
+    medians = t.medians
+    rows = [
+        {
+            "engine": name,
+            "s": medians[name],
+            "sequences_per_s": b / medians[name],
+            "vs_numpy": statistics.median(t.ratios("numpy", name)),
+        }
+        for name in runs
+    ]
+    targets = []
+    for chunk_label in chunkings:
+        two = f"default, 2 workers, {chunk_label}"
+        one = f"default, 1 worker, {chunk_label}"
+        targets.append(
+            verdict(
+                f"dask 2 workers vs numpy, {chunk_label}",
+                statistics.median(t.ratios("numpy", two)),
+            )
+        )
+        targets.append(
+            verdict(f"dask 1 -> 2 workers, {chunk_label}", statistics.median(t.ratios(one, two)))
+        )
+    for row in rows:
+        say(f"dask {row['engine']}: {row['vs_numpy']:.2f}x numpy's throughput")
+    return {
+        "shape": {"B": b, "H": h, "L": n, "D": d, "causal": True, "dtype": "float32"},
+        "rows": rows,
+        "attention_tasks_per_call": tasks,
+        "task_overhead": overhead,
+        "targets": targets,
+    }
+
+
+def _noop(x: int) -> int:
+    return x
+
+
+def _task_overhead(client: Any, count: int) -> dict[str, Any]:
+    """Seconds per task of a graph of `count` independent no-op tasks on `client`'s cluster."""
+    client.gather(client.map(_noop, range(10), pure=False))  # warm
+    start = time.perf_counter()
+    client.gather(client.map(_noop, range(count), pure=False))
+    seconds = time.perf_counter() - start
+    return {"tasks": count, "ms_per_task": 1e3 * seconds / count}
+
+
+# --------------------------------------------------------------------------- torch, jax
+def bench_rows(backend: str, quick: bool) -> dict[str, Any]:
+    """Run benchmarks/bench.py for `backend` in a fresh process; return its JSON.
+
+    A full run writes ``benchmarks/results/cases-<backend>.json`` (the case table the
+    README and the Performance page show, at this commit); a quick one a scratch copy.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) if quick else HERE / "results"
+        command = [sys.executable, str(HERE / "bench.py"), "--backend", backend]
+        command += ["--out", str(folder)] + (["--quick"] if quick else [])
+        subprocess.run(command, check=True, stdout=sys.stderr)
+        return json.loads((folder / f"cases-{backend}.json").read_text())
+
+
+def torch_group(quick: bool) -> dict[str, Any]:
+    data = bench_rows("torch", quick)
+    targets = []
+    for row in data["rows"]:
+        if row["dtype"] != "float32" or row["case"] not in ("window+causal", "decode+kv_lengths"):
+            continue
+        peer = next(p for p in row["ratios"] if p.startswith("sdpa"))
+        if row["case"] == "window+causal":
+            name = "torch window (256, 0) + causal vs SDPA with the band mask"
+        else:
+            name = "torch decode with kv_lengths vs SDPA with the mask"
+        targets.append(verdict(name, row["ratios"][peer]) | {"L": row["Lk"], "peer": peer})
+    return {"cases": "cases-torch.json", "environment": data["environment"], "targets": targets}
+
+
+def jax_group(quick: bool) -> dict[str, Any]:
+    data = bench_rows("jax", quick)
+    name = "jax jit vs jax.nn, every case at L=1024 and 4096"
+    worst = None
+    for row in data["rows"]:
+        peer = "jax.nn" if "jax.nn" in row["ratios"] else None
+        if peer is None or row["dtype"] != "float32":
+            continue
+        if worst is None or row["ratios"][peer] > worst[1]:
+            worst = (f"{row['case']} L={row['Lk']}", row["ratios"][peer])
+    targets = [verdict(name, worst[1]) | {"worst_case": worst[0]}] if worst else []
+    over = data["overhead"]["difference_us"]
+    targets.append(verdict("jax eager overhead (us per call over the textbook)", over))
+    return {
+        "cases": "cases-jax.json",
+        "overhead": data["overhead"],
+        "environment": data["environment"],
+        "targets": targets,
+    }
+
+
+def flax_group(quick: bool) -> dict[str, Any]:
+    command = [sys.executable, str(HERE / "integrations.py"), "--part", "flax"]
+    command += ["--quick"] if quick else []
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out.strip().splitlines()[-1])
+    targets = []
+    for row in rows:
+        kind = "linen" if "linen" in row["what"] else "nnx"
+        targets.append(verdict(f"flax {kind} attention_fn vs {kind}'s own", row["ratio"]))
+    return {"rows": rows, "targets": targets}
+
+
+GROUP_FUNCTIONS = {
+    "numpy": numpy_group,
+    "dask": dask_group,
+    "torch": torch_group,
+    "jax": jax_group,
+    "flax": flax_group,
+}
+
+
+def environment() -> dict[str, Any]:
+    import numpy as np
+
+    import portable_attn
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "numpy": np.__version__,
+        "portable_attn": portable_attn.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        **report.git_state(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups")
+    parser.add_argument("--quick", action="store_true", help="few repeats, small sizes")
+    parser.add_argument("--group", choices=GROUPS, help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.group:
+        print(json.dumps(GROUP_FUNCTIONS[args.group](args.quick)))
+        return 0
+    groups = [g for g in args.only.split(",") if g]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        parser.error(f"unknown group(s) {unknown}; choose from {', '.join(GROUPS)}")
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    data = {"environment": environment(), "quick": args.quick, "groups": {}}
+    data["groups"] = dict(previous.get("groups", {}))  # groups not run now keep their rows
+    for group in groups:
+        command = [
+            sys.executable,
+            __file__,
+            "--group",
+            group,
+            *(["--quick"] if args.quick else []),
+        ]
+        done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["environment"] = result.get("environment", {}) | environment()
+        data["groups"][group] = result
+    data["environment"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}\n")
+    print(report.targets_table(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
