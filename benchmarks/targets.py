@@ -13,10 +13,11 @@ default.
 
 - ``numpy``: the default call against the float32 textbook (B=1, H=8, D=64; plain,
   causal, padding at L = 512 and 1024; the dtype of both asserted, outputs compared);
-  the same call timed right after a large call (a dense L = 4096 textbook, which moves
-  glibc's mmap threshold) and right after a small one (L = 64), as pairs in one
-  process; and the default against the dense path at L = 64-256 and for a decoding
-  step (the rows behind ``BUFFERED_DENSE_LIMIT_BYTES`` and ``BUFFERED_BLOCK_SCORES``).
+  the same call timed repeatedly in fresh processes whose history differs, after large
+  calls (the float32 textbook and ours at L = 4096, which move glibc's mmap and trim
+  thresholds) or after a small one (L = 64), the two kinds of process in alternation;
+  and the default against the dense path at L = 64-256 and for a decoding step (the
+  rows behind ``BUFFERED_DENSE_LIMIT_BYTES`` and ``BUFFERED_BLOCK_SCORES``).
 - ``dask``: one NumPy process (its default call) against ``LocalCluster(n_workers=2,
   threads_per_worker=1)`` and ``n_workers=1`` (nothing else set), B=16, H=8, L=1024,
   D=64, causal, float32, inputs persisted on the workers, one number per sequence back;
@@ -148,47 +149,29 @@ def numpy_group(quick: bool) -> dict[str, Any]:
             if case == "plain":
                 targets.append(verdict(f"numpy L={n} vs textbook", ratio))
 
-    # the same call after a large call and after a small call, as pairs in one process
-    big = [rng.standard_normal((1, h, 4096, d), dtype=np.float32) for _ in range(3)]
-    small = [rng.standard_normal((1, h, 64, d), dtype=np.float32) for _ in range(3)]
+    # the same call in processes whose history differs: after large calls (which move
+    # glibc's mmap and trim thresholds) or after a small one; each process times the call
+    # repeatedly (the first call after a large one also pays cold caches, in any library)
     history = []
     for n in (512, 1024):
-        (q, k, v), _, _ = problem(n, "plain")
-
-        def after(before, q=q, k=k, v=v):
-            def timed():
-                before()
-                start = time.perf_counter()
-                sdpa(q, k, v)
-                return time.perf_counter() - start
-
-            return timed
-
-        pairs: dict[str, list[float]] = {"after a large call": [], "after a small call": []}
-        runs = {
-            "after a large call": after(lambda: textbook(*big)),
-            "after a small call": after(lambda: sdpa(*small)),
-        }
-        for name in runs:
-            runs[name]()  # warm
-        for i in range(reps * 2):
-            order = list(runs) if i % 2 == 0 else list(runs)[::-1]
-            for name in order:
-                pairs[name].append(runs[name]())
-        ratio = statistics.median(
-            a / b
-            for a, b in zip(pairs["after a large call"], pairs["after a small call"], strict=True)
-        )
-        spread = max(ratio, 1 / ratio)
+        medians: dict[str, list[float]] = {"after large calls": [], "after a small call": []}
+        for _ in range(2 if quick else 4):  # the two histories in alternation
+            for before in medians:
+                medians[before].append(_history_child(n, before, reps))
+        large, small = (statistics.median(m) for m in medians.values())
+        ratio = large / small
         history.append(
             {
                 "L": n,
-                "ms": {name: 1e3 * statistics.median(s) for name, s in pairs.items()},
+                "ms": {"after large calls": 1e3 * large, "after a small call": 1e3 * small},
                 "large_over_small": ratio,
+                "process_medians_ms": {b: [1e3 * x for x in m] for b, m in medians.items()},
             }
         )
-        say(f"numpy L={n}: after a large / after a small call {ratio:.3f}")
-        targets.append(verdict("numpy same call after a large / after a small call", spread))
+        say(f"numpy L={n}: after large calls / after a small call {ratio:.3f}")
+        targets.append(
+            verdict("numpy same call after a large / after a small call", max(ratio, 1 / ratio))
+        )
     targets = _worst(targets, "numpy same call after a large / after a small call")
 
     # the rows behind the policy's NumPy constants: dense against the default (tiled)
@@ -223,6 +206,41 @@ def numpy_group(quick: bool) -> dict[str, Any]:
         "decode": decode,
         "targets": targets,
     }
+
+
+_HISTORY = """
+import math, statistics, sys, time
+import numpy as np
+from portable_attn import scaled_dot_product_attention as sdpa
+n, before, reps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+rng = np.random.default_rng(0)
+def textbook(q, k, v):
+    s = (q @ np.swapaxes(k, -1, -2)) * (1 / math.sqrt(q.shape[-1]))
+    e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+    return (e / np.sum(e, axis=-1, keepdims=True)) @ v
+q, k, v = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) for _ in range(3))
+if before == "after large calls":  # the float32 textbook and ours at L = 4096
+    big = [rng.standard_normal((1, 8, 4096, 64), dtype=np.float32) for _ in range(3)]
+    textbook(*big)
+    sdpa(*big)
+    del big
+else:
+    sdpa(*(rng.standard_normal((1, 8, 64, 64), dtype=np.float32) for _ in range(3)))
+sdpa(q, k, v)  # the first call after: caches and threads warm up, in any library
+times = []
+for _ in range(reps):
+    start = time.perf_counter()
+    sdpa(q, k, v)
+    times.append(time.perf_counter() - start)
+print(statistics.median(times))
+"""
+
+
+def _history_child(n: int, before: str, reps: int) -> float:
+    """Median seconds of the default call at L=`n`, timed in a fresh process after `before`."""
+    command = [sys.executable, "-c", _HISTORY, str(n), before, str(reps)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def _worst(targets: list[dict], name: str) -> list[dict]:

@@ -166,7 +166,7 @@ EAGER_TILES = (128, 256)
 #: NumPy (``Tiled.buffered``: the block loop in reused buffers, ``_paths/_buffered.py``)
 #: keeps the dense path only while its logits take at most this many bytes: from
 #: L = 128 at B=1, H=8 (512 KiB) the buffered tiled path is the faster of the two, and
-#: at L = 512-1024 it is 0.6-0.75x the dense path (benchmarks/results/numpy-tiles.json).
+#: at L = 512-1024 it is 0.6-0.75x the dense path (benchmarks/results/targets.json, numpy group).
 BUFFERED_DENSE_LIMIT_BYTES = 256 * 2**10
 #: The tiles of the buffered tiled path: query tiles of this many rows (fewer for a
 #: shorter Lq) ...
@@ -176,7 +176,7 @@ BUFFERED_TILE = 256
 #: one block. Chosen from hand runs of 64-256 x 256-512 tiles at L = 128-4096 (256 x
 #: 256 was the fastest or within noise of it on causal calls, and within 10% on plain
 #: ones; one query row over 4096 keys ran 20% faster in one block than in 16); the
-#: default call's figures are in benchmarks/results/numpy-tiles.json.
+#: default call's figures are in benchmarks/results/targets.json, numpy group.
 BUFFERED_BLOCK_SCORES = 256 * 256
 #: The default routes a call the fused native kernel could take whole (and not per
 #: tile) to the tiled path instead when causal/window structure hides at least this

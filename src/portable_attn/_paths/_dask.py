@@ -138,7 +138,7 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
         b_ranges = tuple(ranges[a][i] for a, i in zip(batch_axes, b_idx, strict=True))
         batch_rows = math.prod(e - s for s, e in b_ranges)
         for hi, h_range in enumerate(head_ranges):
-            rows = batch_rows * (h_range[1] - h_range[0])  # (batch, head) rows of a chunk
+            heads = batch_rows * (h_range[1] - h_range[0])  # (batch, head) rows of a chunk
             for qi, q_range in enumerate(q_ranges):
                 out_key = (name, *b_idx, hi, qi, 0)
                 if with_lse:  # the root returns (out, lse): one getter each
@@ -161,7 +161,7 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
                     dsk[out_key] = (_zeros_task, kernel, pair, *args)
                     continue
                 parts = []
-                runs = _runs(visible, rows * (q_range[1] - q_range[0]), k_ranges, path)
+                runs = _runs(visible, heads * (q_range[1] - q_range[0]), k_ranges, path)
                 for run in runs:
                     final = len(runs) == 1
                     pairs, args = [], []
