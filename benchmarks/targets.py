@@ -18,7 +18,8 @@ default.
   thresholds) or after a small one (L = 64), the two kinds of process in alternation;
   and the default against the dense path at L = 64-256 and for a decoding step (the
   rows behind ``BUFFERED_DENSE_LIMIT_BYTES`` and ``BUFFERED_BLOCK_SCORES``).
-- ``dask``: one NumPy process (its default call) against ``LocalCluster(n_workers=2,
+- ``dask``: one NumPy process of its own (its default call, driven round by round from
+  the benchmark, whose process hosts the clusters' schedulers) against ``LocalCluster(n_workers=2,
   threads_per_worker=1)`` and ``n_workers=1`` (nothing else set), B=16, H=8, L=1024,
   D=64, causal, float32, inputs persisted on the workers, one number per sequence back;
   one chunk per sequence and L chunked at 256; the attention's tasks per call; the
@@ -260,7 +261,6 @@ def _worst(targets: list[dict], name: str) -> list[dict]:
 def dask_group(quick: bool) -> dict[str, Any]:
     import dask.array as da
     import distributed
-    import numpy as np
     import scale
 
     from portable_attn import scaled_dot_product_attention as sdpa
@@ -268,9 +268,10 @@ def dask_group(quick: bool) -> dict[str, Any]:
     b, h, n, d = (4, 8, 512, 64) if quick else (16, 8, 1024, 64)
     reps = 3 if quick else 7
     chunkings = {"chunk per sequence": n, "L chunked at 256": 256}
-    rng = np.random.default_rng(0)
-    qkv = [rng.standard_normal((b, h, n, d), dtype=np.float32) for _ in range(3)]
-    runs: dict[str, Any] = {"numpy": lambda: sdpa(*qkv, is_causal=True)}
+    # one NumPy process of its own (the clusters' schedulers run in this process, whose
+    # threads would share its GIL), driven round by round from here
+    numpy_process = _NumpyProcess((b, h, n, d))
+    runs: dict[str, Any] = {"numpy": numpy_process.call}
     clusters, tasks = [], {}
     settings = {"default": None, "glibc settings": scale.RECOMMENDED}
     try:
@@ -304,6 +305,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
             run()
         t = interleaved_seconds(runs, repeats=reps)
     finally:
+        numpy_process.close()
         for cluster, client in clusters:
             client.close()
             cluster.close()
@@ -339,6 +341,41 @@ def dask_group(quick: bool) -> dict[str, Any]:
         "task_overhead": overhead,
         "targets": targets,
     }
+
+
+_NUMPY_CALLS = """
+import sys
+import numpy as np
+from portable_attn import scaled_dot_product_attention as sdpa
+shape = tuple(int(x) for x in sys.argv[1:5])
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
+for line in sys.stdin:
+    sdpa(q, k, v, is_causal=True)
+    print("done", flush=True)
+"""
+
+
+class _NumpyProcess:
+    """The NumPy baseline in a process of its own: each :meth:`call` runs one call there."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        command = [sys.executable, "-c", _NUMPY_CALLS, *map(str, shape)]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def call(self) -> None:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        self.proc.stdout.readline()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def _noop(x: int) -> int:
