@@ -23,7 +23,9 @@ default.
   threads_per_worker=1)`` and ``n_workers=1`` (nothing else set), B=16, H=8, L=1024,
   D=64, causal, float32, inputs persisted on the workers, one number per sequence back;
   one chunk per sequence and L chunked at 256; the attention's tasks per call; the
-  per-task overhead (a graph of no-op tasks on the same cluster); and, as a second row,
+  per-task overhead (a graph of no-op tasks on the same cluster); every run starts after
+  half a second of rest (Dask's clean-up after a computation would otherwise land on
+  the next run, whichever it is); and, as a second row,
   the glibc worker settings of ``benchmarks/scale.py`` (``RECOMMENDED``), to show
   whether they still matter.
 - ``torch``: ``benchmarks/bench.py --backend torch`` (its SDPA peers get the same
@@ -56,7 +58,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import report
-from _timing import interleaved_seconds
+from _timing import Interleaved, interleaved_seconds
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "targets.json"
@@ -303,7 +305,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
                     overhead = _task_overhead(client, 200 if quick else 1000)
         for run in runs.values():  # warm: imports and first calls everywhere
             run()
-        t = interleaved_seconds(runs, repeats=reps)
+        t = _settled_rounds(runs, reps)
     finally:
         numpy_process.close()
         for cluster, client in clusters:
@@ -376,6 +378,25 @@ class _NumpyProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait()
+
+
+#: seconds the machine is left alone before each timed run: after a computation the
+#: scheduler and workers still release keys and collect garbage, on the same 2 cores
+SETTLE_S = 0.5
+
+
+def _settled_rounds(runs: dict[str, Any], reps: int) -> Interleaved:
+    """Interleaved rounds (the order rotating), each run timed after :data:`SETTLE_S` of rest."""
+    names = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(reps):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            time.sleep(SETTLE_S)
+            start = time.perf_counter()
+            runs[name]()
+            samples[name].append(time.perf_counter() - start)
+    return Interleaved(samples)
 
 
 def _noop(x: int) -> int:
