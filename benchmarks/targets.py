@@ -47,7 +47,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -485,20 +484,10 @@ GROUP_FUNCTIONS = {
 
 
 def environment() -> dict[str, Any]:
-    import numpy as np
+    """``bench.py``'s record of the machine and commit, with the load average now."""
+    import bench
 
-    import portable_attn
-
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "numpy": np.__version__,
-        "portable_attn": portable_attn.__version__,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        **report.git_state(),
-    }
+    return bench.environment("numpy") | {"load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def main() -> int:

@@ -54,6 +54,7 @@ __all__ = [
     "sum_to_shape",
     "tiled_backward",
     "tiled_forward",
+    "visible_entries",
 ]
 
 Range = tuple[int, int]
@@ -100,10 +101,25 @@ def _block_scores(
     raw = raw_logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk): scale · Q Kᵀ
     capped = capped_logits(xp, raw, plan)
     scores = scores_block(xp, capped, bias, terms, plan, q_range, k_range)
+    allowed = visible_entries(xp, terms, plan, q_range, k_range, visibility)
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
+    return raw, capped, scores
+
+
+def visible_entries(
+    xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range, vis: str
+) -> Any:
+    """Return the "may attend" array of a block a walk visits (`vis` "full", "partial"), or None.
+
+    What :func:`pair_visibility` already shows needs no mask: a "full" block has no
+    band or ``mask_mod`` part, and a pair inside one document (host segment ids) no id
+    part. Every loop over blocks asks this, so they mask alike.
+    """
     blocks = terms.segment_blocks  # host ids: a pair inside one document needs no id mask
     segments = blocks is None or not blocks.one_segment(q_range, k_range)
-    full = visibility == "full"  # the band and the block mask show every entry
-    allowed = allowed_block(
+    full = vis == "full"  # the band and the block mask show every entry
+    return allowed_block(
         xp,
         terms,
         plan,
@@ -113,9 +129,6 @@ def _block_scores(
         segments=segments,
         mask_mod=not full,
     )
-    if allowed is not None:
-        scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
-    return raw, capped, scores
 
 
 def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) -> Any:

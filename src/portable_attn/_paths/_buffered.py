@@ -40,12 +40,11 @@ from .._lib._masks import arange
 from .._lib._path import Blocks
 from .._lib._scores import (
     alibi_distance,
-    allowed_block,
     empty_result,
     hidden_by_value,
     slice_block,
 )
-from .._lib._tiled import block_ranges, pair_visibility
+from .._lib._tiled import block_ranges, pair_visibility, visible_entries
 
 __all__ = ["KEEP_WORKSPACE_BYTES", "Workspace", "buffered_forward", "buffered_parts"]
 
@@ -351,19 +350,7 @@ class _Walk:
         if terms.alibi_slopes is not None:
             distance = alibi_distance(xp, terms, plan, q_range, k_range)
             np.subtract(s, terms.alibi_slopes * distance, out=s)
-        blocks = terms.segment_blocks  # host ids: a pair inside one document needs no id mask
-        segments = blocks is None or not blocks.one_segment(q_range, k_range)
-        full = vis == "full"
-        allowed = allowed_block(
-            xp,
-            terms,
-            plan,
-            q_range,
-            k_range,
-            structural=not full,
-            segments=segments,
-            mask_mod=not full,
-        )
+        allowed = visible_entries(xp, terms, plan, q_range, k_range, vis)
         if allowed is not None:
             hidden = space.view(space.hidden, s.shape)
             np.logical_not(allowed, out=hidden)
