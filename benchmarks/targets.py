@@ -16,7 +16,7 @@ default.
   the same call timed repeatedly in fresh processes whose history differs, after large
   calls (the float32 textbook and ours at L = 4096, which move glibc's mmap and trim
   thresholds) or after a small one (L = 64), the two kinds of process in alternation;
-  and the default against the dense path at L = 64-256 and for a decoding step (the
+  and the default against the dense path at L = 64-1024 and for a decoding step (the
   rows behind ``BUFFERED_DENSE_LIMIT_BYTES`` and ``BUFFERED_BLOCK_SCORES``).
 - ``dask``: one NumPy process of its own (its default call, driven round by round from
   the benchmark, whose process hosts the clusters' schedulers) against ``LocalCluster(n_workers=2,
@@ -178,7 +178,7 @@ def numpy_group(quick: bool) -> dict[str, Any]:
 
     # the rows behind the policy's NumPy constants: dense against the default (tiled)
     crossover = []
-    for n in (64, 128, 256):
+    for n in (64, 128, 256, 512, 1024):
         (q, k, v), _, _ = problem(n, "plain")
         fns = {
             "default": lambda q=q, k=k, v=v: sdpa(q, k, v),
