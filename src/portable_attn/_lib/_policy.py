@@ -164,10 +164,10 @@ AUTO_DENSE_LIMIT_BYTES_MULTITHREADED = 4 * 2**20
 #: (H, 128, 256) float32 score blocks (1 MiB each for H = 8) stay cache-friendly.
 EAGER_TILES = (128, 256)
 #: NumPy (``Tiled.buffered``: the block loop in reused buffers, ``_paths/_buffered.py``)
-#: keeps the dense path only while its logits take at most this many bytes: from
-#: L = 128 at B=1, H=8 (512 KiB) the buffered tiled path is the faster of the two, and
-#: at L = 512-1024 it is 0.6-0.75x the dense path (benchmarks/results/targets.json, numpy group).
-BUFFERED_DENSE_LIMIT_BYTES = 256 * 2**10
+#: keeps the dense path only while its logits take at most this many bytes (L = 256 at
+#: B=1, H=8): tiled over dense was 1.27 / 1.07 / 0.98 at L = 64 / 128 / 256 and 0.59 /
+#: 0.78 at L = 512 / 1024 (benchmarks/results/targets.json, numpy group, at 63874a5).
+BUFFERED_DENSE_LIMIT_BYTES = 2 * 2**20
 #: The tiles of the buffered tiled path: query tiles of this many rows (fewer for a
 #: shorter Lq) ...
 BUFFERED_TILE = 256
@@ -206,7 +206,7 @@ THREADS_MIN_SCORE_BYTES = 128 * 2**20
 #: chunk over n key chunks costs about n / 3 merge tasks.
 DASK_MERGE_FAN_IN = 4
 #: Consecutive visible chunk pairs of one query chunk share one Dask task (which merges
-#: them itself) until the task holds this many scores: a task costs about a millisecond
+#: them itself) until the task holds this many scores: a task costs about 2 ms
 #: of scheduling whatever it computes, more than a (1, 8, 256, 256) pair computes, while
 #: a (1, 8, 1024, 1024) pair (8 Mi scores) stays a task of its own
 #: (benchmarks/results/targets.json: tasks per call, per-task overhead, throughput).
