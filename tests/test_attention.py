@@ -170,6 +170,44 @@ class TestFullyMaskedRows:
         assert np.all(w[..., :3, :] == 0)
         assert np.all(np.abs(out[..., 3:, :]) > 0)
 
+    @pytest.mark.skip_backends(
+        "dask",
+        reason="chunk partials merged by log-sum-exp lose log(count) next to |score| ~ 1e38",
+    )
+    @pytest.mark.parametrize("block_size", ["dense", (2, 3)])
+    def test_a_row_of_huge_negative_scores_is_not_taken_for_empty(self, backend, block_size):
+        # the guards raise an empty row's max to the lowest finite value and its sum to
+        # 1/2 (_lib/_softmax.py): a visible row near that value must stay a softmax
+        q, k, v = qkv()
+        bias = np.zeros((5, 7))
+        bias[1] = -1e38
+        bias[1, 4] = -3e38  # below the others: weight 0, but visible
+        out, _ = check(backend, q, k, v, bias=bias, block_size=block_size)
+        assert np.all(np.abs(backend.to_numpy(out)[..., 1, :]) > 0)
+
+    @pytest.mark.backends("jax", reason="the program XLA compiles")
+    @pytest.mark.parametrize("block_size", ["dense", (2, 4)])
+    def test_empty_row_guards_are_select_free(self, backend, block_size):
+        # XLA CPU fuses the row max, exp, row sum and P @ V into one kernel only
+        # without a compare-and-select on the row statistics between them
+        # (_lib/_softmax.py: Flax Linen's padded attention ran up to 2x slower)
+        import re
+
+        import jax
+
+        q, k, v = (backend.asarray(a) for a in qkv())
+        mask = backend.asarray(np.tril(np.ones((5, 7), dtype=bool), k=-2))  # rows 0-1 empty
+
+        def f(q, k, v):
+            return scaled_dot_product_attention(q, k, v, mask=mask, block_size=block_size)
+
+        hlo = jax.jit(f).lower(q, k, v).compile().as_text()
+        selects = re.findall(r"= \w+\[([\d,]*)\]\S* select\(", hlo)
+        assert selects  # the mask's own, over (..., Lq, Lk) entries
+        assert not [shape for shape in selects if shape.endswith(",1")], selects
+        out = backend.to_numpy(f(q, k, v))
+        assert np.all(out[..., :2, :] == 0)
+
     def test_nan_in_inputs_propagates(self, backend):
         q, k, v = qkv()
         q[0, 1, 2, 3] = np.nan

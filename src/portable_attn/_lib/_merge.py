@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._softmax import safe_denominator
+from ._softmax import finite_shift, safe_denominator
 
 __all__ = ["merge_partials"]
 
@@ -48,7 +48,7 @@ def merge_partials(
         ``-inf`` for rows that see no key in any part.
     """
     m = max_over(lse)
-    m_safe = xp.where(m == -xp.inf, 0.0, m)  # every part empty: weights are exp(-inf) = 0
+    m_safe = finite_shift(xp, m)  # every part empty: weights are exp(-inf) = 0
     w = xp.exp(lse - m_safe)  # (P..., ..., Lq, 1)
     total = sum_over(w)  # (..., Lq, 1)
     merged = sum_over(w * out) / safe_denominator(xp, total)

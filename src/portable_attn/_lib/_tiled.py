@@ -42,7 +42,7 @@ from ._scores import (
     slice_block,
     with_ones_column,
 )
-from ._softmax import safe_denominator
+from ._softmax import finite_shift, safe_denominator
 
 __all__ = [
     "Blocks",
@@ -226,7 +226,7 @@ class RowWalk:
         m = xp.broadcast_to(terms.sinks, shape)
         if self.stop_gradient is not None:
             m = self.stop_gradient(m)
-        l_sum = xp.exp(terms.sinks - xp.where(m == -xp.inf, 0.0, m))  # (..., Hq, bq, 1)
+        l_sum = xp.exp(terms.sinks - finite_shift(xp, m))  # (..., Hq, bq, 1)
         acc = _zeros(xp, (*plan.batch, plan.num_q_heads, bq, plan.value_dim), plan)
         if self.fold:  # the denominator rides along as the accumulator's last column
             return RowState(m, None, xp.concat([acc, l_sum], axis=-1))
@@ -259,8 +259,8 @@ class RowWalk:
             m_new = self.stop_gradient(m_new)
         if rows_seen:  # m_new is finite in every row already
             m_safe = m_new
-        else:  # a row hidden in every block so far keeps max 0: exp(-inf) = 0
-            m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)
+        else:  # a row hidden in every block so far: exp(-inf - finite) = 0
+            m_safe = finite_shift(xp, m_new)
             rows_seen = not self.hide_rows and vis == "full"
         if self.owned:
             s -= m_safe  # saves allocating (and faulting in) a third (bq, bk) block
@@ -293,7 +293,7 @@ class RowWalk:
         if terms.dropout_keep is not None:
             acc = acc * terms.dropout_scale
         denominator = safe_denominator(xp, l_sum)
-        m_safe = m if rows_seen else xp.where(m == -xp.inf, 0.0, m)
+        m_safe = m if rows_seen else finite_shift(xp, m)
         lse = m_safe + xp.log(denominator)
         if not rows_seen:
             lse = xp.where(l_sum == 0.0, -xp.inf, lse)

@@ -34,6 +34,7 @@ import threading
 from typing import Any
 
 import numpy as np
+from array_api_compat import numpy as _xp  # clip(min=) on NumPy 1.26 too
 
 from .._lib._call import AttentionCall
 from .._lib._masks import arange
@@ -44,6 +45,7 @@ from .._lib._scores import (
     hidden_by_value,
     slice_block,
 )
+from .._lib._softmax import finite_shift, safe_denominator
 from .._lib._tiled import block_ranges, pair_visibility, visible_entries
 
 __all__ = ["KEEP_WORKSPACE_BYTES", "Workspace", "buffered_forward", "buffered_parts"]
@@ -301,8 +303,8 @@ class _Walk:
             acc, l_sum = acc[..., :dv], acc[..., dv:]
         if terms.dropout_keep is not None:
             np.multiply(acc, terms.dropout_scale, out=acc)
-        denominator = np.where(l_sum == 0.0, 1.0, l_sum)  # (..., Hq, bq, 1)
-        m_safe = m if rows_seen else np.where(m == -np.inf, 0.0, m)
+        denominator = safe_denominator(_xp, l_sum)  # (..., Hq, bq, 1)
+        m_safe = m if rows_seen else finite_shift(_xp, m)
         row_lse = m_safe + np.log(denominator)
         if not rows_seen:
             row_lse = np.where(l_sum == 0.0, -np.inf, row_lse)
@@ -316,7 +318,7 @@ class _Walk:
             return None, None, False
         # the sink is a key with logit sink_h and a zero value (RowWalk.start)
         m = np.broadcast_to(sinks, (*heads, 1))
-        l_sum = np.exp(sinks - np.where(m == -np.inf, 0.0, m))  # (..., Hq, bq, 1)
+        l_sum = np.exp(sinks - finite_shift(_xp, m))  # (..., Hq, bq, 1)
         acc.fill(0.0)
         if not self.fold:
             return m, l_sum, False
@@ -379,8 +381,8 @@ class _Walk:
             np.maximum(m, m_new, out=m_new)
         if rows_seen:  # m_new is finite in every row already
             m_safe = m_new
-        else:  # a row hidden in every block so far keeps max 0: exp(-inf) = 0
-            m_safe = np.where(m_new == -np.inf, 0.0, m_new)
+        else:  # a row hidden in every block so far: exp(-inf - finite) = 0
+            m_safe = finite_shift(_xp, m_new)
             rows_seen = not part.hide_rows and vis == "full"
         np.subtract(s, m_safe, out=s)
         np.exp(s, out=s)  # the weights, (..., Hq, bq, bk)
