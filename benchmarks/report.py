@@ -375,6 +375,8 @@ def targets_table(data: Mapping[str, Any] | None) -> str:
         for t in (result or {}).get("targets", []):
             sense = ">=" if t["target"].startswith("dask") else "<="
             where = t.get("worst_case") or (f"L={t['L']}" if "L" in t else "")
+            if "ceiling" in t:
+                where = f"two processes without Dask: {t['ceiling']:.2f}"
             rows.append(
                 [
                     t["target"] + (f" ({where})" if where else ""),

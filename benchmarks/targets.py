@@ -27,7 +27,9 @@ default.
   half a second of rest (Dask's clean-up after a computation would otherwise land on
   the next run, whichever it is); and, as a second row,
   the glibc worker settings of ``benchmarks/scale.py`` (``RECOMMENDED``), to show
-  whether they still matter.
+  whether they still matter; and first, before any cluster starts, the ceiling of
+  1 -> 2 workers on this machine: two single-threaded processes (Dask's worker
+  environment) each computing half the sequences at once, against one computing all.
 - ``torch``: ``benchmarks/bench.py --backend torch`` (its SDPA peers get the same
   masks); the targets are window (256, 0) + causal at L = 1024 and 4096 and decode with
   ``kv_lengths``.
@@ -269,6 +271,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
     b, h, n, d = (4, 8, 512, 64) if quick else (16, 8, 1024, 64)
     reps = 3 if quick else 7
     chunkings = {"chunk per sequence": n, "L chunked at 256": 256}
+    ceiling = _two_cores_ceiling((b, h, n, d), reps)  # first: nothing else running yet
     # one NumPy process of its own (the clusters' schedulers run in this process, whose
     # threads would share its GIL), driven round by round from here
     numpy_process = _NumpyProcess((b, h, n, d))
@@ -330,9 +333,11 @@ def dask_group(quick: bool) -> dict[str, Any]:
                 statistics.median(t.ratios("numpy", two)),
             )
         )
-        targets.append(
-            verdict(f"dask 1 -> 2 workers, {chunk_label}", statistics.median(t.ratios(one, two)))
+        scaling = verdict(
+            f"dask 1 -> 2 workers, {chunk_label}", statistics.median(t.ratios(one, two))
         )
+        scaling["ceiling"] = round(ceiling["speedup"], 3)  # two processes without Dask
+        targets.append(scaling)
     for row in rows:
         say(f"dask {row['engine']}: {row['vs_numpy']:.2f}x numpy's throughput")
     return {
@@ -340,6 +345,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
         "rows": rows,
         "attention_tasks_per_call": tasks,
         "task_overhead": overhead,
+        "two_cores_ceiling": ceiling,
         "targets": targets,
     }
 
@@ -349,28 +355,46 @@ import sys
 import numpy as np
 from portable_attn import scaled_dot_product_attention as sdpa
 shape = tuple(int(x) for x in sys.argv[1:5])
+step = int(sys.argv[5]) if len(sys.argv) > 5 else shape[0]  # sequences per call
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
 for line in sys.stdin:
-    sdpa(q, k, v, is_causal=True)
+    for i in range(0, shape[0], step):
+        sdpa(q[i : i + step], k[i : i + step], v[i : i + step], is_causal=True)
     print("done", flush=True)
 """
 
 
 class _NumpyProcess:
-    """The NumPy baseline in a process of its own: each :meth:`call` runs one call there."""
+    """The NumPy baseline in a process of its own: each :meth:`call` runs one call there.
 
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        command = [sys.executable, "-c", _NUMPY_CALLS, *map(str, shape)]
+    `env`: extra environment variables of the process (the ceiling's single-threaded
+    processes get Dask's worker settings); `step`: sequences per call (default all).
+    """
+
+    def __init__(
+        self, shape: tuple[int, ...], env: dict[str, str] | None = None, step: int | None = None
+    ) -> None:
+        command = [sys.executable, "-c", _NUMPY_CALLS, *map(str, shape), str(step or shape[0])]
         self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
         )
 
     def call(self) -> None:
+        self.start()
+        self.wait()
+
+    def start(self) -> None:
         assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
+
+    def wait(self) -> None:
+        assert self.proc.stdout is not None
         self.proc.stdout.readline()
 
     def close(self) -> None:
@@ -382,6 +406,41 @@ class _NumpyProcess:
 #: seconds the machine is left alone before each timed run: after a computation the
 #: scheduler and workers still release keys and collect garbage, on the same 2 cores
 SETTLE_S = 0.5
+
+
+def _two_cores_ceiling(shape: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """What 1 -> 2 workers can give on this machine without Dask: the throughput of two
+    single-threaded processes, each computing half the sequences at the same time, over
+    one computing all of them. Each process runs one call per sequence (a task of "chunk
+    per sequence") with Dask's worker environment (``distributed.nanny.pre-spawn-environ``:
+    one BLAS thread), so the ratio is what the cores, caches and memory allow.
+    """
+    import dask
+
+    env = {k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()}
+    b = shape[0]
+    one = _NumpyProcess(shape, env, step=1)
+    halves = [_NumpyProcess((b // 2, *shape[1:]), env, step=1) for _ in range(2)]
+    for p in (one, *halves):
+        p.start()
+        p.wait()  # warm
+
+    def both() -> None:
+        for p in halves:
+            p.start()
+        for p in halves:
+            p.wait()
+
+    try:
+        t = _settled_rounds({"one process": one.call, "two processes": both}, reps)
+    finally:
+        for p in (one, *halves):
+            p.close()
+    return {
+        "environment": env,
+        "seconds": t.medians,
+        "speedup": statistics.median(t.ratios("one process", "two processes")),
+    }
 
 
 def _settled_rounds(runs: dict[str, Any], reps: int) -> Interleaved:

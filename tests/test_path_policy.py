@@ -65,7 +65,9 @@ def _dask(lq=9, lk=9, inner="auto"):
 
 def _portable(backend, lq=9, lk=9):
     """The portable path of a call with block_size None: Dask follows its Lq/Lk chunks."""
-    return _dask(lq, lk) if backend.family == "dask" else Dense()
+    if backend.family == "dask":
+        return _dask(lq, lk)
+    return Dense(weights_first=backend.family == "jax")  # XLA fuses (P / l) @ V
 
 
 def _fused(backend):
@@ -130,7 +132,7 @@ class TestDefaultRoute:
         assert _path(backend, implementation="portable") == _portable(backend)
 
     def test_dense_forces_the_one_block_path(self, backend):
-        dense = _dask(inner=None) if backend.family == "dask" else Dense()  # per pair
+        dense = _dask(inner=None) if backend.family == "dask" else _portable(backend)  # per pair
         assert _path(backend, block_size="dense") == dense
         assert _path(backend, block_size="dense", is_causal=True) == dense
         with pytest.raises(ValueError, match="implementation='native'"):

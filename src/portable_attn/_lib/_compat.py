@@ -326,6 +326,17 @@ def compiles_eager_calls(x: Any) -> bool:
     return library_name(x) == "jax" and not is_traced(x)
 
 
+def fuses_softmax_into_matmul(x: Any) -> bool:
+    """Whether the library's compiler fuses a softmax into the matmul after it (XLA: JAX).
+
+    Every JAX call runs compiled (under ``jit``, or as one program per eager call:
+    :func:`compiles_eager_calls`); XLA CPU compiles the row max, ``exp``, the row sums,
+    the division and ``P @ V`` into one kernel when nothing selects on the row
+    statistics between them.
+    """
+    return library_name(x) == "jax"
+
+
 def reuses_buffers(x: Any) -> bool:
     """Whether the tiled path runs its block loop in reused buffers (``out=``): NumPy.
 

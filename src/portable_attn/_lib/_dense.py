@@ -85,16 +85,24 @@ def _dropout(xp: Any, weights: Any, terms: ScoreTerms) -> Any:
 
 
 def dense_attention(
-    call: AttentionCall, *, fold: bool = False, flash: bool = False, with_lse: bool = False
+    call: AttentionCall,
+    *,
+    fold: bool = False,
+    flash: bool = False,
+    weights_first: bool = False,
+    with_lse: bool = False,
 ) -> Any:
     """Attention output, shape (*batch, Hq, Lq, Dv), in the compute dtype.
 
     The normalisation is applied after the second matmul: dividing the
-    ``(Lq, Dv)`` output is cheaper than dividing the ``(Lq, Lk)`` weights.
-    With `fold` (decided by the path policy), the row sums come from the same
-    matmul, with a column of ones appended to V (``[P V | P 1]``), instead of
-    another pass over the ``(Lq, Lk)`` weights. `with_lse` also returns the
-    row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for rows with no visible key.
+    ``(Lq, Dv)`` output is cheaper than dividing the ``(Lq, Lk)`` weights when each
+    operation runs on its own. With `weights_first` (decided by the policy: XLA,
+    which compiles the softmax and ``P @ V`` into one kernel) the weights are
+    divided before ``P @ V`` instead. With `fold` (decided by the path policy), the
+    row sums come from the same matmul, with a column of ones appended to V
+    (``[P V | P 1]``), instead of another pass over the ``(Lq, Lk)`` weights.
+    `with_lse` also returns the row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for rows
+    with no visible key.
 
     With `flash` (half-precision Q, K, V, decided by the policy), FlashAttention's
     form: ``Q Kᵀ`` and ``P V`` take half operands and accumulate in float32
@@ -105,14 +113,17 @@ def dense_attention(
     matmul = matmul_float32(call.query) if flash else None
     if matmul is None:
         call = call.in_compute_dtype()
-    fold = fold and matmul is None  # the flash form sums P itself, in float32
+    fold = fold and matmul is None and not weights_first  # those sum P themselves
     xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
     terms, plan = call.terms, call.plan
     if bias is not None and bias.dtype != plan.compute_dtype:
         bias = xp.astype(bias, plan.compute_dtype)
     e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold, matmul=matmul)
     row_sum = e.row_sum
-    exp_logits = heads_to_rows(xp, _dropout(xp, e.weights, terms), plan.num_kv_heads)
+    weights = e.weights
+    if weights_first:
+        weights = _normalise(xp, weights, row_sum, e.may_be_empty)
+    exp_logits = heads_to_rows(xp, _dropout(xp, weights, terms), plan.num_kv_heads)
     if matmul is not None:  # P rounded to the input dtype, P V summed in float32
         out = matmul(xp.astype(exp_logits, v.dtype), v)  # (..., Hkv, G*Lq, Dv)
         out = rows_to_heads(xp, out, plan.num_q_heads) * terms.dropout_scale
@@ -126,7 +137,8 @@ def dense_attention(
         out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
         out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
         out = out * terms.dropout_scale
-    out = _normalise(xp, out, row_sum, e.may_be_empty)
+    if not weights_first:
+        out = _normalise(xp, out, row_sum, e.may_be_empty)
     if not with_lse:
         return out
     lse = e.shift + xp.log(safe_denominator(xp, row_sum))

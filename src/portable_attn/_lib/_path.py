@@ -32,10 +32,15 @@ class Dense:
     (:func:`~._compat.matmul_float32`), the softmax and its statistics are float32,
     the probabilities are cast back to the input dtype for ``P @ V``. Otherwise
     (the default) Q, K and V are cast to float32 first.
+    `weights_first`: the weights are divided by their row sums before ``P @ V``
+    (XLA compiles the softmax and ``P @ V`` into one kernel); otherwise the
+    ``(Lq, Dv)`` output is divided after it, which is cheaper where each operation
+    runs on its own.
     """
 
     fold: bool = False
     flash: bool = False
+    weights_first: bool = False
 
 
 @dataclass(frozen=True)

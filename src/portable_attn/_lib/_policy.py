@@ -69,7 +69,10 @@ How the path is chosen (`block_size`, `implementation`):
      :data:`THREADS_MIN_SCORE_BYTES`, when BLAS threads can be limited meanwhile
      (threadpoolctl), so that the threads do not oversubscribe the cores.
   5. The dense and tiled paths of eager libraries take the row sums of the
-     weights from ``P @ [V | 1]`` (:func:`fold_row_sums`) where that pays.
+     weights from ``P @ [V | 1]`` (:func:`fold_row_sums`) where that pays. The
+     dense path divides the ``(Lq, Dv)`` output by the row sums, except where a
+     compiler fuses the softmax into ``P @ V`` (JAX): there it divides the weights
+     before ``P @ V`` (:func:`dense_weights_first`).
   6. Traced libraries (JAX) run the tiled path of a call with at least
      :data:`LOOP_MIN_SCORE_BYTES` of dense scores as a traced loop
      (``Tiled.loop``: ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``): the
@@ -101,6 +104,7 @@ from ._compat import (
     chunk_sizes,
     device_kind,
     fused_native_kernel,
+    fuses_softmax_into_matmul,
     has_native_kernel,
     library_name,
     matmul_float32,
@@ -318,7 +322,7 @@ def choose_path(
         return _dask_path(call, sizes)
     fold = fold_row_sums(call)
     if sizes == "dense":
-        return Dense(fold, dense_flash_form(call))
+        return Dense(fold, dense_flash_form(call), dense_weights_first(call))
     loop = runs_as_loop(call)  # rule 6: JAX runs long calls' blocks as a traced loop
     if isinstance(sizes, tuple):
         return Tiled(*sizes, fold=fold, loop=loop, buffered=reuses_buffers(call.query))
@@ -328,7 +332,7 @@ def choose_path(
             return native
     tiles = _auto_tiles(call)
     if tiles is None:
-        return Dense(fold, dense_flash_form(call))
+        return Dense(fold, dense_flash_form(call), dense_weights_first(call))
     buffered = reuses_buffers(call.query)
     return Tiled(*tiles, fold=fold, workers=_workers(call), loop=loop, buffered=buffered)
 
@@ -449,6 +453,19 @@ def native_upcasts(call: AttentionCall) -> bool:
         return True
     route = (library_name(call.query), device_kind(call.query), half)
     return not NATIVE_HALF_ROUTES.get(route, False)
+
+
+def dense_weights_first(call: AttentionCall) -> bool:
+    """Rule 5: whether the dense path divides the weights, not the output, by the row sums.
+
+    Where XLA fuses the softmax into ``P @ V`` (:func:`~._compat.fuses_softmax_into_matmul`)
+    it compiles ``(P / l) @ V`` into one kernel, and ``(P @ V) / l`` into a slower one:
+    under ``jax.jit``, B=1, H=8, D=64, L=1024, the output form ran 1.13-1.29x the
+    weights form (causal, padding, plain), and 1.2x at B=2, L=512 with padding
+    (benchmarks/results/xla-forms.json). Eager libraries run each operation on its
+    own, where dividing the (Lq, Dv) output is cheaper than the (Lq, Lk) weights.
+    """
+    return fuses_softmax_into_matmul(call.query)
 
 
 def dense_flash_form(call: AttentionCall) -> bool:

@@ -66,8 +66,10 @@ def _run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[An
     match path:
         case Empty():
             out, lse = call.empty_result()
-        case Dense(fold=fold, flash=flash):
-            result = dense_attention(call, fold=fold, flash=flash, with_lse=with_lse)
+        case Dense(fold=fold, flash=flash, weights_first=first):
+            result = dense_attention(
+                call, fold=fold, flash=flash, weights_first=first, with_lse=with_lse
+            )
             out, lse = result if with_lse else (result, None)
         case Tiled(workers=1, buffered=False):
             out, lse = tiled_attention(call, path)
