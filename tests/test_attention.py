@@ -170,12 +170,13 @@ class TestFullyMaskedRows:
         assert np.all(w[..., :3, :] == 0)
         assert np.all(np.abs(out[..., 3:, :]) > 0)
 
-    @pytest.mark.skip_backends(
-        "dask",
-        reason="chunk partials merged by log-sum-exp lose log(count) next to |score| ~ 1e38",
-    )
     @pytest.mark.parametrize("block_size", ["dense", (2, 3)])
-    def test_a_row_of_huge_negative_scores_is_not_taken_for_empty(self, backend, block_size):
+    def test_a_row_of_huge_negative_scores_is_not_taken_for_empty(
+        self, backend, block_size, request
+    ):
+        if backend.family == "dask" and block_size == "dense":  # a known bug, kept visible
+            reason = "chunk partials merged by log-sum-exp lose log(count) next to |score| ~ 1e38"
+            request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
         # the guards raise an empty row's max to the lowest finite value and its sum to
         # 1/2 (_lib/_softmax.py): a visible row near that value must stay a softmax
         q, k, v = qkv()

@@ -460,8 +460,8 @@ def dense_weights_first(call: AttentionCall) -> bool:
 
     Where XLA fuses the softmax into ``P @ V`` (:func:`~._compat.fuses_softmax_into_matmul`)
     it compiles ``(P / l) @ V`` into one kernel, and ``(P @ V) / l`` into a slower one:
-    under ``jax.jit``, B=1, H=8, D=64, L=1024, the output form ran 1.13-1.29x the
-    weights form (causal, padding, plain), and 1.2x at B=2, L=512 with padding
+    under ``jax.jit``, B=1, H=8, D=64, L=1024, the output form ran 1.29-1.33x the
+    weights form (plain, causal, padding, both), and 1.05x at B=2, L=512 with padding
     (benchmarks/results/xla-forms.json). Eager libraries run each operation on its
     own, where dividing the (Lq, Dv) output is cheaper than the (Lq, Lk) weights.
     """
