@@ -377,6 +377,8 @@ def targets_table(data: Mapping[str, Any] | None) -> str:
             where = t.get("worst_case") or (f"L={t['L']}" if "L" in t else "")
             if "ceiling" in t:
                 where = f"two processes without Dask: {t['ceiling']:.2f}"
+                if "dask_map_blocks" in t:
+                    where += f"; Dask's map_blocks of the NumPy call: {t['dask_map_blocks']:.2f}"
             rows.append(
                 [
                     t["target"] + (f" ({where})" if where else ""),

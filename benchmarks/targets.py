@@ -29,7 +29,12 @@ default.
   the glibc worker settings of ``benchmarks/scale.py`` (``RECOMMENDED``), to show
   whether they still matter; and first, before any cluster starts, the ceiling of
   1 -> 2 workers on this machine: two single-threaded processes (Dask's worker
-  environment) each computing half the sequences at once, against one computing all.
+  environment) each computing half the sequences at once, against one computing all;
+  and Dask's own 1 -> 2 on the same clusters, ``da.map_blocks`` of the NumPy default
+  call (one task per sequence, as ours with a chunk per sequence); and the NumPy
+  call alone after 0.5 s and after 6 s of rest: every process of the rounds rests
+  while the others run, and on this VM a call after a rest of seconds is slower, so
+  each timed run follows an untimed run of its own.
 - ``torch``: ``benchmarks/bench.py --backend torch`` (its SDPA peers get the same
   masks); the targets are window (256, 0) + causal at L = 1024 and 4096 and decode with
   ``kv_lengths``.
@@ -46,6 +51,7 @@ refreshed at the same commit (a ``--quick`` run writes them to a scratch folder)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -271,7 +277,9 @@ def dask_group(quick: bool) -> dict[str, Any]:
     b, h, n, d = (4, 8, 512, 64) if quick else (16, 8, 1024, 64)
     reps = 3 if quick else 7
     chunkings = {"chunk per sequence": n, "L chunked at 256": 256}
+    numpy_call = functools.partial(sdpa, is_causal=True)  # the NumPy default call, per chunk
     ceiling = _two_cores_ceiling((b, h, n, d), reps)  # first: nothing else running yet
+    idle = _idle_penalty((b, h, n, d), reps)
     # one NumPy process of its own (the clusters' schedulers run in this process, whose
     # threads would share its GIL), driven round by round from here
     numpy_process = _NumpyProcess((b, h, n, d))
@@ -303,6 +311,11 @@ def dask_group(quick: bool) -> dict[str, Any]:
                     total = out.sum(axis=(1, 2, 3))  # one number per sequence comes back
                     name = f"{label}, {workers} worker{'s' * (workers > 1)}, {chunk_label}"
                     runs[name] = lambda c=client, t=total: c.compute(t, sync=True)
+                    if label == "default" and chunk == n:  # Dask's own: no attention graph
+                        per_chunk = da.map_blocks(numpy_call, *arrays, dtype="float32")
+                        own = per_chunk.sum(axis=(1, 2, 3))
+                        name = f"default, {workers} worker{'s' * (workers > 1)}, {MAP_BLOCKS}"
+                        runs[name] = lambda c=client, t=own: c.compute(t, sync=True)
                 if label == "default" and workers == 2:
                     overhead = _task_overhead(client, 200 if quick else 1000)
         for run in runs.values():  # warm: imports and first calls everywhere
@@ -337,6 +350,9 @@ def dask_group(quick: bool) -> dict[str, Any]:
             f"dask 1 -> 2 workers, {chunk_label}", statistics.median(t.ratios(one, two))
         )
         scaling["ceiling"] = round(ceiling["speedup"], 3)  # two processes without Dask
+        if chunk_label == "chunk per sequence":  # the same tasks, without our graph
+            one, two = (f"default, {w} worker{'s' * (w > 1)}, {MAP_BLOCKS}" for w in (1, 2))
+            scaling["dask_map_blocks"] = round(statistics.median(t.ratios(one, two)), 3)
         targets.append(scaling)
     for row in rows:
         say(f"dask {row['engine']}: {row['vs_numpy']:.2f}x numpy's throughput")
@@ -346,6 +362,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
         "attention_tasks_per_call": tasks,
         "task_overhead": overhead,
         "two_cores_ceiling": ceiling,
+        "idle_penalty": idle,
         "targets": targets,
     }
 
@@ -403,6 +420,10 @@ class _NumpyProcess:
         self.proc.wait()
 
 
+#: Dask's own 1 -> 2 workers on the same clusters: ``da.map_blocks`` of the NumPy
+#: default call over the chunk-per-sequence inputs (one task per sequence, as ours)
+MAP_BLOCKS = "map_blocks of the NumPy call"
+
 #: seconds the machine is left alone before each timed run: after a computation the
 #: scheduler and workers still release keys and collect garbage, on the same 2 cores
 SETTLE_S = 0.5
@@ -443,13 +464,54 @@ def _two_cores_ceiling(shape: tuple[int, ...], reps: int) -> dict[str, Any]:
     }
 
 
+#: rests before a call in :func:`_idle_penalty`: :data:`SETTLE_S`, and about as long as
+#: a process of the interleaved rounds waits for its turn
+IDLE_S = (SETTLE_S, 6.0)
+
+
+def _idle_penalty(shape: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """The NumPy default call after a short and after a long rest, in one process alone.
+
+    Every process of the interleaved rounds (the NumPy process, the workers) rests
+    while the others run. On a VM whose balloon reports free pages to the host, memory
+    a process freed comes back slower after such a rest: this row shows what that
+    costs a call here, before any cluster starts.
+    """
+    proc = _NumpyProcess(shape)
+    proc.call()  # warm
+    samples: dict[str, list[float]] = {f"after {s:g} s": [] for s in IDLE_S}
+    try:
+        for _ in range(reps):
+            for rest, name in zip(IDLE_S, samples, strict=True):
+                time.sleep(rest)
+                start = time.perf_counter()
+                proc.call()
+                samples[name].append(time.perf_counter() - start)
+    finally:
+        proc.close()
+    t = Interleaved(samples)
+    short, long = samples
+    return {
+        "seconds": t.medians,
+        "long_over_short": statistics.median(t.ratios(long, short)),
+    }
+
+
 def _settled_rounds(runs: dict[str, Any], reps: int) -> Interleaved:
-    """Interleaved rounds (the order rotating), each run timed after :data:`SETTLE_S` of rest."""
+    """Interleaved rounds (the order rotating), each run timed after :data:`SETTLE_S` of rest.
+
+    Each timed run follows an untimed run of its own (then the rest): every process
+    rests while the others run, and on this VM a process's first call after a rest of
+    seconds is slower (:func:`_idle_penalty`), which would time the machine's memory
+    reporting rather than the engines.
+    """
     names = list(runs)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(reps):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
+            time.sleep(SETTLE_S)
+            runs[name]()  # untimed: back from the rest
             time.sleep(SETTLE_S)
             start = time.perf_counter()
             runs[name]()

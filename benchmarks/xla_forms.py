@@ -11,6 +11,8 @@ each form swapped in while ``jax.jit`` traces it:
 
 - guards: ``clip`` (today's ``finite_shift`` / ``safe_denominator``) or ``where``
   (the form they replaced: ``where(m == -inf, 0, m)``, ``where(l == 0, 1, l)``);
+- or, on the causal case alone, ``none`` (no guards: with ``Lq == Lk`` no causal row is
+  empty), the form ``_dense._exp_logits`` declines by guarding wherever a mask is applied;
 - division: ``weights`` (``(P / l) @ V``, today's JAX route) or ``output``
   (``(P @ V) / l``, the eager libraries' route);
 
@@ -51,6 +53,8 @@ SHAPES = [
     ("padding", 2, 512),
 ]
 FORMS = [(g, d) for g in ("clip", "where") for d in ("weights", "output")]
+#: the unguarded form, only where no row can be empty
+UNGUARDED = ("none", "weights")
 
 
 @contextmanager
@@ -62,6 +66,9 @@ def _form(guards: str, division: str) -> Iterator[None]:
     if guards == "where":
         _softmax.finite_shift = lambda xp, m: xp.where(m == -xp.inf, 0.0, m)
         _softmax.safe_denominator = lambda xp, s: xp.where(s == 0.0, 1.0, s)
+    elif guards == "none":
+        _softmax.finite_shift = lambda xp, m: m
+        _softmax.safe_denominator = lambda xp, s: s
     _policy.dense_weights_first = lambda call: division == "weights"
     _dense.safe_denominator = _softmax.safe_denominator
     try:
@@ -113,7 +120,8 @@ def run_shape(case: str, b: int, n: int, repeats: int) -> dict[str, Any]:
 
     fns: dict[str, Any] = {}
     kernels: dict[str, list[str]] = {}
-    for guards, division in FORMS:
+    forms = [*FORMS, UNGUARDED] if case == "causal" else FORMS
+    for guards, division in forms:
         name = f"{guards}, {division}"
 
         def ours(q: Any, k: Any, v: Any) -> Any:  # a new function: jit traces it anew
