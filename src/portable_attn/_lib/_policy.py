@@ -114,7 +114,7 @@ from ._compat import (
     reuses_buffers,
     traces_python_loops,
 )
-from ._cpu import available_workers, can_limit_blas
+from ._cpu import available_workers, can_limit_blas, has_float16_arithmetic
 from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Tiled
 from ._tiled import block_ranges, pair_visibility
 
@@ -137,6 +137,7 @@ __all__ = [
     "MASK_LOOP_MIN_TILE",
     "TRACED_MAX_BLOCKS",
     "TRACED_MIN_BLOCK",
+    "FLOAT16_CPU_ROUTES",
     "NATIVE_HALF_ROUTES",
     "PORTABLE_HALF_FLASH",
     "choose_path",
@@ -261,10 +262,11 @@ TRACED_MAX_BLOCKS = 16
 #:   accumulators (``accum_t = opmath_type``); the float32 copies cost 7-21% at
 #:   L = 1024-2048 and 31 MiB of peak memory at L = 4096 (issue 25, e325749), for the
 #:   same error. Own dtype.
-#: - torch CPU float16: SDPA in float16 is slow on this CPU (no fast float16 GEMM):
+#: - torch CPU float16: on a CPU without float16 arithmetic SDPA in float16 is slow:
 #:   the float32 route ran at 0.63-0.74x of SDPA in float16 at L = 1024-4096 in all but
 #:   one row (half-torch.json at cb3194b; the first row of its process, plain at
-#:   L = 1024, at 1.22x there and 0.64x in the run at e2a084f). Upcast.
+#:   L = 1024, at 1.22x there and 0.64x in the run at e2a084f). Upcast, except on a CPU
+#:   with float16 arithmetic (:data:`FLOAT16_CPU_ROUTES`).
 #: - torch CUDA bfloat16 / float16: the flash, memory-efficient and cuDNN kernels
 #:   take half precision only (float32 falls back to the math kernel) and accumulate
 #:   in float32. Own dtype; not yet timed here: benchmarks/gpu.sh measures both routes
@@ -285,6 +287,12 @@ NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
     ("jax", "gpu", "bfloat16"): True,
     ("jax", "gpu", "float16"): True,
 }
+#: Routes of :data:`NATIVE_HALF_ROUTES` that take the input dtype instead on a CPU with
+#: float16 arithmetic (AVX512-FP16 or AMX-FP16: :func:`~._cpu.has_float16_arithmetic`).
+#: torch CPU float16 on such a CPU (AVX512-FP16, half-torch.json at 23f1316): SDPA in
+#: float16 ran at 0.98-1.02x the float32 route at L = 4096 and faster below (the float32
+#: route at 1.05-1.20x SDPA in float16 at L = 1024-2048), with its error within 1.2x.
+FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
 #: The dense path's half-precision form per ``(library, device kind)``: True is
 #: FlashAttention's form (half products accumulated in float32, float32 softmax,
 #: probabilities cast back for ``P @ V``: :class:`~._path.Dense` `flash`), False (and
@@ -445,13 +453,16 @@ def _half_input_dtype(call: AttentionCall) -> str | None:
 def native_upcasts(call: AttentionCall) -> bool:
     """Rule 6: whether the native kernel gets float32 copies of half Q, K, V.
 
-    True unless :data:`NATIVE_HALF_ROUTES` routes the library, device kind and dtype
-    to the kernel in the input dtype (and there is no float32 copy to avoid).
+    True unless :data:`NATIVE_HALF_ROUTES` (or :data:`FLOAT16_CPU_ROUTES`, on a CPU
+    with float16 arithmetic) routes the library, device kind and dtype to the kernel
+    in the input dtype (and there is no float32 copy to avoid).
     """
     half = _half_input_dtype(call)
     if half is None:
         return True
     route = (library_name(call.query), device_kind(call.query), half)
+    if route in FLOAT16_CPU_ROUTES and has_float16_arithmetic():
+        return False
     return not NATIVE_HALF_ROUTES.get(route, False)
 
 
@@ -464,8 +475,16 @@ def dense_weights_first(call: AttentionCall) -> bool:
     weights form (plain, causal, padding, both), and 1.05x at B=2, L=512 with padding
     (benchmarks/results/xla-forms.json). Eager libraries run each operation on its
     own, where dividing the (Lq, Dv) output is cheaper than the (Lq, Lk) weights.
+
+    Not in FlashAttention's form (:func:`dense_flash_form`), whose ``P`` is rounded to
+    the half dtype for ``P @ V``: before the division every row's largest weight is
+    exactly 1, which half precision holds exactly, so the keys that dominate a row
+    lose nothing; rounding the divided weights instead gave 2.3x (plain) and 1.5x
+    (causal) the max error against float64 of ``jax.nn`` in bfloat16 at L = 1024
+    (benchmarks/results/half-jax.json at 23f1316), while the output form ran at
+    0.6-0.7x ``jax.nn`` (its ``dense_flash_form`` rows).
     """
-    return fuses_softmax_into_matmul(call.query)
+    return fuses_softmax_into_matmul(call.query) and not dense_flash_form(call)
 
 
 def dense_flash_form(call: AttentionCall) -> bool:
