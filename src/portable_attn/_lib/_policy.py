@@ -481,7 +481,7 @@ def dense_weights_first(call: AttentionCall) -> bool:
     exactly 1, which half precision holds exactly, so the keys that dominate a row
     lose nothing; rounding the divided weights instead gave 2.3x (plain) and 1.5x
     (causal) the max error against float64 of ``jax.nn`` in bfloat16 at L = 1024
-    (benchmarks/results/half-jax.json at 23f1316), while the output form ran at
+    (benchmarks/results/history/half-jax-23f1316.json), while the output form ran at
     0.6-0.7x ``jax.nn`` (its ``dense_flash_form`` rows).
     """
     return fuses_softmax_into_matmul(call.query) and not dense_flash_form(call)
