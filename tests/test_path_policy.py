@@ -128,6 +128,17 @@ class TestDefaultRoute:
         assert frac(1024) == 0.0
         assert frac(1024, is_causal=True, kv_lengths=backend.asarray(np.array([9]))) == 0.0
 
+    def test_a_band_that_hides_nothing_is_not_walked(self, backend, monkeypatch):
+        # a decoding step (bottom-right causal, Lq = 1): every call of it asks, so the
+        # policy answers without visiting the 32 key blocks, most of its time on such a call
+        def walked(*args):
+            raise AssertionError("visited the block pairs")
+
+        monkeypatch.setattr(policy, "pair_visibility", walked)
+        q = backend.asarray(np.zeros((1, 1, 1, 4)))
+        kv = backend.asarray(np.zeros((1, 1, 4096, 4)))
+        assert policy.skipped_fraction(prepare(q, kv, kv, is_causal=True), 128, 128) == 0.0
+
     def test_portable_never_routes(self, backend):
         assert _path(backend, implementation="portable") == _portable(backend)
 

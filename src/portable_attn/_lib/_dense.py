@@ -56,9 +56,10 @@ def _exp_logits(
     scores = scores_block(xp, capped, bias, terms, plan, whole_q, whole_k)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k)
     # The empty-row guards also wherever a mask is applied, though the band alone may
-    # leave no row empty: XLA CPU compiles the guarded form faster (L = 1024, causal,
-    # jax.jit: 0.85-0.89x jax.nn with the guard, 1.03-1.07x without, in one session;
-    # benchmarks/results/loop.json at a2876ee has the default call after this choice).
+    # leave no row empty: with the `where` guards XLA CPU compiled the guarded form
+    # faster (loop.json at a2876ee); with today's clip guards both forms run alike
+    # (causal, L = 1024, jax.jit: "none, weights" at 1.00x the guarded form in
+    # benchmarks/results/xla-forms.json), so one rule serves every mask.
     may_be_empty = rows_may_be_empty(bias, terms, plan) or allowed is not None
     exp_logits, sums, shift = masked_exp(
         xp,

@@ -116,6 +116,7 @@ from ._compat import (
 )
 from ._cpu import available_workers, can_limit_blas, has_float16_arithmetic
 from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Tiled
+from ._scores import block_visibility
 from ._tiled import block_ranges, pair_visibility
 
 __all__ = [
@@ -289,9 +290,10 @@ NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
 }
 #: Routes of :data:`NATIVE_HALF_ROUTES` that take the input dtype instead on a CPU with
 #: float16 arithmetic (AVX512-FP16 or AMX-FP16: :func:`~._cpu.has_float16_arithmetic`).
-#: torch CPU float16 on such a CPU (AVX512-FP16, half-torch.json at 23f1316): SDPA in
-#: float16 ran at 0.98-1.02x the float32 route at L = 4096 and faster below (the float32
-#: route at 1.05-1.20x SDPA in float16 at L = 1024-2048), with its error within 1.2x.
+#: torch CPU float16 on such a CPU (AVX512-FP16; half-torch.json at 8616295, L = 1024-4096,
+#: plain / causal / padding): the float32 route ran at 0.98-1.27x SDPA in float16 (above
+#: 1.04x in 4 rows of 9, all at L <= 2048), the float16 route at 0.96-1.03x; the float32
+#: route's max error against float64 was 0.83-1.0x SDPA-in-float16's.
 FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
 #: The dense path's half-precision form per ``(library, device kind)``: True is
 #: FlashAttention's form (half products accumulated in float32, float32 softmax,
@@ -555,6 +557,8 @@ def skipped_fraction(call: AttentionCall, block_q: int, block_k: int) -> float:
     by_value = terms.segment_blocks is not None or terms.block_host is not None
     if plan.has_lengths or (not plan.band.restricts and not by_value):
         return 0.0  # nothing is static enough to skip
+    if not by_value and block_visibility(plan, (0, plan.q_len), (0, plan.kv_len)) == "full":
+        return 0.0  # the band hides nothing (a decoding step): no walk over the pairs
     q_blocks, k_blocks = block_ranges(plan.q_len, block_q), block_ranges(plan.kv_len, block_k)
     skipped = sum(
         pair_visibility(plan, terms, q_range, k_range) == "skip"
