@@ -284,7 +284,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
     # threads would share its GIL), driven round by round from here
     numpy_process = _NumpyProcess((b, h, n, d))
     runs: dict[str, Any] = {"numpy": numpy_process.call}
-    clusters, tasks = [], {}
+    clusters, tasks, graph_tasks = [], {}, {}
     settings = {"default": None, "glibc settings": scale.RECOMMENDED}
     try:
         for label, env in settings.items():
@@ -309,6 +309,8 @@ def dask_group(quick: bool) -> dict[str, Any]:
                     layer = dict(out.__dask_graph__().layers[out.name])
                     tasks[chunk_label] = len(layer)
                     total = out.sum(axis=(1, 2, 3))  # one number per sequence comes back
+                    inputs = sum(len(dict(x.__dask_graph__())) for x in arrays)  # persisted
+                    graph_tasks[chunk_label] = len(dict(total.__dask_graph__())) - inputs
                     name = f"{label}, {workers} worker{'s' * (workers > 1)}, {chunk_label}"
                     runs[name] = lambda c=client, t=total: c.compute(t, sync=True)
                     if label == "default" and chunk == n:  # Dask's own: no attention graph
@@ -360,6 +362,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
         "shape": {"B": b, "H": h, "L": n, "D": d, "causal": True, "dtype": "float32"},
         "rows": rows,
         "attention_tasks_per_call": tasks,
+        "tasks_per_call": graph_tasks,  # the attention's and the sum's: what Dask schedules
         "task_overhead": overhead,
         "two_cores_ceiling": ceiling,
         "idle_penalty": idle,
