@@ -31,7 +31,8 @@ default.
   1 -> 2 workers on this machine: two single-threaded processes (Dask's worker
   environment) each computing half the sequences at once, against one computing all;
   and Dask's own 1 -> 2 on the same clusters, ``da.map_blocks`` of the NumPy default
-  call (one task per sequence, as ours with a chunk per sequence); and the NumPy
+  call (one task per sequence, as ours with a chunk per sequence); one more run of each
+  with the workers' task stream (seconds computing and transferring); and the NumPy
   call alone after 0.5 s and after 6 s of rest: every process of the rounds rests
   while the others run, and on this VM a call after a rest of seconds is slower, so
   each timed run follows an untimed run of its own.
@@ -284,7 +285,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
     # threads would share its GIL), driven round by round from here
     numpy_process = _NumpyProcess((b, h, n, d))
     runs: dict[str, Any] = {"numpy": numpy_process.call}
-    clusters, tasks, graph_tasks = [], {}, {}
+    clusters, tasks, graph_tasks, clients = [], {}, {}, {}
     settings = {"default": None, "glibc settings": scale.RECOMMENDED}
     try:
         for label, env in settings.items():
@@ -313,6 +314,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
                     graph_tasks[chunk_label] = len(dict(total.__dask_graph__())) - inputs
                     name = f"{label}, {workers} worker{'s' * (workers > 1)}, {chunk_label}"
                     runs[name] = lambda c=client, t=total: c.compute(t, sync=True)
+                    clients[name] = client
                     if label == "default" and chunk == n:  # Dask's own: no attention graph
                         per_chunk = da.map_blocks(numpy_call, *arrays, dtype="float32")
                         own = per_chunk.sum(axis=(1, 2, 3))
@@ -323,6 +325,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
         for run in runs.values():  # warm: imports and first calls everywhere
             run()
         t = _settled_rounds(runs, reps)
+        streams = {name: _task_stream(client, runs[name]) for name, client in clients.items()}
     finally:
         numpy_process.close()
         for cluster, client in clusters:
@@ -363,6 +366,7 @@ def dask_group(quick: bool) -> dict[str, Any]:
         "rows": rows,
         "attention_tasks_per_call": tasks,
         "tasks_per_call": graph_tasks,  # the attention's and the sum's: what Dask schedules
+        "task_streams": streams,
         "task_overhead": overhead,
         "two_cores_ceiling": ceiling,
         "idle_penalty": idle,
@@ -520,6 +524,30 @@ def _settled_rounds(runs: dict[str, Any], reps: int) -> Interleaved:
             runs[name]()
             samples[name].append(time.perf_counter() - start)
     return Interleaved(samples)
+
+
+def _task_stream(client: Any, run: Any) -> dict[str, Any]:
+    """One more run of `run` on `client`'s cluster, with what its workers spent it on.
+
+    Seconds summed over the workers' task stream by action (``compute``: running tasks;
+    ``transfer``: fetching inputs from the other worker), against the run's wall time
+    times the workers: what is left is waiting, scheduling and Dask's own work.
+    """
+    import distributed
+
+    time.sleep(SETTLE_S)
+    run()  # untimed, as in the rounds
+    time.sleep(SETTLE_S)
+    with distributed.get_task_stream(client) as stream:
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+    spent: dict[str, float] = {}
+    for record in stream.data:
+        for part in record["startstops"]:
+            spent[part["action"]] = spent.get(part["action"], 0.0) + part["stop"] - part["start"]
+    workers = len(client.scheduler_info()["workers"])
+    return {"wall_s": wall, "workers": workers, "tasks": len(stream.data), "seconds": spent}
 
 
 def _noop(x: int) -> int:
