@@ -69,11 +69,28 @@ TARGETS = (
 )
 
 
+#: CPU flags that decide half-precision speed (``/proc/cpuinfo``): recorded with each run
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+
+
+def cpu_state() -> dict[str, Any]:
+    """The CPU's model name and which of :data:`CPU_FLAGS` it has (Linux; else empty)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return {}
+    first_cpu = text.split("\n\n", 1)[0].splitlines()
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first_cpu)}
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name", ""), "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
 def git_state() -> dict[str, Any]:
-    """The commit the benchmark ran at, and which tracked files differed from it.
+    """The commit the benchmark ran at, which tracked files differed from it, and the CPU.
 
     The results folder does not count: a run of several benchmarks rewrites it.
-    ``changed`` lists the files that differed (``dirty`` is whether any did).
+    ``changed`` lists the files that differed (``dirty`` is whether any did); ``cpu``
+    is :func:`cpu_state`.
     """
     root = Path(__file__).resolve().parent.parent
     git = ["git", "-C", str(root)]
@@ -91,7 +108,7 @@ def git_state() -> dict[str, Any]:
         return {"commit": "unknown"}
     paths = [line[3:].split(" -> ")[-1] for line in status.splitlines() if line.strip()]
     changed = [p for p in paths if not p.startswith("benchmarks/results/")]
-    return {"commit": commit, "dirty": bool(changed), "changed": changed}
+    return {"commit": commit, "dirty": bool(changed), "changed": changed, "cpu": cpu_state()}
 
 
 def provenance(info: Mapping[str, Any]) -> str:

@@ -94,3 +94,13 @@ def test_the_legend_covers_no_panel(report):
             assert not box.overlaps(ax.get_window_extent()), ax.get_title()
     finally:
         plt.close(fig)
+
+
+def test_git_state_records_the_cpu(report):
+    state = report.git_state()
+    if state["commit"] == "unknown":
+        pytest.skip("not a git checkout")
+    cpu = state["cpu"]
+    if cpu:  # Linux: /proc/cpuinfo was read
+        assert set(cpu["flags"]) <= set(report.CPU_FLAGS)
+        assert isinstance(cpu["model"], str)

@@ -290,9 +290,9 @@ NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
 }
 #: Routes of :data:`NATIVE_HALF_ROUTES` that take the input dtype instead on a CPU with
 #: float16 arithmetic (AVX512-FP16 or AMX-FP16: :func:`~._cpu.has_float16_arithmetic`).
-#: torch CPU float16 on such a CPU (AVX512-FP16; half-torch.json at 8616295, L = 1024-4096,
-#: plain / causal / padding): the float32 route ran at 0.98-1.27x SDPA in float16 (above
-#: 1.04x in 4 rows of 9, all at L <= 2048), the float16 route at 0.96-1.03x; the float32
+#: torch CPU float16 on such a CPU (AVX512-FP16; half-torch.json at 538c7b4, L = 1024-4096,
+#: plain / causal / padding): the float32 route ran at 0.98-1.07x SDPA in float16 (above
+#: 1.04x in 3 rows of 9, all at L <= 2048), the float16 route at 0.99-1.02x; the float32
 #: route's max error against float64 was 0.83-1.0x SDPA-in-float16's.
 FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
 #: The dense path's half-precision form per ``(library, device kind)``: True is
@@ -473,18 +473,19 @@ def dense_weights_first(call: AttentionCall) -> bool:
 
     Where XLA fuses the softmax into ``P @ V`` (:func:`~._compat.fuses_softmax_into_matmul`)
     it compiles ``(P / l) @ V`` into one kernel, and ``(P @ V) / l`` into a slower one:
-    under ``jax.jit``, B=1, H=8, D=64, L=1024, the output form ran 1.29-1.33x the
-    weights form (plain, causal, padding, both), and 1.05x at B=2, L=512 with padding
+    under ``jax.jit``, B=1, H=8, D=64, L=1024, the output form ran 1.18-1.22x the
+    weights form (plain, causal, padding, both), and 1.04x at B=2, L=512 with padding
     (benchmarks/results/xla-forms.json). Eager libraries run each operation on its
     own, where dividing the (Lq, Dv) output is cheaper than the (Lq, Lk) weights.
 
     Not in FlashAttention's form (:func:`dense_flash_form`), whose ``P`` is rounded to
     the half dtype for ``P @ V``: before the division every row's largest weight is
     exactly 1, which half precision holds exactly, so the keys that dominate a row
-    lose nothing; rounding the divided weights instead gave 2.3x (plain) and 1.5x
+    lose nothing; rounding the divided weights instead gave 2.3x (plain) and 1.6x
     (causal) the max error against float64 of ``jax.nn`` in bfloat16 at L = 1024
-    (benchmarks/results/history/half-jax-23f1316.json), while the output form ran at
-    0.6-0.7x ``jax.nn`` (its ``dense_flash_form`` rows).
+    (benchmarks/results/history/half-jax-23f1316.json). That form ran at 0.48 / 0.58x
+    ``jax.nn`` there, the output form at 0.69 / 0.75x (its ``dense_flash_form`` rows):
+    accuracy is bought with about 1.3x the time, still well under ``jax.nn``'s.
     """
     return fuses_softmax_into_matmul(call.query) and not dense_flash_form(call)
 

@@ -11,7 +11,7 @@ in the logits are not special-cased: they propagate as in plain math.
 Both guards are a ``clip`` to a constant (a ``maximum``), not ``where(x == -inf, 0, x)``: XLA
 CPU (jax 0.10) fuses the max, ``exp``, row sum and ``P @ V`` of the dense path into
 one kernel only without a compare-and-select between them. Under ``jax.jit``, on
-Flax's padded batch (B=2, L=512, H=8, D=64) the ``where`` guards ran 2.4-3.0x the
+Flax's padded batch (B=2, L=512, H=8, D=64) the ``where`` guards ran 1.9-2.0x the
 time of the ``clip`` guards (benchmarks/results/xla-forms.json).
 """
 
