@@ -485,7 +485,7 @@ def dense_weights_first(call: AttentionCall) -> bool:
     (causal) the max error against float64 of ``jax.nn`` in bfloat16 at L = 1024
     (benchmarks/results/history/half-jax-23f1316.json). That form ran at 0.48 / 0.58x
     ``jax.nn`` there, the output form at 0.69 / 0.75x (its ``dense_flash_form`` rows):
-    accuracy is bought with about 1.3x the time, still well under ``jax.nn``'s.
+    accuracy is bought with 1.3-1.4x the time, still well under ``jax.nn``'s.
     """
     return fuses_softmax_into_matmul(call.query) and not dense_flash_form(call)
 
