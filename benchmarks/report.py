@@ -75,12 +75,11 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_f
 
 def cpu_state() -> dict[str, Any]:
     """The CPU's model name and which of :data:`CPU_FLAGS` it has (Linux; else empty)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
-    except OSError:
+    from portable_attn._lib._cpu import cpuinfo
+
+    fields = cpuinfo()
+    if not fields:
         return {}
-    first_cpu = text.split("\n\n", 1)[0].splitlines()
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first_cpu)}
     flags = set(fields.get("flags", "").split())
     return {"model": fields.get("model name", ""), "flags": [f for f in CPU_FLAGS if f in flags]}
 

@@ -233,12 +233,12 @@ class TestGradients:
             assert err <= bound, (err, bound)
 
 
-def test_float16_arithmetic_is_read_from_the_cpu_flags():
-    from portable_attn._lib._cpu import float16_flags_in
+def test_float16_arithmetic_is_read_from_the_cpu_flags(monkeypatch):
+    from portable_attn._lib import _cpu
 
     sapphire = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16\n"
     ice_lake = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n"
-    assert float16_flags_in(sapphire)
-    assert not float16_flags_in(ice_lake)
-    assert not float16_flags_in("")
-    assert float16_flags_in("flags : amx_fp16\nflags : avx2\n")
+    granite = "processor\t: 0\nflags\t: amx_fp16\n\nprocessor\t: 1\nflags\t: avx2\n"
+    for text, has in ((sapphire, True), (ice_lake, False), ("", False), (granite, True)):
+        monkeypatch.setattr(_cpu, "cpuinfo", lambda t=text: _cpu.cpuinfo_fields(t))
+        assert _cpu.has_float16_arithmetic() is has, text

@@ -14,7 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["available_workers", "blas_limited", "can_limit_blas", "has_float16_arithmetic"]
+__all__ = [
+    "available_workers",
+    "blas_limited",
+    "can_limit_blas",
+    "cpuinfo",
+    "cpuinfo_fields",
+    "has_float16_arithmetic",
+]
 
 #: CPU flags (Linux ``/proc/cpuinfo``) of float16 arithmetic in hardware: AVX512-FP16
 #: (Sapphire Rapids and later) and AMX-FP16 (Granite Rapids)
@@ -29,26 +36,29 @@ def available_workers() -> int:
         return os.cpu_count() or 1
 
 
-@functools.cache
-def has_float16_arithmetic() -> bool:
-    """Whether this CPU computes in float16 itself (one of :data:`FLOAT16_FLAGS`).
+def cpuinfo_fields(text: str) -> dict[str, str]:
+    """Return the ``key: value`` fields of the first processor in ``/proc/cpuinfo`` text."""
+    first = text.split("\n\n", 1)[0].splitlines()
+    return {k.strip(): v.strip() for k, sep, v in (line.partition(":") for line in first) if sep}
 
-    Read from ``/proc/cpuinfo``; False where there is none (macOS, Windows) or it
-    cannot be read, which keeps the route measured on CPUs without such arithmetic.
-    """
+
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """Return :func:`cpuinfo_fields` of this machine; empty without ``/proc/cpuinfo``."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
     except OSError:
-        return False
-    return float16_flags_in(text)
+        return {}
+    return cpuinfo_fields(text)
 
 
-def float16_flags_in(cpuinfo: str) -> bool:
-    """Whether the first ``flags`` line of `cpuinfo` names one of :data:`FLOAT16_FLAGS`."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return not FLOAT16_FLAGS.isdisjoint(line.partition(":")[2].split())
-    return False
+def has_float16_arithmetic() -> bool:
+    """Whether this CPU computes in float16 itself (one of :data:`FLOAT16_FLAGS`).
+
+    False where ``/proc/cpuinfo`` is missing (macOS, Windows) or unreadable, which
+    keeps the route measured on CPUs without such arithmetic.
+    """
+    return not FLOAT16_FLAGS.isdisjoint(cpuinfo().get("flags", "").split())
 
 
 @functools.cache
