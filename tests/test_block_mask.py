@@ -472,6 +472,7 @@ def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):
     from portable_attn._lib._path import Native
 
     monkeypatch.setattr(_policy, "NATIVE_TILE", 4)  # 4 query tiles of a 13-token call
+    monkeypatch.setattr(_policy, "NATIVE_MIN_KEYS", {})  # which would take no kernel
     q, k, v = problem()
     on, dense = {}, np.ones((L, L), bool)
     for name, a in kw.items():

@@ -20,6 +20,12 @@ from portable_attn._lib._policy import choose_path, default_tiles
 from portable_attn.testing import reference_attention
 
 
+@pytest.fixture(autouse=True)
+def _small_calls_take_the_kernel(monkeypatch):
+    """The 9-token calls below would take no kernel (``NATIVE_MIN_KEYS``, tested alone)."""
+    monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {})
+
+
 def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
     rng = np.random.default_rng(seed)
     data = [
@@ -92,6 +98,15 @@ class TestDefaultRoute:
         # bottom-right causal with Lq != Lk goes to the kernel as a mask
         lq4 = Native() if _fused(backend) else _portable(backend, lq=4)
         assert _path(backend, is_causal=True, shape={"lq": 4}) == lq4
+
+    def test_too_few_keys_for_the_kernel_stay_portable(self, backend, monkeypatch):
+        monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {("torch", "cpu"): 16})
+        few, enough = {"lq": 4, "lk": 15}, {"lq": 4, "lk": 16}
+        on_cpu = _fused(backend) and backend.device_name == "cpu"
+        assert (_path(backend, shape=few) == Native()) == (_fused(backend) and not on_cpu)
+        assert (_path(backend, shape=enough) == Native()) == _fused(backend)
+        if _fused(backend):  # asked for, the kernel runs as it is
+            assert _path(backend, shape=few, implementation="native") == Native()
 
     @pytest.mark.parametrize(
         "kw",
@@ -364,3 +379,4 @@ class TestThreads:
         assert getattr(path, "workers", 1) == (available_workers() if threads else 1)
         small = _path(backend, shape={**big, "hq": 1, "hkv": 1}, softcap=5.0)
         assert getattr(small, "workers", 1) == 1  # under THREADS_MIN_SCORE_BYTES (or dense)
+

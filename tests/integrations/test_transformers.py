@@ -308,7 +308,7 @@ def test_masked_calls_take_torch_sdpa(tmp_path, monkeypatch):
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
-    ids, mask = batch("left")
+    ids, mask = batch("left", length=16)  # the kernel's fewest keys (NATIVE_MIN_KEYS)
     with torch.no_grad():
         ours(ids, attention_mask=mask)
     assert calls == [True, True]  # one per layer, each with its mask

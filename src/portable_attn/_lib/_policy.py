@@ -36,7 +36,8 @@ How the path is chosen (`block_size`, `implementation`):
   1. ``implementation=None`` on a library whose native kernel is fused
      (:func:`~._compat.fused_native_kernel`: torch SDPA) and a call the
      kernel can express (see :func:`unsupported_reason`: no softcap,
-     ``score_mod``, ALiBi, dropout, sinks or ``return_lse``): the
+     ``score_mod``, ALiBi, dropout, sinks or ``return_lse``) with at least
+     :data:`NATIVE_MIN_KEYS` keys (fewer lose a NaN of a query on torch CPU): the
      native kernel, with every mask in its own broadcast shape. Where block
      skipping (causal/window structure, host segment ids, a block mask) hides at
      least :data:`NATIVE_TILES_MIN_SKIP` of the (:data:`NATIVE_TILE`,
@@ -200,6 +201,12 @@ NATIVE_TILE = 256
 #: ... and is chosen over one whole kernel call when block skipping hides at least this
 #: fraction of the (NATIVE_TILE, NATIVE_TILE) tile pairs.
 NATIVE_TILES_MIN_SKIP = 0.5
+#: The fewest keys a call needs for the default route to the native kernel, per
+#: ``(library, device kind)``: torch 2.13 CPU SDPA returns zeros, not NaN, for a query row
+#: holding a NaN when Lk < 16 (float16, bfloat16, float32; D = 16-128; any Lq), against
+#: the contract that NaN propagates; from 16 keys on it propagates. Such small calls take
+#: the portable path (``implementation="native"`` still asks for the kernel as it is).
+NATIVE_MIN_KEYS: dict[tuple[str, str], int] = {("torch", "cpu"): 16}
 #: NumPy's tiled path runs its query blocks in threads from this many bytes of dense
 #: scores (B x Hq x Lq x Lk x itemsize): on 2 cores, 2 threads with BLAS limited to
 #: one thread each took 0.71 (plain) / 0.77 (causal) of the single-threaded time at
@@ -523,6 +530,9 @@ def _native_route(call: AttentionCall, return_lse: bool) -> Native | None:
     if not fused_native_kernel(call.query):
         return None
     if unsupported_reason(call, return_lse=return_lse, per_tile=True) is not None:
+        return None
+    kind = (library_name(call.query), device_kind(call.query))
+    if call.plan.kv_len < NATIVE_MIN_KEYS.get(kind, 0):
         return None
     upcast = native_upcasts(call)
     if call.terms.mask_mod is not None:
