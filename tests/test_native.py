@@ -116,3 +116,64 @@ def test_rows_emptied_by_a_key_only_mask_are_zero(backend, kw):
     expected = reference_attention(q, k, v, mask=mask, **kw)
     np.testing.assert_allclose(backend.to_numpy(native), expected, atol=2e-6)
     assert np.all(backend.to_numpy(native)[1] == 0)
+
+
+@pytest.mark.backends("torch", "jax", reason="native kernels: torch and JAX")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", ["mask", "bias", "causal Lq>Lk"])
+def test_rows_without_keys_are_zero_with_zero_gradients(backend, xp, dtype, form):
+    """Guarded around the kernel, or zeroed by it (torch CPU: native_kernel_zeroes_empty_rows).
+
+    The default call, in the kernel's own dtypes (torch's flash kernel, not the float64
+    math one), with 32 keys: above the policy's NATIVE_MIN_KEYS, so it is native.
+    """
+    lq, lk = (40, 32) if form == "causal Lq>Lk" else (24, 32)
+    q, k, v = (backend.asarray(a, dtype) for a in qkv(lq=lq, lk=lk))
+    kw: dict = {}
+    if form == "mask":
+        m = np.ones((2, 1, lq, lk), dtype=bool)
+        m[1, :, 3:9] = False
+        kw["mask"] = backend.asarray(m)
+        rows = (1, slice(None), slice(3, 9))
+    elif form == "bias":
+        b = np.zeros((lq, lk))
+        b[5:7] = -np.inf
+        kw["bias"] = backend.asarray(b, dtype)
+        rows = (slice(None), slice(None), slice(5, 7))
+    else:  # bottom-right causal: the first Lq - Lk queries see no key
+        kw["is_causal"] = True
+        rows = (slice(None), slice(None), slice(0, lq - lk))
+
+    def loss(q, k, v):
+        return xp.sum(xp.astype(scaled_dot_product_attention(q, k, v, **kw), xp.float32))
+
+    out = backend.to_numpy(scaled_dot_product_attention(q, k, v, **kw)).astype(np.float64)
+    assert np.isfinite(out).all()
+    assert np.all(out[rows] == 0)
+    assert np.any(out != 0)
+    gq, gk, gv = (backend.to_numpy(g).astype(np.float64) for g in backend.grad(loss, q, k, v))
+    assert all(np.isfinite(g).all() for g in (gq, gk, gv))
+    assert np.all(gq[rows] == 0)
+    assert np.any(gq != 0)
+
+
+@pytest.mark.backends("torch", reason="torch CPU SDPA zeroes rows without keys itself")
+def test_no_guard_where_the_kernel_zeroes_empty_rows(backend, monkeypatch):
+    """No pass over the mask for empty rows where torch's kernel zeroes them itself."""
+    from portable_attn._lib import _compat
+    from portable_attn._paths import _native
+
+    q, k, v = (backend.asarray(a, "float32") for a in qkv(lq=24, lk=32))
+    if not _compat.native_kernel_zeroes_empty_rows(q):
+        pytest.skip(f"the kernel on {backend.device_name} is guarded")
+
+    def guarded(*args, **kwargs):
+        raise AssertionError("the empty-row guard ran")
+
+    monkeypatch.setattr(_native, "_visible_rows", guarded)
+    monkeypatch.setattr(_native, "_visible_rows_of_key_mask", guarded)
+    m = np.ones((2, 1, 1, 32), dtype=bool)
+    m[1] = False
+    out = backend.to_numpy(scaled_dot_product_attention(q, k, v, mask=backend.asarray(m)))
+    assert np.all(out[1] == 0)
+    assert np.all(np.isfinite(out))

@@ -7,7 +7,9 @@ portable path computes: every mask (user mask, bottom-right causal, window,
 lengths) is folded into one boolean "allowed" array built by the portable
 index arithmetic, and rows that see no key are given a harmless all-visible
 mask for the kernel and zeroed afterwards (the kernels would otherwise return
-NaN or uniform rows there), so their gradients are zero too.
+NaN or uniform rows there), so their gradients are zero too, except where the
+kernel returns zeros with zero gradients there itself
+(:func:`~portable_attn._lib._compat.native_kernel_zeroes_empty_rows`: torch CPU).
 
 What each kernel can express, and *when* a call is routed here, is decided by
 the policy (:func:`portable_attn._lib._policy.unsupported_reason`): torch SDPA and
@@ -23,7 +25,7 @@ import math
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import autodiff_family, reads_host_values
+from .._lib._compat import autodiff_family, native_kernel_zeroes_empty_rows, reads_host_values
 from .._lib._masks import arange
 from .._lib._scores import (
     AttentionPlan,
@@ -117,7 +119,9 @@ def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
     structural = not (kernel_causal or hides_nothing or decoding)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
     visible = None
-    if not rows_seen and rows_may_be_empty(bias, terms, plan):
+    # no guard where no row is empty, or where the kernel zeroes such rows itself
+    guard = not rows_seen and rows_may_be_empty(bias, terms, plan)
+    if guard and not native_kernel_zeroes_empty_rows(q):
         if bias is None:
             visible = _visible_rows_of_key_mask(xp, terms, plan)
         if visible is None:
