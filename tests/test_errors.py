@@ -125,6 +125,12 @@ class TestScalars:
         with pytest.raises(TypeError, match=r"`window`"):
             call(*arrays, window=window)
 
+    @pytest.mark.parametrize("window", [(1.0, 2), (True, 2)])
+    def test_a_valid_call_before_does_not_pass_an_equal_invalid_window(self, arrays, window):
+        call(*arrays, window=(1, 2))  # 1 == 1.0 == True: a checked call's facts are cached
+        with pytest.raises(TypeError, match=r"`window` left entry must be an integer"):
+            call(*arrays, window=window)
+
     def test_is_causal_must_be_bool(self, arrays):
         with pytest.raises(TypeError, match=r"`is_causal` must be True or False"):
             call(*arrays, is_causal="yes")

@@ -228,23 +228,8 @@ def prepare(
         "scale": v.array_or_none(scale),
         "softcap": v.array_or_none(softcap),
     }
-    xp = array_namespace(**arrays)
-    for name, x in arrays.items():
-        if x is not None:
-            v.check_supported_array(name, x)
-    if pins_devices(query):
-        v.check_same_device(arrays, "query", device(query), device)
-    plan = _cached_plan(
-        xp,
-        query,
-        key,
-        value,
-        mask,
-        bias,
-        is_causal=is_causal,
-        scale=scale,
-        window=window,
-        softcap=softcap,
+    xp, plan = _checked_static(
+        arrays, is_causal=is_causal, scale=scale, window=window, softcap=softcap
     )
     plan, terms = _score_terms(
         xp,
@@ -294,58 +279,78 @@ def signed_lengths(xp: Any, x: Array) -> Array:
 
 
 # ---------------------------------------------------------------------------
-# the plan: static facts, cached by everything they depend on
+# the static facts: checked once per signature
 
-_PLAN_CACHE: dict[Any, AttentionPlan] = {}
-_PLAN_CACHE_SIZE = 256
+#: (namespace, plan) by call signature: what :func:`_checked_static` decided
+_STATIC_CACHE: dict[Any, tuple[Any, AttentionPlan]] = {}
+_STATIC_CACHE_SIZE = 256
 #: ScoreTerms holding no array: when no model-building argument is given
 _PLAIN_TERMS = ScoreTerms()
 
 
-def _meta(x: Array | None) -> Any:
-    return None if x is None else (tuple(x.shape), x.dtype)
+def _signature(arrays: dict[str, Array | None], options: dict[str, Any]) -> Any:
+    """Everything the checks and the plan of :func:`_checked_static` read, as a hashable key.
 
-
-def _cached_plan(
-    xp: Any,
-    query: Array,
-    key: Array,
-    value: Array | None,
-    mask: Array | None,
-    bias: Array | None,
-    **options: Any,
-) -> AttentionPlan:
-    """Validate and plan a call; calls with the same static facts reuse the plan.
-
-    Everything a plan depends on (shapes, dtypes, device and the scalar options)
-    is in the cache key, so a hit returns exactly what validation would build;
-    a call that fails validation is never cached. A `scale` or `softcap` given
-    as an array is a value of this call only: such plans are not cached.
+    Per array: its type, shape and dtype, and on libraries that pin devices its
+    device and layout (the device and sparse-layout checks read them); elsewhere the
+    query's device (the plan's); each scalar option with its type. None when the call
+    cannot be cached: a learned `scale` or `softcap` (an array: a value of this
+    call only), or an argument that is not an array (the checks then raise their
+    errors). A key with an unhashable part (a CuPy device) is not cached either.
     """
-    learned = (v.array_or_none(options[name]) for name in ("scale", "softcap"))
-    if any(x is not None for x in learned):
-        return _build_plan(xp, query, key, value, mask, bias, **options)
+    if arrays["scale"] is not None or arrays["softcap"] is not None:
+        return None
     try:
-        cache_key = (
-            id(xp),
-            _meta(query),
-            _meta(key),
-            _meta(value),
-            _meta(mask),
-            _meta(bias),
-            device(query),
-            *((type(o), o) for o in options.values()),  # options come in one order
+        query = arrays["query"]
+        pinned = pins_devices(query)
+        parts: list[Any] = [None if pinned else device(query)]
+        for x in arrays.values():
+            if x is None:
+                parts.append(None)
+            elif pinned:  # torch, CuPy: a .device attribute (and torch's layout)
+                parts.append((type(x), x.shape, x.dtype, x.device, getattr(x, "layout", None)))
+            else:
+                parts.append((type(x), x.shape, x.dtype))
+        # options come in one order; the types of a pair's entries too ((1, 2) == (True, 2))
+        parts.extend(
+            (type(o), o, tuple(map(type, o)) if type(o) is tuple else None)
+            for o in options.values()
         )
-        hash(cache_key)
-    except TypeError:  # an unhashable device (CuPy) or option: plan without the cache
-        return _build_plan(xp, query, key, value, mask, bias, **options)
-    plan = _PLAN_CACHE.get(cache_key)
-    if plan is None:
-        plan = _build_plan(xp, query, key, value, mask, bias, **options)
-        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.clear()
-        _PLAN_CACHE[cache_key] = plan
-    return plan
+    except Exception:  # not an array: the checks will say
+        return None
+    return tuple(parts)
+
+
+def _checked_static(arrays: dict[str, Array | None], **options: Any) -> tuple[Any, AttentionPlan]:
+    """Check the static facts of a call; return its namespace and plan.
+
+    The namespace of the arrays, their kinds (:func:`~._validation.check_supported_array`),
+    devices, shapes and dtypes and the scalar options are checked, and the plan
+    decided, once per :func:`_signature`: calls with the same signature reuse both.
+    A call that fails a check is never cached, so a hit is exactly what the checks
+    would pass and build again.
+    """
+    key = _signature(arrays, options)
+    try:
+        hit = None if key is None else _STATIC_CACHE.get(key)
+    except TypeError:  # an unhashable part (a CuPy device): not cached
+        key = hit = None
+    if hit is not None:
+        return hit
+    xp = array_namespace(**arrays)
+    for name, x in arrays.items():
+        if x is not None:
+            v.check_supported_array(name, x)
+    query = arrays["query"]
+    if pins_devices(query):
+        v.check_same_device(arrays, "query", device(query), device)
+    names = ("query", "key", "value", "mask", "bias")
+    plan = _build_plan(xp, *(arrays[n] for n in names), **options)
+    if key is not None:
+        if len(_STATIC_CACHE) >= _STATIC_CACHE_SIZE:
+            _STATIC_CACHE.clear()
+        _STATIC_CACHE[key] = (xp, plan)
+    return xp, plan
 
 
 def _build_plan(

@@ -217,9 +217,17 @@ def slice_block(x: Any, q_range: Range, k_range: Range) -> Any:
     """
     if x is None:
         return None
-    qs = slice(*q_range) if x.shape[-2] != 1 else slice(None)
-    ks = slice(*k_range) if x.shape[-1] != 1 else slice(None)
-    return x[..., qs, ks]
+    qs = slice(None) if _spans(q_range, x.shape[-2]) else slice(*q_range)
+    ks = slice(None) if _spans(k_range, x.shape[-1]) else slice(*k_range)
+    return x if qs == ks == slice(None) else x[..., qs, ks]
+
+
+def _spans(block: Range, size: int) -> bool:
+    """Whether `block` takes all of an axis of length `size` (or the axis broadcasts)."""
+    if size == 1:
+        return True
+    start, stop = block
+    return type(start) is int and start == 0 and type(stop) is int and stop == size
 
 
 def allowed_block(
