@@ -380,3 +380,46 @@ class TestThreads:
         small = _path(backend, shape={**big, "hq": 1, "hkv": 1}, softcap=5.0)
         assert getattr(small, "workers", 1) == 1  # under THREADS_MIN_SCORE_BYTES (or dense)
 
+
+class TestCachedPaths:
+    """A repeated call takes the path decided for its first, without the rules."""
+
+    def _count_decisions(self, monkeypatch):
+        monkeypatch.setattr(policy, "CHECK_CACHED_PATHS", False)
+        decided = []
+        rules = policy._decide_path
+        monkeypatch.setattr(
+            policy, "_decide_path", lambda *a: decided.append(a[0].plan) or rules(*a)
+        )
+        return decided
+
+    def test_a_repeated_call_is_decided_once(self, backend, monkeypatch):
+        decided = self._count_decisions(monkeypatch)
+        first = _path(backend)
+        assert _path(backend) == first  # new arrays, the same signature
+        cached = isinstance(first, (Native, Dense))  # Dask's grid follows its chunks
+        assert len(decided) == (1 if cached else 2)
+        _path(backend, shape={"lq": 5})  # another signature: decided
+        _path(backend, block_size=4)  # another choice: decided (and tiled: not cached)
+        _path(backend, block_size=4)
+        assert len(decided) == (4 if cached else 5)
+
+    def test_calls_with_host_values_are_decided_each_time(self, backend, monkeypatch):
+        decided = self._count_decisions(monkeypatch)
+        lengths = backend.asarray(np.array([5]))
+        for _ in range(2):
+            _path(backend, kv_lengths=lengths)
+        assert len(decided) == 2
+
+    def test_a_policy_change_after_a_call_is_caught(self, backend, monkeypatch):
+        first = _path(backend)
+        if not isinstance(first, (Native, Dense)):
+            pytest.skip(f"{first!r} is not cached")
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        monkeypatch.setattr(policy, "BUFFERED_DENSE_LIMIT_BYTES", 0)
+        monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {(backend.family, "cpu"): 10**9})
+        with pytest.raises(AssertionError, match="forget_paths"):
+            _path(backend)
+        policy.forget_paths()
+        assert _path(backend) != first

@@ -312,6 +312,22 @@ FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
 PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True}
 
 
+#: The paths :func:`choose_path` decided, by :func:`_path_key`, with the plan they were
+#: decided for: a repeated eager call skips the rules. Beside a torch kernel of
+#: milliseconds the rules cost 50-110 us of cold Python per call (issue 25's padding
+#: row), against 5 us in a loop of their own.
+_PATHS: dict[Any, tuple[Any, Path]] = {}
+_PATHS_SIZE = 256
+#: Tests set this: a cached path is decided again and compared, so that a policy
+#: setting changed by a test (``monkeypatch``) after a call cannot go unnoticed.
+CHECK_CACHED_PATHS = False
+
+
+def forget_paths() -> None:
+    """Drop every cached path (:data:`_PATHS`): after a policy setting changes."""
+    _PATHS.clear()
+
+
 def choose_path(
     call: AttentionCall, block_size: Any, implementation: Any, *, return_lse: bool = False
 ) -> Path:
@@ -319,12 +335,81 @@ def choose_path(
 
     `return_lse`: the caller needs the row log-sum-exp too (no native kernel gives it).
 
+    A call like one decided before (:func:`_path_key`) takes the same path again
+    without the rules.
+
     Raises
     ------
     ValueError
         A `block_size` or `implementation` that is not one of the documented
         values, or ``implementation="native"`` for a call the kernel cannot express.
     """
+    key = _path_key(call, block_size, implementation, return_lse)
+    hit = None if key is None else _PATHS.get(key)
+    if hit is not None and hit[0] is call.plan:
+        if CHECK_CACHED_PATHS:
+            decided = _decide_path(call, block_size, implementation, return_lse)
+            if decided != hit[1]:
+                msg = f"cached path {hit[1]!r} but the policy says {decided!r}: forget_paths()"
+                raise AssertionError(msg)
+        return hit[1]
+    path = _decide_path(call, block_size, implementation, return_lse)
+    if key is not None and isinstance(path, (Native, Dense, Empty)):
+        if len(_PATHS) >= _PATHS_SIZE:
+            _PATHS.clear()
+        _PATHS[key] = (call.plan, path)
+    return path
+
+
+def _path_key(call: AttentionCall, block_size: Any, implementation: Any, return_lse: bool) -> Any:
+    """Return what the rules read of a call where that is its static facts, else None.
+
+    The plan's identity stands for the call's signature (types, shapes, dtypes,
+    devices, scalar options: :func:`~._call.prepare` makes one plan per signature,
+    and the cache holds it, so its id is not reused), with the dtypes of Q, K, V and
+    the bias (a derived call may cast them under the same plan) and whether a mask
+    and bias are given. Calls with other score terms (lengths, segment ids, a
+    ``mask_mod``, ...) are decided each time: the rules read their host values.
+    Only native, dense and empty paths are cached: the tiled path's threads follow
+    the cores this process may use now, and Dask's grid its chunks.
+    """
+    terms = call.terms
+    if (
+        terms.kv_lengths is not None
+        or terms.q_lengths is not None
+        or terms.alibi_slopes is not None
+        or terms.score_mod is not None
+        or terms.dropout_keep is not None
+        or terms.sinks is not None
+        or terms.q_segments is not None
+        or terms.mask_mod is not None
+        or terms.block_states is not None
+    ):
+        return None
+    bias = call.bias
+    value = call.value
+    try:
+        key = (
+            id(call.plan),
+            call.query.dtype,
+            call.key.dtype,
+            None if value is None else value.dtype,
+            None if bias is None else bias.dtype,
+            terms.mask is None,
+            block_size,
+            implementation,
+            return_lse,
+        )
+        hash(key)
+    except TypeError:  # an unhashable block_size: decided each time
+        return None
+    return key
+
+
+def _decide_path(
+    call: AttentionCall, block_size: Any, implementation: Any, return_lse: bool
+) -> Path:
+    """:func:`choose_path` by the rules."""
     v.check_implementation(implementation)
     sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
     if implementation == "native":
