@@ -82,6 +82,26 @@ class TestTorch:
         # the default (inductor) backend: what a user gets from a plain torch.compile
         torch.testing.assert_close(torch.compile(f)(q, k, v), f(q, k, v))
 
+    def test_torch_compile_keeps_rows_without_keys_zero(self, backend):
+        """The native route adds no guard on torch CPU: the compiled kernel zeroes them."""
+        import torch
+
+        q, k, v = (backend.asarray(a, "float32") for a in qkv(lq=24, lk=32, dv=8))
+        keys = np.ones((2, 1, 1, 32), dtype=bool)
+        keys[1] = False  # batch 1 sees no key
+        mask = backend.asarray(keys)
+
+        def loss(q):
+            return scaled_dot_product_attention(q, k, v, mask=mask).sum()
+
+        leaf = q.detach().clone().requires_grad_(True)
+        out = torch.compile(lambda q: scaled_dot_product_attention(q, k, v, mask=mask))(q)
+        (g,) = torch.autograd.grad(torch.compile(loss)(leaf), leaf)
+        assert torch.all(out[1] == 0)
+        assert torch.all(g[1] == 0)
+        assert torch.isfinite(g).all()
+        assert torch.any(g[0] != 0)
+
 
 @pytest.mark.backends("torch", reason="torch.func")
 class TestTorchFunc:

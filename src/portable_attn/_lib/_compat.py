@@ -260,8 +260,10 @@ def fused_native_kernel(x: Any) -> bool:
 #: The torch release from which SDPA on the CPU returns zeros, with zero gradients, for
 #: a query row that sees no key: every key masked by a boolean mask or ``-inf`` in an
 #: additive one. Measured on torch 2.13.0 (float16, bfloat16, float32, float64; its
-#: flash and math kernels; forward and backward); ``tests/test_native.py`` checks it on
-#: every run. Earlier releases are not measured here, and CUDA's kernels not at all.
+#: flash and math kernels; forward and backward; eager, under ``torch.compile`` with
+#: inductor and under ``torch.func.vmap`` / ``grad``); ``tests/test_native.py`` and
+#: ``tests/test_transforms.py`` check it on every run. Earlier releases are not
+#: measured here, and CUDA's kernels not at all.
 TORCH_CPU_ZEROES_EMPTY_ROWS = (2, 13)
 
 
@@ -269,13 +271,11 @@ def native_kernel_zeroes_empty_rows(x: Any) -> bool:
     """Whether the native kernel for `x` returns zeros (zero gradients) on rows without keys.
 
     Where it does, the native route adds no guard around it (``_paths/_native.py``):
-    torch on the CPU from :data:`TORCH_CPU_ZEROES_EMPTY_ROWS`, run eagerly (under
-    ``torch.compile`` or a ``torch.func`` transform the kernel may be replaced, and
-    the guard costs nothing per call there).
+    torch on the CPU from :data:`TORCH_CPU_ZEROES_EMPTY_ROWS`.
     """
     if library_name(x) != "torch" or x.device.type != "cpu":
         return False
-    return _torch_release() >= TORCH_CPU_ZEROES_EMPTY_ROWS and has_concrete_values(x)
+    return _torch_release() >= TORCH_CPU_ZEROES_EMPTY_ROWS
 
 
 @functools.cache
