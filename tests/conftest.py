@@ -199,12 +199,16 @@ def _paths_decided_afresh():
     """Each test starts with no cached path, and every cached path is checked.
 
     :func:`~portable_attn._lib._policy.choose_path` caches the paths of repeated
-    calls; with ``CHECK_CACHED_PATHS`` it decides each hit again and raises where a
-    test changed a policy setting after a call (then it calls ``forget_paths()``).
+    calls, and ``portable_attn._direct`` the kernel calls of repeated torch calls;
+    with ``CHECK_CACHED_PATHS`` each hit is decided again, and raises where a test
+    changed a policy setting after a call (then it calls ``forget_paths()``).
     """
+    from portable_attn import _direct
     from portable_attn._lib import _policy
 
     _policy.CHECK_CACHED_PATHS = True
     _policy.forget_paths()
+    _direct.forget()
     yield
     _policy.forget_paths()
+    _direct.forget()

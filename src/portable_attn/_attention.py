@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+from . import _direct as direct
+from ._lib import _policy
 from ._lib._block_states import BlockMask
 from ._lib._call import prepare
 from ._lib._dense import dense_weights
@@ -220,6 +222,31 @@ def scaled_dot_product_attention(
     (2, 8, 5, 32)
     """
     check_given("value", value)
+    sig = kernel = None  # a repeated torch call of Q, K, V and a mask: its kernel call
+    if (
+        bias is None
+        and window is None
+        and softcap is None
+        and q_lengths is None
+        and kv_lengths is None
+        and alibi_slopes is None
+        and score_mod is None
+        and type(dropout_p) is float
+        and dropout_p == 0.0
+        and dropout_mask is None
+        and sinks is None
+        and q_segment_ids is None
+        and kv_segment_ids is None
+        and mask_mod is None
+        and block_mask is None
+        and return_lse is False
+    ):
+        sig = direct.signature(
+            query, key, value, mask, is_causal, scale, block_size, implementation
+        )
+        kernel = None if sig is None else direct.kernel_for(sig)
+        if kernel is not None and not _policy.CHECK_CACHED_PATHS:
+            return kernel(query, key, value, mask)
     call = prepare(
         query,
         key,
@@ -247,6 +274,10 @@ def scaled_dot_product_attention(
     if keys is not None:
         call = first_keys(call, keys)
     path = choose_path(call, block_size, implementation, return_lse=return_lse)
+    if sig is not None:
+        direct.remember(sig, call, path, mask)
+    if kernel is not None:  # tests: the kept kernel call is checked against the route
+        return kernel(query, key, value, mask)
     out, lse = run(call, path, with_lse=return_lse)
     return (call.finish(out), call.finish_lse(lse)) if return_lse else call.finish(out)
 

@@ -29,16 +29,18 @@ from .._lib._compat import autodiff_family, native_kernel_zeroes_empty_rows, rea
 from .._lib._masks import arange
 from .._lib._scores import (
     AttentionPlan,
+    ScoreTerms,
     allowed_block,
     block_visibility,
     hidden_by_value,
     rows_may_be_empty,
+    slice_block,
 )
 from .._lib._tiled import block_ranges, pair_visibility
 from .._lib._validation import array_or_none
 from ._partial import cut_call
 
-__all__ = ["native_attention", "native_tiles"]
+__all__ = ["DirectKernel", "direct_kernel", "native_attention", "native_tiles"]
 
 
 def _visible_rows(xp: Any, allowed: Any | None, bias: Any | None) -> Any:
@@ -81,6 +83,31 @@ def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any |
     return xp.logical_and(any_key, first <= last_seen)  # (..., Lq, 1)
 
 
+def _kernel_form(call: AttentionCall) -> tuple[bool, bool]:
+    """Return the kernel's causal flag and whether the band's mask is built for it.
+
+    The kernels' own causal flags are top-left aligned: ours is passed as a mask,
+    except with ``Lq == Lk``, where both alignments agree and the fused causal kernel
+    can be used (it takes no mask beside it). A band that hides nothing of the call,
+    and a decoding step (one query, causal, `kv_lengths` alone: ``j <= kv_len - 1`` is
+    what the padding says), need no band mask either.
+    """
+    terms, plan = call.terms, call.plan
+    plain = not hidden_by_value(call.bias, terms)
+    # square, and aligned at the diagonal (a part placed elsewhere is not)
+    square = plan.q_len == plan.kv_len and plan.offset == 0
+    kernel_causal = plan.is_causal and plan.window is None and square and plain
+    hides_nothing = block_visibility(plan, (0, plan.q_len), (0, plan.kv_len)) == "full"
+    decoding = (
+        plan.q_len == 1
+        and plan.is_causal
+        and plan.window is None
+        and terms.q_lengths is None
+        and plan.align is None  # a whole call: its one query is aligned at kv_len - 1
+    )
+    return kernel_causal, not (kernel_causal or hides_nothing or decoding)
+
+
 def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
     """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the dtype of `call`'s Q.
 
@@ -99,24 +126,8 @@ def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
     """
     xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
     terms, plan = call.terms, call.plan
+    kernel_causal, structural = _kernel_form(call)
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
-    # The kernels' own causal flags are top-left aligned: ours is passed as a mask,
-    # except with Lq == Lk, where both alignments agree and the fused causal kernel
-    # can be used (it takes no mask beside it).
-    plain = not hidden_by_value(bias, terms)
-    # square, and aligned at the diagonal (a part placed elsewhere is not)
-    square = plan.q_len == plan.kv_len and plan.offset == 0
-    kernel_causal = plan.is_causal and plan.window is None and square and plain
-    hides_nothing = block_visibility(plan, whole_q, whole_k) == "full"
-    # one query, causal, kv_lengths alone: j <= kv_len - 1 is what the padding says
-    decoding = (
-        plan.q_len == 1
-        and plan.is_causal
-        and plan.window is None
-        and terms.q_lengths is None
-        and plan.align is None  # a whole call: its one query is aligned at kv_len - 1
-    )
-    structural = not (kernel_causal or hides_nothing or decoding)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
     visible = None
     # no guard where no row is empty, or where the kernel zeroes such rows itself
@@ -143,6 +154,71 @@ def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
     else:
         out = _jax(xp, q, k, v, allowed, bias, plan, kernel_causal)
     return out if visible is None else xp.where(visible, out, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectKernel:
+    """SDPA called with a call's own Q, K, V and mask: :func:`native_attention` decided.
+
+    What :func:`native_attention` does for the calls of one signature whose arrays go
+    to the kernel as they are (:func:`direct_kernel`), kept so that the next call of
+    that signature makes the kernel call alone (``portable_attn._direct``).
+    """
+
+    is_causal: bool
+    scale: float
+    enable_gqa: bool
+
+    def __call__(self, query: Any, key: Any, value: Any, mask: Any) -> Any:
+        """Return ``F.scaled_dot_product_attention`` of the arrays, as the route calls it."""
+        import torch.nn.functional as F
+
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
+
+
+def direct_kernel(call: AttentionCall, path: Any, mask: Any) -> DirectKernel | None:
+    """Return the kernel call of `call` on `path` where it takes the arrays as they are.
+
+    :func:`native_attention` makes that call, and None is returned, unless: torch, the
+    whole call on ``Native`` (no tiles) in the inputs' dtype (no float32 copies, no
+    cast of the result), Q, K and V at least 3-D (a head axis) and of the batch shape
+    (no broadcast), a float scale, no bias and no score term but `mask` (the caller's
+    argument), which is the kernel's mask itself (at least 2-D, spanning the call), no
+    band mask to build, and no empty-row guard (no row can be empty, or the kernel
+    zeroes such rows itself).
+    """
+    q, k, v, terms, plan = call.query, call.key, call.value, call.terms, call.plan
+    if autodiff_family(q) != "torch" or path.tiles is not None or call.drop_head:
+        return None
+    if call.bias is not None or array_or_none(plan.scale) is not None or v is None:
+        return None
+    if terms != ScoreTerms(mask=terms.mask) or terms.mask is not mask:
+        return None
+    if mask is not None and slice_block(mask, (0, plan.q_len), (0, plan.kv_len)) is not mask:
+        return None
+    if not q.dtype == k.dtype == v.dtype == plan.result_dtype:
+        return None
+    if path.upcast and plan.result_dtype != plan.compute_dtype:
+        return None
+    batch = tuple(plan.batch)
+    if not tuple(q.shape[:-3]) == tuple(k.shape[:-3]) == tuple(v.shape[:-3]) == batch:
+        return None
+    kernel_causal, structural = _kernel_form(call)
+    if structural and plan.band.restricts:
+        return None
+    empties = rows_may_be_empty(None, terms, plan)
+    if empties and not native_kernel_zeroes_empty_rows(q):
+        return None
+    gqa = plan.num_q_heads != plan.num_kv_heads
+    return DirectKernel(kernel_causal, float(plan.scale), gqa)
 
 
 def native_tiles(call: AttentionCall, tile: int) -> Any:
