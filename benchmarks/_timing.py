@@ -77,12 +77,15 @@ def interleaved_seconds(
     warmup: int = 1,
     sync: Callable[[Any], Any] | None = None,
     number: int = 1,
+    before: Callable[[], Any] | None = None,
 ) -> Interleaved:
     """Time several callables side by side, round-robin, in this process.
 
     Each of the `repeats` rounds times every callable once (`number` calls),
     starting from a different one each round (the order rotates: for two, it
-    alternates), so that neither always runs first.
+    alternates), so that neither always runs first. In the rotation each callable
+    mostly follows the same neighbour; `before` makes what runs just before every
+    sample the same for all.
 
     Parameters
     ----------
@@ -96,6 +99,11 @@ def interleaved_seconds(
         ``sync(fn())`` is what is timed (see :func:`median_seconds`).
     number : int, default 1
         Calls per sample.
+    before : callable, optional
+        Called (untimed, its result synced) before each sample: what precedes the
+        call in a program (a projection before attention), the same for every
+        callable. On a CPU the time of a call depends on what ran just before it
+        (``benchmarks/half.py`` times torch both ways).
 
     Returns
     -------
@@ -115,6 +123,8 @@ def interleaved_seconds(
     for i in range(repeats):
         shift = i % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
+            if before is not None:
+                sync(before())
             samples[name].append(sample_seconds(fns[name], sync, number))
     return Interleaved(samples)
 

@@ -10,8 +10,11 @@ cost of the float32 copies); interleaved rounds, medians and per-round ratios.
 
 torch: the default call, both native routes (half Q, K, V given to SDPA as they are,
 or as float32 copies) and SDPA itself in the inputs' dtype (asserted), plain / causal /
-padding (the last quarter of the keys masked); max error against float64 SDPA on the
-same inputs; the peak resident memory a causal call adds, each in its own process,
+padding (the last quarter of the keys masked), in rotation; then the default call and
+SDPA alone, each sample after the same untimed projection ``X W`` in the inputs' dtype
+(``after_projection``: what precedes attention in a layer, the same for both; in the
+rotation the default call mostly follows SDPA, and SDPA the float32 native call);
+max error against float64 SDPA on the same inputs; the peak resident memory a causal call adds, each in its own process,
 as the first call of the process and after one small call (``warm``: the call's own
 working memory, without the modules and caches a process loads once).
 jax: under ``jit``, the default call, the dense path in both half forms (float32
@@ -22,6 +25,7 @@ The machine's load average is recorded: it is shared.
 from __future__ import annotations
 
 import json
+import math
 import resource
 import statistics
 import subprocess
@@ -84,8 +88,19 @@ def torch_child(dtype: str, length: int) -> dict:
             "native_float32": lambda c=call: c.finish(run(c, Native(upcast=True))[0]),
             "sdpa": sdpa,
         }
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(B * length, H * D, generator=gen).to(q.dtype)
+        w = torch.randn(H * D, H * D, generator=gen).to(q.dtype) / math.sqrt(H * D)
+
+        def projection(x=x, w=w):  # what runs before attention in a layer: Q = X W
+            return x @ w
+
         with torch.no_grad():
             res = interleaved_seconds(fns, repeats=15 if length < 4096 else 7)
+            pair = {"default": fns["default"], "sdpa": sdpa}
+            after = interleaved_seconds(
+                pair, repeats=41 if length < 4096 else 15, before=projection
+            )
             exact = F.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), **peer)
             errors = {}
             for name, fn in fns.items():
@@ -102,11 +117,19 @@ def torch_child(dtype: str, length: int) -> dict:
             "ratio_vs_sdpa": {
                 n: statistics.median(res.ratios(n, "sdpa")) for n in fns if n != "sdpa"
             },
+            # default and SDPA alone, each sample after the same projection (in the
+            # rotation above, the default call mostly follows SDPA, and SDPA the float32
+            # native call): the headline figure
+            "after_projection": {
+                "ms": {n: 1e3 * t for n, t in after.medians.items()},
+                "ratio_vs_sdpa": statistics.median(after.ratios("default", "sdpa")),
+            },
             "max_error_vs_float64": errors,
         }
         rows.append(row)
         print(
             f"{dtype} L={length} {case:8s} default/sdpa {row['ratio_vs_sdpa']['default']:.2f} "
+            f"after projection {row['after_projection']['ratio_vs_sdpa']:.2f} "
             f"own/sdpa {row['ratio_vs_sdpa']['native_own_dtype']:.2f} "
             f"f32/sdpa {row['ratio_vs_sdpa']['native_float32']:.2f}  err {errors}",
             flush=True,
