@@ -14,9 +14,10 @@ padding (the last quarter of the keys masked), in rotation; then the default cal
 SDPA alone, each sample after the same untimed projection ``X W`` in the inputs' dtype
 (``after_projection``: what precedes attention in a layer, the same for both; in the
 rotation the default call mostly follows SDPA, and SDPA the float32 native call);
-max error against float64 SDPA on the same inputs; the peak resident memory a causal call adds, each in its own process,
-as the first call of the process and after one small call (``warm``: the call's own
-working memory, without the modules and caches a process loads once).
+max error against float64 SDPA on the same inputs; the peak resident memory a causal
+call adds (the median of 5 fresh processes each), as the first call of the process
+and after one small call (``warm``: the call's own working memory, without the
+modules and caches a process loads once).
 jax: under ``jit``, the default call, the dense path in both half forms (float32
 copies, FlashAttention's form) and ``jax.nn.dot_product_attention`` in bfloat16.
 The machine's load average is recorded: it is shared.
@@ -38,6 +39,7 @@ from _timing import interleaved_seconds
 
 RESULTS = Path(__file__).parent / "results"
 B, H, D = 1, 8, 64
+MEMORY_PROCESSES = 5  # fresh processes per memory figure (the median is reported)
 
 
 def _loadavg() -> str:
@@ -96,7 +98,7 @@ def torch_child(dtype: str, length: int) -> dict:
             return x @ w
 
         with torch.no_grad():
-            res = interleaved_seconds(fns, repeats=15 if length < 4096 else 7)
+            res = interleaved_seconds(fns, repeats=41 if length < 4096 else 15)
             pair = {"default": fns["default"], "sdpa": sdpa}
             after = interleaved_seconds(
                 pair, repeats=41 if length < 4096 else 15, before=projection
@@ -269,15 +271,18 @@ def main(argv: list[str]) -> int:
         out["runs"] = [
             _child("torch", dt, str(n)) for dt in ("bfloat16", "float16") for n in lengths
         ]
-        out["memory_causal"] = {
-            f"{dt} L={n} {impl} {when}": _child("torch-memory", dt, str(n), impl, when)[
-                "extra_peak_MiB"
+        # each in MEMORY_PROCESSES fresh processes: a first call's figure moves by about
+        # 4 MiB between processes (8.3 or 12.2 MiB for SDPA itself), on both sides
+        samples = {
+            f"bfloat16 L={max(lengths)} {impl} {when}": [
+                _child("torch-memory", "bfloat16", str(max(lengths)), impl, when)["extra_peak_MiB"]
+                for _ in range(MEMORY_PROCESSES)
             ]
-            for dt in ("bfloat16",)
-            for n in (max(lengths),)
             for when in ("warm", "first")
             for impl in ("default", "sdpa")
         }
+        out["memory_causal"] = {k: statistics.median(v) for k, v in samples.items()}
+        out["memory_causal_samples"] = samples
         print(out["memory_causal"])
     else:
         import jax
