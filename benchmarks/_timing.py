@@ -12,6 +12,7 @@ The benchmarks import it as ``_timing`` (their folder is on ``sys.path``);
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ def interleaved_seconds(
     sync: Callable[[Any], Any] | None = None,
     number: int = 1,
     before: Callable[[], Any] | None = None,
+    shuffle: bool = False,
 ) -> Interleaved:
     """Time several callables side by side, round-robin, in this process.
 
@@ -99,6 +101,11 @@ def interleaved_seconds(
         ``sync(fn())`` is what is timed (see :func:`median_seconds`).
     number : int, default 1
         Calls per sample.
+    shuffle : bool, default False
+        Each round in its own random order (seeded), instead of the rotation: every
+        callable follows each of the others about equally often. Where one of them
+        leaves the caches cold for whatever comes next (a textbook of hundreds of MiB
+        of scores), the rotation always puts the same callable after it.
     before : callable, optional
         Called (untimed, its result synced) before each sample: what precedes the
         call in a program (a projection before attention), the same for every
@@ -120,9 +127,13 @@ def interleaved_seconds(
         for _ in range(warmup):
             sync(fns[name]())
     samples: dict[Any, list[float]] = {name: [] for name in names}
+    order = random.Random(0)
     for i in range(repeats):
         shift = i % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        ordered = names[shift:] + names[:shift]
+        if shuffle:
+            order.shuffle(ordered)
+        for name in ordered:
             if before is not None:
                 sync(before())
             samples[name].append(sample_seconds(fns[name], sync, number))

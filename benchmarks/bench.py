@@ -397,7 +397,9 @@ def run_case(suite: Suite, case: Case, reps: int, rng: np.random.Generator) -> d
                 print(f"  MISMATCH: {name} differs from ours by {row['max_abs_diff'][name]:.3g}")
         del got
         ready[name] = impl
-    timed = interleaved_seconds(ready, repeats=reps, warmup=1, sync=suite.sync)
+    # shuffled rounds: in a rotation "ours" always followed the textbook, whose float32
+    # scores leave the caches cold (Q, K and V too), and the peer always followed "ours"
+    timed = interleaved_seconds(ready, repeats=reps, warmup=1, sync=suite.sync, shuffle=True)
     medians = timed.medians
     row["ms"] = {name: 1e3 * t for name, t in medians.items()}
     row["samples_ms"] = {name: [1e3 * t for t in s] for name, s in timed.samples.items()}
