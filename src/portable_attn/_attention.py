@@ -13,7 +13,7 @@ from typing import Any, Literal
 from . import _direct as direct
 from ._lib import _policy
 from ._lib._block_states import BlockMask
-from ._lib._call import prepare
+from ._lib._call import no_dropout_and_none_of, prepare
 from ._lib._dense import dense_weights
 from ._lib._policy import choose_path, kept_keys
 from ._lib._validation import check_given, check_is_flag
@@ -222,25 +222,23 @@ def scaled_dot_product_attention(
     (2, 8, 5, 32)
     """
     check_given("value", value)
+    model: dict[str, Any] = {  # the arguments that build the model beside Q, K, V, mask
+        "bias": bias,
+        "window": window,
+        "softcap": softcap,
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+        "alibi_slopes": alibi_slopes,
+        "score_mod": score_mod,
+        "dropout_mask": dropout_mask,
+        "sinks": sinks,
+        "q_segment_ids": q_segment_ids,
+        "kv_segment_ids": kv_segment_ids,
+        "mask_mod": mask_mod,
+        "block_mask": block_mask,
+    }
     sig = kernel = None  # a repeated torch call of Q, K, V and a mask: its kernel call
-    if (
-        bias is None
-        and window is None
-        and softcap is None
-        and q_lengths is None
-        and kv_lengths is None
-        and alibi_slopes is None
-        and score_mod is None
-        and type(dropout_p) is float
-        and dropout_p == 0.0
-        and dropout_mask is None
-        and sinks is None
-        and q_segment_ids is None
-        and kv_segment_ids is None
-        and mask_mod is None
-        and block_mask is None
-        and return_lse is False
-    ):
+    if return_lse is False and no_dropout_and_none_of(dropout_p, *model.values()):
         sig = direct.signature(
             query, key, value, mask, is_causal, scale, block_size, implementation
         )
@@ -252,22 +250,10 @@ def scaled_dot_product_attention(
         key,
         value,
         mask=mask,
-        bias=bias,
         is_causal=is_causal,
         scale=scale,
-        window=window,
-        softcap=softcap,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        alibi_slopes=alibi_slopes,
-        score_mod=score_mod,
         dropout_p=dropout_p,
-        dropout_mask=dropout_mask,
-        sinks=sinks,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
+        **model,
     )
     return_lse = check_is_flag("return_lse", return_lse)
     keys = kept_keys(call)  # the keys the lengths show some row (policy rule 0)

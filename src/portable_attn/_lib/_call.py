@@ -51,7 +51,13 @@ from ._fields import FIELDS
 from ._masks import SegmentBlocks, arange
 from ._scores import AttentionPlan, ScoreTerms, empty_result
 
-__all__ = ["ATTENTION_KEYWORDS", "AttentionCall", "prepare", "signed_lengths"]
+__all__ = [
+    "ATTENTION_KEYWORDS",
+    "AttentionCall",
+    "no_dropout_and_none_of",
+    "prepare",
+    "signed_lengths",
+]
 
 Array = Any
 
@@ -426,6 +432,13 @@ def _scalar_option(xp: Any, name: str, value: Any, compute_dtype: Any) -> Any:
 # the score terms: the model-building arguments, shaped to broadcast with a block
 
 
+def no_dropout_and_none_of(dropout_p: Any, *arguments: Any) -> bool:
+    """Whether `dropout_p` is the default 0 and every one of `arguments` is None (not given)."""
+    if type(dropout_p) not in (float, int) or dropout_p != 0:
+        return False
+    return all(x is None for x in arguments)
+
+
 def _score_terms(
     xp: Any,
     plan: AttentionPlan,
@@ -445,19 +458,18 @@ def _score_terms(
 ) -> tuple[AttentionPlan, ScoreTerms]:
     """Validate the model-building arguments and gather them as score terms."""
     mask = None if mask is None else _at_least_2d(xp, mask)
-    if (
-        type(dropout_p) in (float, int)
-        and dropout_p == 0
-        and q_lengths is None
-        and kv_lengths is None
-        and alibi_slopes is None
-        and score_mod is None
-        and dropout_mask is None
-        and sinks is None
-        and q_segment_ids is None
-        and kv_segment_ids is None
-        and mask_mod is None
-        and block_mask is None
+    if no_dropout_and_none_of(
+        dropout_p,
+        q_lengths,
+        kv_lengths,
+        alibi_slopes,
+        score_mod,
+        dropout_mask,
+        sinks,
+        q_segment_ids,
+        kv_segment_ids,
+        mask_mod,
+        block_mask,
     ):  # the common call: none of them given
         return plan, (_PLAIN_TERMS if mask is None else ScoreTerms(mask=mask))
     logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
