@@ -1,0 +1,96 @@
+"""What a torch call's Python costs, in a loop of its own and right after a kernel.
+
+    python benchmarks/per_call.py     # writes benchmarks/results/per-call-torch.json
+
+Evidence for ``portable_attn/_direct.py`` (issue 25). B=1, H=8, D=64, bfloat16,
+L = 1024, the last quarter of the keys masked (padding), in one fresh process:
+
+- ``route_python_us``: the full route of the default call (``prepare``, the path, the
+  native route's masks) with the kernel replaced by a function returning its output,
+  timed back to back (``hot``) and each call right after an untimed SDPA call of the
+  same inputs (``after_kernel``: the kernel leaves that Python's code and data out of
+  the caches), medians of 201 calls;
+- ``vs_sdpa``: the default call (a repeated call: the kept kernel call alone), the
+  same call by the full route (nothing kept), and SDPA in bfloat16, each sample after
+  the same untimed projection ``X W`` in bfloat16, interleaved; medians and the
+  median per-round ratio to SDPA.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import report
+from _timing import interleaved_seconds
+
+RESULTS = Path(__file__).parent / "results"
+B, H, L, D = 1, 8, 1024, 64
+
+
+def main() -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from portable_attn import _direct, scaled_dot_product_attention
+    from portable_attn._paths import _native
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).to(torch.bfloat16) for _ in range(3))
+    mask = torch.arange(L)[None, None, None, :] < (3 * L) // 4
+    x = torch.randn(B * L, H * D, generator=gen).to(torch.bfloat16)
+    w = torch.randn(H * D, H * D, generator=gen).to(torch.bfloat16) / math.sqrt(H * D)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def full_route():
+        _direct.forget()  # nothing kept: the checks, the plan, the path, the masks
+        return scaled_dot_product_attention(q, k, v, mask=mask)
+
+    out = {**report.git_state(), "B": B, "H": H, "L": L, "D": D, "dtype": "bfloat16"}
+    out["torch"], out["threads"] = torch.__version__, torch.get_num_threads()
+    with torch.no_grad():
+        assert sdpa().dtype == torch.bfloat16
+        result = sdpa()
+        kernel = _native._torch
+        _native._torch = lambda *args, **kwargs: result  # the route's Python alone
+        try:
+            hot, cold = [], []
+            for _ in range(201):
+                start = time.perf_counter()
+                full_route()
+                hot.append(time.perf_counter() - start)
+            for _ in range(201):
+                sdpa()
+                start = time.perf_counter()
+                full_route()
+                cold.append(time.perf_counter() - start)
+        finally:
+            _native._torch = kernel
+        out["route_python_us"] = {
+            "hot": 1e6 * statistics.median(hot),
+            "after_kernel": 1e6 * statistics.median(cold),
+        }
+        fns = {
+            "default": lambda: scaled_dot_product_attention(q, k, v, mask=mask),
+            "full_route": full_route,
+            "sdpa": sdpa,
+        }
+        torch.testing.assert_close(fns["default"](), sdpa(), rtol=0, atol=0)
+        res = interleaved_seconds(fns, repeats=101, before=lambda: x @ w)
+    out["vs_sdpa"] = {
+        "ms": {n: 1e3 * t for n, t in res.medians.items()},
+        "ratio": {n: statistics.median(res.ratios(n, "sdpa")) for n in fns if n != "sdpa"},
+    }
+    print(json.dumps({k: out[k] for k in ("route_python_us", "vs_sdpa")}, indent=1))
+    (RESULTS / "per-call-torch.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main() if sys.argv[1:] == [] else 2)
