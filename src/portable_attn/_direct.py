@@ -1,10 +1,10 @@
 """Repeated torch calls that go to SDPA as they are: the kernel call alone.
 
 An eager call runs a few hundred lines of Python before its kernel: the checks,
-the plan, the path, the masks. Each is a dictionary lookup or a comparison, about
-50 us in a loop of its own, but beside a kernel of milliseconds (which evicts that
-Python from the caches) the same lines took 150-200 us per call: 4-5% of a 4 ms
-bfloat16 SDPA call at L = 1024 (issue 25; ``benchmarks/results/half-torch.json``).
+the plan, the path, the masks. In a loop of its own that took 38 us per call, but
+right after an SDPA call (which evicts that Python from the caches) 122 us, and the
+full route ran at 1.06x SDPA in bfloat16 at L = 1024 with a padding mask, the kept
+kernel call at 1.01x (issue 25; ``benchmarks/results/per-call-torch.json``).
 
 For the calls whose arrays the native route hands to SDPA unchanged
 (:func:`~portable_attn._paths._native.direct_kernel`: torch, Q, K, V and an optional
