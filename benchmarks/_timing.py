@@ -101,17 +101,17 @@ def interleaved_seconds(
         ``sync(fn())`` is what is timed (see :func:`median_seconds`).
     number : int, default 1
         Calls per sample.
-    shuffle : bool, default False
-        Each round in its own random order (seeded), instead of the rotation: every
-        callable follows each of the others about equally often. Where one of them
-        leaves the caches cold for whatever comes next (a textbook of hundreds of MiB
-        of scores), the rotation always puts the same callable after it.
     before : callable, optional
         Called (untimed, its result synced) before each sample: what precedes the
         call in a program (a projection before attention), the same for every
         callable. On a CPU the time of a call depends on what ran just before it
         (``benchmarks/half.py`` times torch both ways).
 
+    shuffle : bool, default False
+        Each round in its own random order (seeded), instead of the rotation: every
+        callable follows each of the others about equally often. Where one of them
+        leaves the caches cold for whatever comes next (a textbook of hundreds of MiB
+        of scores), the rotation always puts the same callable after it.
     Returns
     -------
     Interleaved

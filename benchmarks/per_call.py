@@ -11,7 +11,8 @@ L = 1024, the last quarter of the keys masked (padding), in one fresh process:
   same inputs (``after_kernel``: the kernel leaves that Python's code and data out of
   the caches), medians of 201 calls;
 - ``vs_sdpa``: the default call (a repeated call: the kept kernel call alone), the
-  same call by the full route (nothing kept), and SDPA in bfloat16, each sample after
+  same call by the full route (no kernel call kept; the signature's checks and path
+  still cached, as for any repeated call), and SDPA in bfloat16, each sample after
   the same untimed projection ``X W`` in bfloat16, interleaved; medians and the
   median per-round ratio to SDPA.
 """

@@ -125,7 +125,8 @@ def test_rows_without_keys_are_zero_with_zero_gradients(backend, xp, dtype, form
     """Guarded around the kernel, or zeroed by it (torch CPU: native_kernel_zeroes_empty_rows).
 
     The default call, in the kernel's own dtypes (torch's flash kernel, not the float64
-    math one), with 32 keys: above the policy's NATIVE_MIN_KEYS, so it is native.
+    math one), with 32 keys: above the policy's NATIVE_MIN_KEYS, so on torch it is the
+    native kernel (JAX's default call is its portable path).
     """
     lq, lk = (40, 32) if form == "causal Lq>Lk" else (24, 32)
     q, k, v = (backend.asarray(a, dtype) for a in qkv(lq=lq, lk=lk))

@@ -404,6 +404,28 @@ class TestCachedPaths:
         _path(backend, block_size=4)
         assert len(decided) == (4 if cached else 5)
 
+    def test_an_equal_but_invalid_block_size_is_still_refused(self, backend, monkeypatch):
+        self._count_decisions(monkeypatch)
+        empty = {"lq": 0}  # an empty call: its path (Empty) is cached whatever the blocks
+        for blocks in (1, (1, 2)):
+            _path(backend, shape=empty, block_size=blocks)
+        for bad in (1.0, True, (1.0, 2), (True, 2)):
+            with pytest.raises(TypeError, match="block_size"):
+                _path(backend, shape=empty, block_size=bad)
+
+    def test_a_learned_scale_is_not_cached(self, backend, monkeypatch):
+        decided = self._count_decisions(monkeypatch)
+        _, (q, k, v) = _arrays(backend)
+        scale = backend.asarray(np.asarray(0.5))
+        for _ in range(2):
+            choose_path(prepare(q, k, v, scale=scale), None, None)
+        assert len(decided) == 2
+        assert not [
+            p
+            for p, _ in policy._PATHS.values()
+            if p.scale is not None and not isinstance(p.scale, float)
+        ]
+
     def test_calls_with_host_values_are_decided_each_time(self, backend, monkeypatch):
         decided = self._count_decisions(monkeypatch)
         lengths = backend.asarray(np.array([5]))
@@ -418,7 +440,8 @@ class TestCachedPaths:
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
         monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
         monkeypatch.setattr(policy, "BUFFERED_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {(backend.family, "cpu"): 10**9})
+        kinds = ("cpu", "cuda", "gpu")  # whichever device the backend computes on
+        monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {(backend.family, d): 10**9 for d in kinds})
         with pytest.raises(AssertionError, match="forget_paths"):
             _path(backend)
         policy.forget_paths()

@@ -261,7 +261,7 @@ def scaled_dot_product_attention(
         call = first_keys(call, keys)
     path = choose_path(call, block_size, implementation, return_lse=return_lse)
     if sig is not None:
-        direct.remember(sig, call, path, mask)
+        direct.remember(sig, call, path, (query, key, value, mask))
     if kernel is not None:  # tests: the kept kernel call is checked against the route
         return kernel(query, key, value, mask)
     out, lse = run(call, path, with_lse=return_lse)

@@ -12,8 +12,10 @@ mask, nothing else), the first call of each signature takes the full route, and
 its kernel call (:class:`~portable_attn._paths._native.DirectKernel`) is kept under
 the signature (:func:`signature`): the types, shapes, dtypes, devices and layouts of
 Q, K, V and the mask, ``is_causal``, ``scale``, ``block_size`` and
-``implementation``, everything the checks, the plan and the path read of such a
-call. A later call with the same signature is the kernel call alone. Calls that
+``implementation`` (each with its type), everything the checks, the plan and the path
+read of such a call. A later call with the same signature is the kernel call alone,
+its result cast to the inputs' dtype as the route's is (``torch.autocast`` changes
+SDPA's). Calls that
 fail a check are never kept; every other call takes the full route.
 """
 
@@ -57,7 +59,8 @@ def signature(
         )
     except AttributeError:
         return None
-    return (*arrays, type(is_causal), is_causal, type(scale), scale, block_size, implementation)
+    options = (is_causal, scale, block_size, implementation)
+    return (*arrays, *((type(o), o) for o in options))
 
 
 def kernel_for(sig: Any) -> DirectKernel | None:
@@ -68,13 +71,15 @@ def kernel_for(sig: Any) -> DirectKernel | None:
         return None
 
 
-def remember(sig: Any, call: AttentionCall, path: Path, mask: Any) -> None:
+def remember(sig: Any, call: AttentionCall, path: Path, arguments: tuple[Any, ...]) -> None:
     """Keep the kernel call of `call` under `sig` where the route hands SDPA its arrays.
+
+    `arguments`: the caller's query, key, value and mask.
 
     With :data:`~portable_attn._lib._policy.CHECK_CACHED_PATHS` (set by the tests) a
     kept kernel call that differs from the one the route decides now raises.
     """
-    kernel = direct_kernel(call, path, mask) if isinstance(path, Native) else None
+    kernel = direct_kernel(call, path, arguments) if isinstance(path, Native) else None
     kept = kernel_for(sig)
     if kept is not None:
         if _policy.CHECK_CACHED_PATHS and kept != kernel:

@@ -13,7 +13,6 @@ the array's library here, and only here.
 
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 from typing import Any
@@ -278,13 +277,21 @@ def native_kernel_zeroes_empty_rows(x: Any) -> bool:
     return _torch_release() >= TORCH_CPU_ZEROES_EMPTY_ROWS
 
 
-@functools.cache
 def _torch_release() -> tuple[int, int]:
-    """(major, minor) of the installed torch."""
-    import torch
+    """Return (major, minor) of the installed torch, read once.
 
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
+    Kept in a dict: ``torch.compile`` warns about a ``functools`` cache wrapper.
+    """
+    release = _RELEASES.get("torch")
+    if release is None:
+        import torch
+
+        major, minor = torch.__version__.split(".")[:2]
+        release = _RELEASES["torch"] = (int(major), int(minor))
+    return release
+
+
+_RELEASES: dict[str, tuple[int, int]] = {}
 
 
 def device_kind(x: Any) -> str:

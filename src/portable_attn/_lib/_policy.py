@@ -203,9 +203,11 @@ NATIVE_TILE = 256
 NATIVE_TILES_MIN_SKIP = 0.5
 #: The fewest keys a call needs for the default route to the native kernel, per
 #: ``(library, device kind)``: torch 2.13 CPU SDPA returns zeros, not NaN, for a query row
-#: holding a NaN when Lk < 16 (float16, bfloat16, float32; D = 16-128; any Lq), against
-#: the contract that NaN propagates; from 16 keys on it propagates. Such small calls take
-#: the portable path (``implementation="native"`` still asks for the kernel as it is).
+#: holding a NaN when Lk < 16 and no ``attn_mask`` is given (float16 to float64 at some
+#: sizes; D = 16-128; any Lq), against the contract that NaN propagates; from 16 keys on
+#: it propagates. Such small whole calls take the portable path
+#: (``implementation="native"`` still asks for the kernel as it is). The kernel per query
+#: tile (``Native.tiles``) can still give it a part of fewer keys: not covered yet.
 NATIVE_MIN_KEYS: dict[tuple[str, str], int] = {("torch", "cpu"): 16}
 #: NumPy's tiled path runs its query blocks in threads from this many bytes of dense
 #: scores (B x Hq x Lq x Lk x itemsize): on 2 cores, 2 threads with BLAS limited to
@@ -373,7 +375,9 @@ def _path_key(call: AttentionCall, block_size: Any, implementation: Any, return_
     Only native, dense and empty paths are cached: the tiled path's threads follow
     the cores this process may use now, and Dask's grid its chunks.
     """
-    terms = call.terms
+    terms, plan = call.terms, call.plan
+    if v.array_or_none(plan.scale) is not None or v.array_or_none(plan.softcap) is not None:
+        return None  # a learned scale or cap: a plan of this call only (a tracer in jit)
     if (
         terms.kv_lengths is not None
         or terms.q_lengths is not None
@@ -396,7 +400,10 @@ def _path_key(call: AttentionCall, block_size: Any, implementation: Any, return_
             None if value is None else value.dtype,
             None if bias is None else bias.dtype,
             terms.mask is None,
+            # block_size with its type (and its entries'): 1 == 1.0 == True, one invalid
+            type(block_size),
             block_size,
+            tuple(map(type, block_size)) if type(block_size) is tuple else None,
             implementation,
             return_lse,
         )

@@ -168,12 +168,15 @@ class DirectKernel:
     is_causal: bool
     scale: float
     enable_gqa: bool
+    #: the result's dtype, the inputs' (the route's ``finish``): under ``torch.autocast``
+    #: SDPA returns the autocast dtype
+    dtype: Any
 
     def __call__(self, query: Any, key: Any, value: Any, mask: Any) -> Any:
         """Return ``F.scaled_dot_product_attention`` of the arrays, as the route calls it."""
         import torch.nn.functional as F
 
-        return F.scaled_dot_product_attention(
+        out = F.scaled_dot_product_attention(
             query,
             key,
             value,
@@ -182,20 +185,26 @@ class DirectKernel:
             scale=self.scale,
             enable_gqa=self.enable_gqa,
         )
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
 
-def direct_kernel(call: AttentionCall, path: Any, mask: Any) -> DirectKernel | None:
+def direct_kernel(
+    call: AttentionCall, path: Any, arguments: tuple[Any, ...]
+) -> DirectKernel | None:
     """Return the kernel call of `call` on `path` where it takes the arrays as they are.
 
-    :func:`native_attention` makes that call, and None is returned, unless: torch, the
-    whole call on ``Native`` (no tiles) in the inputs' dtype (no float32 copies, no
-    cast of the result), Q, K and V at least 3-D (a head axis) and of the batch shape
-    (no broadcast), a float scale, no bias and no score term but `mask` (the caller's
-    argument), which is the kernel's mask itself (at least 2-D, spanning the call), no
-    band mask to build, and no empty-row guard (no row can be empty, or the kernel
-    zeroes such rows itself).
+    `arguments`: the caller's query, key, value and mask. :func:`native_attention`
+    makes that call, and None is returned, unless: torch, the whole call on ``Native``
+    (no tiles) in the inputs' dtype (no float32 copies, no cast of the result), Q, K
+    and V the caller's own (at least 3-D: no head axis added) and of the batch shape
+    (no broadcast), a float scale, no bias and no score term but the mask, which is the
+    kernel's mask itself (at least 2-D, spanning the call), no band mask to build, and
+    no empty-row guard (no row can be empty, or the kernel zeroes such rows itself).
     """
     q, k, v, terms, plan = call.query, call.key, call.value, call.terms, call.plan
+    query, key, value, mask = arguments
+    if q is not query or k is not key or v is not value:
+        return None
     if autodiff_family(q) != "torch" or path.tiles is not None or call.drop_head:
         return None
     if call.bias is not None or array_or_none(plan.scale) is not None or v is None:
@@ -218,7 +227,7 @@ def direct_kernel(call: AttentionCall, path: Any, mask: Any) -> DirectKernel | N
     if empties and not native_kernel_zeroes_empty_rows(q):
         return None
     gqa = plan.num_q_heads != plan.num_kv_heads
-    return DirectKernel(kernel_causal, float(plan.scale), gqa)
+    return DirectKernel(kernel_causal, float(plan.scale), gqa, plan.result_dtype)
 
 
 def native_tiles(call: AttentionCall, tile: int) -> Any:
