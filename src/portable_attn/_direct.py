@@ -1,10 +1,10 @@
 """Repeated torch calls that go to SDPA as they are: the kernel call alone.
 
 An eager call runs a few hundred lines of Python before its kernel: the checks,
-the plan, the path, the masks. In a loop of its own that took 38 us per call, but
-right after an SDPA call (which evicts that Python from the caches) 122 us, and the
-full route ran at 1.06x SDPA in bfloat16 at L = 1024 with a padding mask, the kept
-kernel call at 1.01x (issue 25; ``benchmarks/results/per-call-torch.json``).
+the plan, the path, the masks. In a loop of its own that took 36 us per call, but
+right after an SDPA call (which evicts that Python from the caches) 138 us, and the
+full route ran at 1.07x SDPA in bfloat16 at L = 1024 with a padding mask, the kept
+kernel call at 1.03x (issue 25; ``benchmarks/results/per-call-torch.json`` at 12f45a8).
 
 For the calls whose arrays the native route hands to SDPA unchanged
 (:func:`~portable_attn._paths._native.direct_kernel`: torch, Q, K, V and an optional

@@ -299,8 +299,8 @@ NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
 }
 #: Routes of :data:`NATIVE_HALF_ROUTES` that take the input dtype instead on a CPU with
 #: float16 arithmetic (AVX512-FP16 or AMX-FP16: :func:`~._cpu.has_float16_arithmetic`).
-#: torch CPU float16 on such a CPU (AVX512-FP16; half-torch.json at 74288bd, L = 1024-4096,
-#: plain / causal / padding): the float32 route ran at 0.98-1.36x SDPA in float16 (above
+#: torch CPU float16 on such a CPU (AVX512-FP16; half-torch.json at 12f45a8, L = 1024-4096,
+#: plain / causal / padding): the float32 route ran at 0.98-1.17x SDPA in float16 (above
 #: 1.05x in 4 rows of 9, all at L <= 2048; 0.98-1.07x at 538c7b4), the float16 route at
 #: 0.99-1.02x; the float32 route's max error against float64 was 0.83-1.0x SDPA's.
 FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
@@ -316,7 +316,7 @@ PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True}
 
 #: The paths :func:`choose_path` decided, by :func:`_path_key`, with the plan they were
 #: decided for: a repeated eager call skips the rules, part of the route's Python that
-#: took 38 us per call in a loop and 122 us right after a kernel (issue 25,
+#: took 36 us per call in a loop and 138 us right after a kernel (issue 25,
 #: benchmarks/results/per-call-torch.json).
 _PATHS: dict[Any, tuple[Any, Path]] = {}
 _PATHS_SIZE = 256
