@@ -108,6 +108,17 @@ def _kernel_form(call: AttentionCall) -> tuple[bool, bool]:
     return kernel_causal, not (kernel_causal or hides_nothing or decoding)
 
 
+def _guards_empty_rows(call: AttentionCall) -> bool:
+    """Whether rows without keys are guarded around the kernel.
+
+    Where a row may see no key, unless the kernel zeroes such rows itself (with zero
+    gradients: :func:`~portable_attn._lib._compat.native_kernel_zeroes_empty_rows`).
+    """
+    if not rows_may_be_empty(call.bias, call.terms, call.plan):
+        return False
+    return not native_kernel_zeroes_empty_rows(call.query)
+
+
 def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
     """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the dtype of `call`'s Q.
 
@@ -130,9 +141,7 @@ def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
     allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
     visible = None
-    # no guard where no row is empty, or where the kernel zeroes such rows itself
-    guard = not rows_seen and rows_may_be_empty(bias, terms, plan)
-    if guard and not native_kernel_zeroes_empty_rows(q):
+    if not rows_seen and _guards_empty_rows(call):
         if bias is None:
             visible = _visible_rows_of_key_mask(xp, terms, plan)
         if visible is None:
@@ -223,8 +232,7 @@ def direct_kernel(
     kernel_causal, structural = _kernel_form(call)
     if structural and plan.band.restricts:
         return None
-    empties = rows_may_be_empty(None, terms, plan)
-    if empties and not native_kernel_zeroes_empty_rows(q):
+    if _guards_empty_rows(call):
         return None
     gqa = plan.num_q_heads != plan.num_kv_heads
     return DirectKernel(kernel_causal, float(plan.scale), gqa, plan.result_dtype)
