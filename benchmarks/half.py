@@ -67,11 +67,11 @@ def _torch_inputs(dtype: str, length: int, case: str):
 def torch_child(dtype: str, length: int) -> dict:
     import torch
     import torch.nn.functional as F
+    from portable_attn._lib._policy import choose_path
 
     from portable_attn import scaled_dot_product_attention
     from portable_attn._lib._call import prepare
     from portable_attn._lib._path import Native
-    from portable_attn._lib._policy import choose_path
     from portable_attn._paths import run
 
     rows = []
@@ -177,11 +177,11 @@ def _finished(call, path, run):
 def jax_child(length: int) -> dict:
     import jax
     import jax.numpy as jnp
+    from portable_attn._lib._policy import choose_path
 
     from portable_attn import scaled_dot_product_attention
     from portable_attn._lib._call import prepare
     from portable_attn._lib._path import Dense
-    from portable_attn._lib._policy import choose_path
     from portable_attn._paths import run
 
     rng = np.random.default_rng(0)

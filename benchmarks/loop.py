@@ -69,8 +69,8 @@ def run_case(impl: str, mode: str, length: int, causal: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-
     import portable_attn._lib._policy as policy
+
     from portable_attn import scaled_dot_product_attention
 
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ from _timing import interleaved_seconds
 from portable_attn._lib._call import prepare
 from portable_attn._lib._cpu import available_workers
 from portable_attn._lib._path import Tiled
-from portable_attn._lib._policy import fold_row_sums
+from portable_attn._lib._route import fold_row_sums
 from portable_attn._paths._threads import threaded_attention
 
 RESULTS = Path(__file__).parent / "results"

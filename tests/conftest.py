@@ -194,21 +194,37 @@ def xp(backend: Backend):
     return backend.xp
 
 
+def _same_decision(fresh, kept) -> bool:
+    """Whether a cache entry replays what deriving the call afresh decides."""
+    if fresh.xp is not kept.xp or fresh.plan != kept.plan or fresh.route != kept.route:
+        return False
+    if kept.route is not None and kept.route.compiled:  # a compiled program each
+        return (fresh.kept is None) == (kept.kept is None)
+    return fresh.kept == kept.kept
+
+
 @pytest.fixture(autouse=True)
-def _paths_decided_afresh():
-    """Each test starts with no cached path, and every cached path is checked.
+def _cache_checked(monkeypatch):
+    """Each test starts with an empty cache, and every cache hit is checked from outside.
 
-    :func:`~portable_attn._lib._policy.choose_path` caches the paths of repeated
-    calls, and ``portable_attn._direct`` the kernel calls of repeated torch calls;
-    with ``CHECK_CACHED_PATHS`` each hit is decided again, and raises where a test
-    changed a policy setting after a call (then it calls ``forget_paths()``).
+    The cache (``portable_attn._lib._cache``) replays what it decided for a call
+    signature; here each hit also derives the call afresh (every check, the plan, the
+    route, the kept kernel call) and fails the test where the two differ -- a router
+    setting a test changed after a call without ``forget()``, say. The production
+    control flow runs unchanged: the hit is what the call replays.
     """
-    from portable_attn import _direct
-    from portable_attn._lib import _policy
+    from portable_attn._lib import _cache
 
-    _policy.CHECK_CACHED_PATHS = True
-    _policy.forget_paths()
-    _direct.forget()
-    yield
-    _policy.forget_paths()
-    _direct.forget()
+    _cache.forget()
+    entry_for = _cache.entry_for
+
+    def checked(key, derive):
+        entry, derived = entry_for(key, derive)
+        if derived is None:  # a hit
+            fresh, _ = derive()
+            assert _same_decision(fresh, entry), f"cache hit {entry!r}, derived {fresh!r}"
+        return entry, derived
+
+    monkeypatch.setattr(_cache, "entry_for", checked)
+    yield entry_for  # a test that counts what a hit does puts it back
+    _cache.forget()

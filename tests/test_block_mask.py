@@ -160,11 +160,11 @@ def test_states_agree_with_the_dense_mask(backend, xp, name, block):
 
 @pytest.mark.parametrize("name", ["doc_causal", "per_head", "per_batch"])
 def test_build_tiles_bound_the_entries_in_all(backend, xp, monkeypatch, name):
-    # a tile holds at most TILE_ENTRIES booleans over every (batch, head) the mask
+    # a tile holds at most MASK_TILE_ENTRIES booleans over every (batch, head) the mask
     # differs over, whatever the lengths: a per-head mask gets tiles of fewer blocks
-    from portable_attn._lib import _block_states
+    from portable_attn._lib import _route
 
-    monkeypatch.setattr(_block_states, "TILE_ENTRIES", 4 * 4 * 4 * 2)  # 8 blocks of 4x4
+    monkeypatch.setattr(_route, "MASK_TILE_ENTRIES", 4 * 4 * 4 * 2)  # 8 blocks of 4x4
     sizes = []
 
     def recorded(b, h, q_idx, kv_idx):
@@ -248,9 +248,9 @@ def test_hidden_blocks_are_not_computed(backend, xp, given):
 def test_dask_hidden_chunk_pairs_are_no_tasks(backend, xp, monkeypatch):
     import dask.array as da
 
-    from portable_attn._lib import _policy
+    from portable_attn._lib import _route
 
-    monkeypatch.setattr(_policy, "DASK_TASK_SCORES", 0)  # a task per visible chunk pair
+    monkeypatch.setattr(_route, "DASK_TASK_SCORES", 0)  # a task per visible chunk pair
 
     n = 40
     q, k, v = qkv(batch=(1,), hq=2, hkv=2, lq=n, lk=n, dk=4, dv=4)
@@ -298,24 +298,24 @@ def _same_segment(ids):
 
 def _visit_counts(q, k, v, bm):
     from portable_attn._lib._call import prepare
-    from portable_attn._lib._policy import choose_path
-    from portable_attn._paths._loop import _Grid, _key_range
+    from portable_attn._lib._route import route
+    from portable_attn._paths._loop import _Grid, _states
 
     call = prepare(q, k, v, block_mask=bm)
-    path = choose_path(call, None, None)
+    path = route(call, None, None).path
     grid = _Grid(path.block_q, path.block_k, call.plan.q_len, call.plan.kv_len)
     arrays, skeleton = call.flatten()
-    keys = _key_range(skeleton, arrays, grid)
-    return [keys(i)[1] - keys(i)[0] for i in range(grid.nq)]
+    states = _states(skeleton, arrays, grid)
+    return [(states[i] != 0).sum() for i in range(grid.nq)]
 
 
 @pytest.mark.backends("jax", reason="the traced loop's visit lists at a longer length")
 def test_loop_visits_only_shown_pairs(backend, xp, monkeypatch):
     import jax
 
-    from portable_attn._lib import _policy
+    from portable_attn._lib import _route
 
-    monkeypatch.setattr(_policy, "MASK_LOOP_MIN_TILE", 256)
+    monkeypatch.setattr(_route, "MASK_LOOP_MIN_TILE", 256)
     n = 1024  # tiles of 256 over states of 128: 4 x 4 tiles
     q, k, v = qkv(batch=(1,), hq=1, hkv=1, lq=n, lk=n, dk=4, dv=4, backend=backend)
 
@@ -427,9 +427,9 @@ def test_bad_arguments(backend, xp):
 @pytest.mark.backends("torch", reason="torch SDPA per query tile (Native.tiles)")
 def test_native_per_tile_rectangular_documents(backend, xp, monkeypatch):
     """Lq < Lk (bottom-right causal): documents are not merged into square causal calls."""
-    from portable_attn._lib import _policy
+    from portable_attn._lib import _route
 
-    monkeypatch.setattr(_policy, "NATIVE_TILE", 4)
+    monkeypatch.setattr(_route, "NATIVE_TILE", 4)
     q, k, v = problem(lq=8, lk=13)
     q_ids = np.repeat(np.arange(2), [4, 4])[None]
     kv_ids = np.repeat(np.arange(2), [7, 6])[None]
@@ -467,12 +467,12 @@ def test_native_per_tile_rectangular_documents(backend, xp, monkeypatch):
     ],
 )
 def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):
-    from portable_attn._lib import _policy
+    from portable_attn._lib import _route
     from portable_attn._lib._call import prepare
     from portable_attn._lib._path import Native
 
-    monkeypatch.setattr(_policy, "NATIVE_TILE", 4)  # 4 query tiles of a 13-token call
-    monkeypatch.setattr(_policy, "NATIVE_MIN_KEYS", {})  # which would take no kernel
+    monkeypatch.setattr(_route, "NATIVE_TILE", 4)  # 4 query tiles of a 13-token call
+    monkeypatch.setattr(_route, "NATIVE_MIN_KEYS", {})  # which would take no kernel
     q, k, v = problem()
     on, dense = {}, np.ones((L, L), bool)
     for name, a in kw.items():
@@ -488,17 +488,17 @@ def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):
             on[name] = a
     rest = {n: a for n, a in kw.items() if n not in ("block_mask", "mask_mod")}
     qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
-    path = _policy.choose_path(prepare(qb, kb, vb, **on), None, None)
-    if "window" in kw and "kv_lengths" in kw:
-        assert path == Native()  # an alignment from values: nothing to skip
-    else:
-        assert path == Native(tiles=4)
+    path = _route.route(prepare(qb, kb, vb, **on), None, None).path
+    assert isinstance(path, Native)
+    # two sequences aligned 7 apart by their lengths: their bands together hide too
+    # few tiles for the kernel per tile
+    assert path.tiles == (None if "kv_lengths" in kw else 4)
     from portable_attn._paths import _native
 
     calls = []
     kernel = _native.native_attention
     monkeypatch.setattr(
-        _native, "native_attention", lambda c, **kw: calls.append(c) or kernel(c, **kw)
+        _native, "native_attention", lambda c, *a: calls.append(c) or kernel(c, *a)
     )
     out = scaled_dot_product_attention(qb, kb, vb, **on)
     if "q_segment_ids" in kw and kw["q_segment_ids"].max() == 1:  # documents of 8 and 5
@@ -518,16 +518,3 @@ def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):
     expected = backend.grad(lambda q, k, v: loss(q, k, v, **portable), qb, kb, vb)
     for a, b in zip(grads, expected, strict=True):
         assert_close(backend, a, backend.to_numpy(b), rtol=1e-8, atol=1e-10)
-
-
-def test_states_tell_which_rows_see_a_key(backend, xp):
-    """A block shown in full gives each of its rows a key: no empty-row guard needed."""
-
-    def window(b, h, q_idx, kv_idx):  # keys q - 4 .. q: the diagonal blocks are partial
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 4)
-
-    host = create_block_mask(window, None, None, 16, 16, block_size=2).host()
-    assert not host.covers_rows((0, 2), (0, 16))  # the first block row: partial only
-    assert host.covers_rows((2, 16), (0, 16))  # every later row has a full block left of it
-    assert not host.covers_rows((8, 10), (8, 10))  # its own diagonal block only
-    assert host.placed(2, 0).covers_rows((0, 14), (0, 16))

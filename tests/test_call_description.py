@@ -51,7 +51,6 @@ class TestFields:
         non_arrays = {
             "score_mod",
             "dropout_scale",
-            "segment_blocks",
             "mask_mod",
             "state_block",
             "block_host",
@@ -214,9 +213,9 @@ class TestSequenceParallelRoles:
 
 def test_the_tiled_path_object_carries_every_decision():
     q, k, v = qkv(lq=300, lk=300, hq=8, hkv=8)
-    from portable_attn._lib._policy import choose_path
+    from portable_attn._lib._route import route
 
-    path = choose_path(prepare(q, k, v), 64, None)
+    path = route(prepare(q, k, v), 64, None).path
     assert isinstance(path, Tiled)
     assert (path.block_q, path.block_k) == (64, 64)
     assert path.fold is True  # NumPy, 300 query rows per K/V head > 6 value columns

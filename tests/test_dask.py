@@ -233,9 +233,9 @@ class TestTasks:
     @pytest.fixture(autouse=True)
     def _a_task_per_pair(self, monkeypatch):
         """Pairs share no task here (TestRuns covers the runs)."""
-        from portable_attn._lib import _policy
+        from portable_attn._lib import _route
 
-        monkeypatch.setattr(_policy, "DASK_TASK_SCORES", 0)
+        monkeypatch.setattr(_route, "DASK_TASK_SCORES", 0)
 
     def test_tasks_are_a_small_multiple_of_the_chunk_pairs(self, backend):
         """No causal structure: every pair is a task, plus one merge per query chunk."""
@@ -256,7 +256,7 @@ class TestTasks:
 
     def test_many_key_chunks_merge_as_a_tree(self, backend):
         """9 key chunks: merges of at most DASK_MERGE_FAN_IN, in two levels."""
-        from portable_attn._lib._policy import DASK_MERGE_FAN_IN
+        from portable_attn._lib._route import DASK_MERGE_FAN_IN
 
         (q, k, v), (q_np, k_np, v_np) = _problem(64, 8, lq=64, lk=72)
         out = scaled_dot_product_attention(q, k, v)
@@ -302,13 +302,13 @@ class TestRuns:
         """A threshold of two pairs: 4 visible key chunks are 2 runs and a merge."""
         import dask.array as da
 
-        from portable_attn._lib import _policy
+        from portable_attn._lib import _route
 
         sink_logits = np.array([0.5, -1.0, 2.0, -np.inf])
         kw = {"sinks": da.from_array(sink_logits)} if sinks else {}
         (q, k, v), (q_np, k_np, v_np) = _problem(16, 16, lq=64, lk=64)
         pair = HQ * 16 * 16  # scores of one pair of a batch item
-        monkeypatch.setattr(_policy, "DASK_TASK_SCORES", 2 * pair)
+        monkeypatch.setattr(_route, "DASK_TASK_SCORES", 2 * pair)
         out = scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         # query chunks see 1, 2, 3, 4 key chunks: runs 1, 1, 2 (+ merge), 2 (+ merge)
         assert _attention_tasks(out) == B * (1 + 1 + 3 + 3)

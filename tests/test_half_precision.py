@@ -2,7 +2,7 @@
 
 The contract: a half-precision result is within :func:`half_precision_bound` of the
 float64 oracle on the same (representable) inputs, on every route. Which route a call
-takes is the policy's (``NATIVE_HALF_ROUTES``, ``PORTABLE_HALF_FLASH``): a native kernel
+takes is the router's (``NATIVE_HALF_ROUTES``, ``PORTABLE_HALF_FLASH``): a native kernel
 that accumulates in float32 itself receives Q, K, V in their own dtype where that was
 measured faster, and the dense path of JAX takes FlashAttention's form.
 """
@@ -14,10 +14,10 @@ import pytest
 
 from _helpers import half_precision_bound, qkv, randn, representable
 from portable_attn import scaled_dot_product_attention
-from portable_attn._lib import _policy
+from portable_attn._lib import _route
 from portable_attn._lib._compat import device_kind
 from portable_attn._lib._cpu import has_float16_arithmetic
-from portable_attn._lib._policy import NATIVE_HALF_ROUTES
+from portable_attn._lib._route import NATIVE_HALF_ROUTES
 from portable_attn.testing import reference_attention
 
 _KV_LENGTHS = np.array([48, 29])[:, None, None, None]
@@ -120,7 +120,7 @@ class TestTorchKernelDtype:
     ):
         if backend.device_name != "cpu":
             pytest.skip("a CPU route")
-        monkeypatch.setattr(_policy, "has_float16_arithmetic", lambda: arithmetic)
+        monkeypatch.setattr(_route, "has_float16_arithmetic", lambda: arithmetic)
         seen = self._record(monkeypatch)
         _, _, (q, k, v), args = _half_problem(backend, dtype, "causal")
         scaled_dot_product_attention(q, k, v, **args)
@@ -165,7 +165,7 @@ class TestJaxForms:
         """Eager calls run compiled programs: a program of an earlier test would not trace."""
         from portable_attn._paths import _compiled
 
-        _compiled._program.cache_clear()
+        _compiled._jitted.cache_clear()
 
     def test_native_kernel_gets_the_input_dtype(self, backend, dtype, monkeypatch):
         import jax

@@ -60,7 +60,7 @@ class TestLengths:
         # output. Elsewhere they are masked, as before; the results agree with the oracle.
         from portable_attn._lib._call import prepare
         from portable_attn._lib._compat import reads_host_values
-        from portable_attn._lib._policy import kept_keys
+        from portable_attn._lib._route import kept_keys
 
         q, k, v = problem()
         kw = {"kv_lengths": np.array(lengths), "is_causal": True}

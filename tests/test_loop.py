@@ -15,10 +15,10 @@ import pytest
 from _helpers import qkv, randn
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import prepare
-from portable_attn._lib._path import Tiled
-from portable_attn._lib._scores import block_visibility
+from portable_attn._lib._path import Route, Tiled
 from portable_attn._paths import run
-from portable_attn._paths._loop import _Grid, _key_range, _query_range
+from portable_attn._paths._loop import _Grid, _states
+from portable_attn.testing import structure
 
 pytestmark = pytest.mark.kinds("jax", reason="the traced loop is JAX's")
 
@@ -68,7 +68,9 @@ def test_the_loop_equals_the_python_loop(backend, name, tiles):
     def attend(loop):
         def f(q, k, v, bias):
             call = prepare(q, k, v, bias=bias, **kw)
-            out, lse = run(call, Tiled(*tiles, loop=loop), with_lse=True)
+            walk = "loop" if loop else "python"
+            route = Route(Tiled(*tiles, walk=walk, backward="jax"))
+            out, lse = run(call, route, with_lse=True)
             return out, lse
 
         return f
@@ -91,55 +93,47 @@ def test_the_loop_equals_the_python_loop(backend, name, tiles):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-11, rtol=1e-9)
 
 
+def _visited(call, bq, bk):
+    """(nq, nk) bool: the block pairs the traced loop visits (its pair states, not SKIP)."""
+    arrays, skeleton = call.flatten()
+    grid = _Grid(bq, bk, call.plan.q_len, call.plan.kv_len)
+    return np.asarray(_states(skeleton, arrays, grid)) != 0
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("window", [None, (3, 0), (0, 4), (7, 7)])
 @pytest.mark.parametrize(("lq", "lk"), [(13, 19), (19, 13), (16, 16)])
 def test_the_loop_visits_exactly_the_pairs_the_band_shows(is_causal, window, lq, lk):
-    """Its key range of each query block (and query range of each key block) is the band's."""
     q, k, v = qkv(lq=lq, lk=lk)
     call = prepare(q, k, v, is_causal=is_causal, window=window)
-    arrays, skeleton = call.flatten()
-    grid = _Grid(4, 5, lq, lk)
-    keys, queries = _key_range(skeleton, arrays, grid), _query_range(skeleton, arrays, grid)
-    for i, j in itertools.product(range(grid.nq), range(grid.nk)):
-        q_range = (4 * i, min(4 * i + 4, lq))
-        k_range = (5 * j, min(5 * j + 5, lk))
-        visible = block_visibility(call.plan, q_range, k_range) != "skip"
-        assert (j in _visited(keys(i))) == visible, (i, j)
-        assert (i in _visited(queries(j))) == visible, (i, j)
-
-
-def _visited(visits):
-    """The block indices a ``(start, stop, index)`` visit list of the loop goes through."""
-    start, stop, index = visits
-    return [int(index(t)) for t in range(int(start), int(stop))]
-
-
-def _visited_row(visits, n):
-    """The same as an (n,) bool array, traceable (for jitted checks)."""
-    import jax.numpy as jnp
-
-    start, stop, index = visits
-    t = jnp.arange(n)
-    valid = jnp.logical_and(t >= start, t < stop)
-    return jnp.zeros(n, bool).at[index(jnp.minimum(t, n - 1))].max(valid)
+    visited = _visited(call, 4, 5)
+    band = structure(lq, lk, is_causal=is_causal, window=window)
+    for i, j in itertools.product(range(visited.shape[0]), range(visited.shape[1])):
+        shown = band[4 * i : 4 * i + 4, 5 * j : 5 * j + 5].any()
+        assert visited[i, j] == shown, (i, j)
 
 
 def test_lengths_narrow_the_visited_key_blocks():
     q, k, v = qkv(lq=13, lk=19)
     call = prepare(q, k, v, kv_lengths=np.array([6, 9]), q_lengths=np.array([4, 8]))
-    arrays, skeleton = call.flatten()
-    keys = _key_range(skeleton, arrays, _Grid(4, 5, 13, 19))
-    assert [_visited(keys(i)) for i in range(4)] == [[0, 1]] * 2 + [[]] * 2
+    rows = _visited(call, 4, 5)
+    assert [np.flatnonzero(r).tolist() for r in rows] == [[0, 1]] * 2 + [[]] * 2
 
 
 @pytest.fixture
 def always_loop(monkeypatch):
     """The traced loop for every tiled JAX call, however short."""
-    import portable_attn._lib._policy as policy
+    from portable_attn._lib import _cache, _route
 
-    monkeypatch.setattr(policy, "LOOP_MIN_SCORE_BYTES", 0)
-    return policy
+    monkeypatch.setattr(_route, "LOOP_MIN_SCORE_BYTES", 0)
+    _cache.forget()
+    return _route
+
+
+def _forget():
+    from portable_attn._lib import _cache
+
+    _cache.forget()
 
 
 def _lowered(length, block, grad):
@@ -169,6 +163,7 @@ def test_the_program_does_not_grow_with_the_number_of_blocks(
     ops = [_ops(length, 16, grad) for length in (64, 256)]  # 4 and 16 blocks per axis
     assert abs(ops[1] - ops[0]) <= 2, ops  # one program (a constant's digits may differ)
     monkeypatch.setattr(always_loop, "LOOP_MIN_SCORE_BYTES", 2**62)  # the Python loop
+    _forget()
     unrolled = [_ops(length, 16, grad) for length in (64, 256)]
     assert unrolled[1] > 2 * unrolled[0]  # the control: unrolled, it grows with the blocks
 
@@ -199,16 +194,11 @@ def test_packed_documents_skip_each_others_blocks_by_value(backend):
     ids = np.repeat(np.arange(4), 4)[None, :].repeat(2, axis=0)  # (B, 16)
     q, k, v = qkv(lq=16, lk=16)
 
-    def ranges(ids):
+    def states(ids):
         call = prepare(*(jnp.asarray(x) for x in (q, k, v)), q_segment_ids=ids)
         arrays, skeleton = call.flatten()
-        grid = _Grid(4, 4, 16, 16)
-        keys, queries = _key_range(skeleton, arrays, grid), _query_range(skeleton, arrays, grid)
-        return jnp.stack([_visited_row(keys(i), 4) for i in range(4)]), jnp.stack(
-            [_visited_row(queries(j), 4) for j in range(4)]
-        )
+        return _states(skeleton, arrays, _Grid(4, 4, 16, 16))
 
-    keys, queries = jax.jit(ranges)(jnp.asarray(ids))  # the ids are traced values
-    own = np.eye(4, dtype=bool).tolist()  # each block with itself only
-    assert np.asarray(keys).tolist() == own
-    assert np.asarray(queries).tolist() == own
+    states = np.asarray(jax.jit(states)(jnp.asarray(ids)))  # the ids are traced values
+    assert (states != 0).tolist() == np.eye(4, dtype=bool).tolist()  # each block with itself
+    assert (states == 2).tolist() == np.eye(4, dtype=bool).tolist()  # in one document: full

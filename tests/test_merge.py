@@ -17,7 +17,7 @@ from _helpers import qkv
 from portable_attn import get_alibi_slopes
 from portable_attn._lib._call import prepare
 from portable_attn._lib._merge import merge_partials
-from portable_attn._lib._policy import choose_path
+from portable_attn._lib._route import route
 from portable_attn._paths._partial import partial_attention
 from portable_attn.testing import reference_attention
 
@@ -39,7 +39,7 @@ def _merge_parts(backend, q, k, v, *, mask=None, bias=None, block_size=None, **k
             backend.asarray(v[..., start:stop, :]),
             **kw,
         )
-        path = choose_path(call, block_size, "portable")
+        path = route(call, block_size, "portable").path
         out, lse = partial_attention(call, path, kv_start=start, kv_total=LK)
         outs.append(out)
         lses.append(lse)

@@ -122,7 +122,7 @@ def test_rows_emptied_by_a_key_only_mask_are_zero(backend, kw):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("form", ["mask", "bias", "causal Lq>Lk"])
 def test_rows_without_keys_are_zero_with_zero_gradients(backend, xp, dtype, form):
-    """Guarded around the kernel, or zeroed by it (torch CPU: native_kernel_zeroes_empty_rows).
+    """Guarded around the kernel, or zeroed by it (torch CPU: the router's ZEROES_EMPTY_ROWS).
 
     The default call, in the kernel's own dtypes (torch's flash kernel, not the float64
     math one), with 32 keys: above the policy's NATIVE_MIN_KEYS, so on torch it is the
@@ -161,11 +161,12 @@ def test_rows_without_keys_are_zero_with_zero_gradients(backend, xp, dtype, form
 @pytest.mark.backends("torch", reason="torch CPU SDPA zeroes rows without keys itself")
 def test_no_guard_where_the_kernel_zeroes_empty_rows(backend, monkeypatch):
     """No pass over the mask for empty rows where torch's kernel zeroes them itself."""
-    from portable_attn._lib import _compat
+    from portable_attn._lib._call import prepare
+    from portable_attn._lib._route import route
     from portable_attn._paths import _native
 
     q, k, v = (backend.asarray(a, "float32") for a in qkv(lq=24, lk=32))
-    if not _compat.native_kernel_zeroes_empty_rows(q):
+    if route(prepare(q, k, v), None, None).path.guard:
         pytest.skip(f"the kernel on {backend.device_name} is guarded")
 
     def guarded(*args, **kwargs):

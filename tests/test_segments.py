@@ -14,8 +14,9 @@ import pytest
 
 from _helpers import assert_close, check, qkv
 from portable_attn import scaled_dot_product_attention
+from portable_attn._lib._blocks import host_pair_states
 from portable_attn._lib._call import prepare
-from portable_attn._lib._tiled import block_ranges, pair_visibility
+from portable_attn._lib._tiled import block_ranges
 from portable_attn.testing import reference_attention
 
 PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
@@ -67,11 +68,9 @@ def test_host_ids_skip_the_blocks_of_other_documents(backend):
     q, k, v = qkv(batch=(1,), lq=32, lk=32, dk=4, dv=4)
     call = prepare(q, k, v, is_causal=True, q_segment_ids=ids)
     blocks = block_ranges(32, 8)
+    states = host_pair_states(call, blocks, blocks)
     visible = [
-        (qr, kr)
-        for qr in blocks
-        for kr in blocks
-        if pair_visibility(call.plan, call.terms, qr, kr) != "skip"
+        (qr, kr) for i, qr in enumerate(blocks) for j, kr in enumerate(blocks) if states[i][j]
     ]
     assert visible == [(r, r) for r in blocks]  # only each document with itself
     check(backend, q, k, v, block_size=8, is_causal=True, q_segment_ids=ids)

@@ -20,7 +20,7 @@ from _helpers import (
 from portable_attn._lib._call import prepare
 from portable_attn._lib._cpu import available_workers
 from portable_attn._lib._path import Tiled
-from portable_attn._lib._policy import fold_row_sums
+from portable_attn._lib._route import fold_row_sums
 from portable_attn._lib._tiled import tiled_forward
 from portable_attn._paths._threads import threaded_attention
 from portable_attn.testing import reference_attention
@@ -28,13 +28,11 @@ from portable_attn.testing import reference_attention
 pytestmark = pytest.mark.backends("numpy", reason="threads for NumPy's one-core ufuncs")
 
 
-def _threaded_and_tiled(
-    backend, q, k, v, block_q, block_k, workers, dtype="float64", buffered=False, **kw
-):
+def _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, dtype="float64", **kw):
     arrays = [backend.asarray(a, dtype) for a in (q, k, v)]
     call = prepare(*arrays, **on_backend(backend, kw))
     fold = fold_row_sums(call)
-    path = Tiled(block_q, block_k, fold, workers, buffered=buffered)
+    path = Tiled(block_q, block_k, fold=fold, walk="buffered", workers=workers)
     threaded, _ = threaded_attention(call, path)
     tiled, _ = tiled_forward(call, block_q, block_k, fold=fold)
     return call.finish(threaded), call.finish(tiled)
@@ -43,13 +41,10 @@ def _threaded_and_tiled(
 @pytest.mark.parametrize("name", list(TILE_CASES))
 @pytest.mark.parametrize(("lq", "lk"), TILE_SIZES)
 @pytest.mark.parametrize(("block_q", "block_k", "workers"), [(4, 5, 2), (3, 7, 3), (8, 64, 2)])
-@pytest.mark.parametrize("buffered", [False, True])
-def test_equals_tiled_path_and_oracle(backend, name, lq, lk, block_q, block_k, workers, buffered):
+def test_equals_tiled_path_and_oracle(backend, name, lq, lk, block_q, block_k, workers):
     kw = TILE_CASES[name](lq, lk)
     q, k, v = qkv(lq=lq, lk=lk)  # GQA: 4 query heads over 2 key/value heads
-    threaded, tiled = _threaded_and_tiled(
-        backend, q, k, v, block_q, block_k, workers, buffered=buffered, **kw
-    )
+    threaded, tiled = _threaded_and_tiled(backend, q, k, v, block_q, block_k, workers, **kw)
     np.testing.assert_array_equal(backend.to_numpy(threaded), backend.to_numpy(tiled))
     if "mask_mod" not in kw:  # the oracle takes masks (tests/test_buffered.py converts)
         assert_close(backend, threaded, reference_attention(q, k, v, **kw))
@@ -86,7 +81,10 @@ def test_float32_is_as_close_to_the_oracle_as_the_tiled_path(
     call = prepare(q, k, v, is_causal=True)
     fold = fold_row_sums(call)
     threaded, _ = threaded_attention(
-        call, Tiled(64, 128, fold, 2), limit_blas=limit_blas, tasks_per_worker=tasks_per_worker
+        call,
+        Tiled(64, 128, fold=fold, walk="buffered", workers=2),
+        limit_blas=limit_blas,
+        tasks_per_worker=tasks_per_worker,
     )
     tiled, _ = tiled_forward(call, 64, 128, fold=fold)
     assert threaded.dtype == np.float32

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import tracemalloc
 from functools import partial
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from _helpers import (
     assert_backend_array,
     assert_close,
-    attention_plan,
     float32_error_bound,
     half_precision_bound,
     on_backend,
@@ -23,8 +19,7 @@ from _helpers import (
     representable,
 )
 from portable_attn import scaled_dot_product_attention
-from portable_attn._lib._tiled import block_ranges, block_visibility
-from portable_attn.testing import reference_attention, structure
+from portable_attn.testing import reference_attention
 
 problem = partial(qkv, lq=13, lk=11, dk=8, dv=5)  # lengths that no block size divides
 
@@ -127,32 +122,6 @@ class TestMaskedBlocks:
         q, k, v = problem()
         dense, auto = both_paths(backend, q, k, v, "auto", is_causal=True)
         np.testing.assert_array_equal(backend.to_numpy(auto), backend.to_numpy(dense))
-
-
-class TestBlockSkipping:
-    @given(
-        lq=st.integers(1, 12),
-        lk=st.integers(1, 12),
-        bq=st.integers(1, 5),
-        bk=st.integers(1, 5),
-        causal=st.booleans(),
-        window=st.sampled_from([None, (0, 0), (2, None), (None, 1), (3, 2)]),
-    )
-    def test_visibility_agrees_with_the_structure(self, lq, lk, bq, bk, causal, window):
-        plan = attention_plan(q_len=lq, kv_len=lk, is_causal=causal, window=window)
-        allowed = structure(lq, lk, is_causal=causal, window=window)
-        for qr, kr in itertools.product(block_ranges(lq, bq), block_ranges(lk, bk)):
-            blk = allowed[qr[0] : qr[1], kr[0] : kr[1]]
-            vis = block_visibility(plan, qr, kr)
-            assert (vis == "skip") == (not blk.any())
-            if vis == "full":
-                assert blk.all()
-
-    def test_causal_skips_about_half_the_blocks(self):
-        plan = attention_plan(q_len=1024, kv_len=1024, is_causal=True)
-        blocks = list(itertools.product(block_ranges(1024, 64), repeat=2))
-        computed = sum(block_visibility(plan, qr, kr) != "skip" for qr, kr in blocks)
-        assert computed == 16 * 17 // 2  # the lower triangle of 16 x 16 blocks
 
 
 class TestMemory:

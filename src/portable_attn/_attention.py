@@ -1,8 +1,9 @@
-"""The public attention functions: docstrings, :func:`prepare`, the path, the run.
+"""The public attention functions: the cache, :func:`prepare`, the route, the run.
 
-Every check is in ``_lib/_validation.py`` (called by :func:`prepare`), the
-choice of the path in ``_lib/_policy.py``, the paths in ``_paths/``, the
-numerics in ``_lib/``.
+One call: its signature finds what was decided for calls like it (``_lib/_cache.py``);
+otherwise every check runs (``_lib/_validation.py``, called by :func:`prepare`), the
+router decides the route (``_lib/_route.py``) and the cache keeps it. The drivers
+are in ``_paths/``, the numerics in ``_lib/``.
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from . import _direct as direct
-from ._lib import _policy
+from ._lib import _cache
+from ._lib import _route as router
 from ._lib._block_states import BlockMask
-from ._lib._call import no_dropout_and_none_of, prepare
+from ._lib._call import AttentionCall, prepare
 from ._lib._dense import dense_weights
-from ._lib._policy import choose_path, kept_keys
+from ._lib._path import Route
 from ._lib._validation import check_given, check_is_flag
-from ._paths import run
-from ._paths._partial import first_keys
+from ._paths import compiled, run
+from ._paths._native import direct_kernel
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
@@ -237,35 +238,91 @@ def scaled_dot_product_attention(
         "mask_mod": mask_mod,
         "block_mask": block_mask,
     }
-    sig = kernel = None  # a repeated torch call of Q, K, V and a mask: its kernel call
-    if return_lse is False and no_dropout_and_none_of(dropout_p, *model.values()):
-        sig = direct.signature(
-            query, key, value, mask, is_causal, scale, block_size, implementation
+    arrays: tuple[Any, ...] = (query, key, value, mask, bias, q_lengths, kv_lengths)
+    arrays += (alibi_slopes, dropout_mask, sinks, q_segment_ids, kv_segment_ids)
+    options: tuple[Any, ...] = (is_causal, scale, window, softcap, block_size, implementation)
+    options += (return_lse, dropout_p, score_mod is None, mask_mod is None)
+    options += (_block_mask_key(block_mask),)
+    arguments = (query, key, value, mask)
+
+    def derive() -> tuple[_cache.Entry, Any]:  # a miss: every check, the plan, the route
+        call = prepare(
+            query,
+            key,
+            value,
+            mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            **model,
         )
-        kernel = None if sig is None else direct.kernel_for(sig)
-        if kernel is not None and not _policy.CHECK_CACHED_PATHS:
-            return kernel(query, key, value, mask)
-    call = prepare(
-        query,
-        key,
-        value,
-        mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        **model,
-    )
-    return_lse = check_is_flag("return_lse", return_lse)
-    keys = kept_keys(call)  # the keys the lengths show some row (policy rule 0)
-    if keys is not None:
-        call = first_keys(call, keys)
-    path = choose_path(call, block_size, implementation, return_lse=return_lse)
-    if sig is not None:
-        direct.remember(sig, call, path, (query, key, value, mask))
-    if kernel is not None:  # tests: the kept kernel call is checked against the route
-        return kernel(query, key, value, mask)
-    out, lse = run(call, path, with_lse=return_lse)
+        with_lse = check_is_flag("return_lse", return_lse)
+        entry, route = decide(call, block_size, implementation, with_lse, arguments)
+        return entry, (call, route)
+
+    entry, derived = _cache.entry_for(_cache.signature(arrays, options), derive)
+    if derived is not None:
+        call, route = derived
+    elif entry.kept is not None and entry.route is not None and not entry.route.compiled:
+        return entry.kept(query, key, value, mask)  # SDPA with the caller's arrays
+    else:  # a hit: the arrays gathered (the static checks passed for this signature)
+        call = prepare(
+            query,
+            key,
+            value,
+            mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            static=(entry.xp, entry.plan),
+            **model,
+        )
+        route = entry.route
+        if route is None:  # the router reads host values of this call
+            route = router.route(call, block_size, implementation, return_lse=return_lse)
+    out, lse = run(call, route, with_lse=return_lse, kept=entry.kept)
     return (call.finish(out), call.finish_lse(lse)) if return_lse else call.finish(out)
+
+
+def decide(
+    call: AttentionCall,
+    block_size: Any,
+    implementation: Any,
+    return_lse: bool,
+    arguments: tuple[Any, ...],
+) -> tuple[_cache.Entry, Route]:
+    """Route `call` and return what the cache keeps for its signature, and the route.
+
+    `arguments`: the caller's query, key, value and mask. The entry keeps the route
+    unless the router read host values of the call, the compiled program of an eager
+    JAX call, and the kernel call of a torch call whose arrays go to SDPA as they are.
+    """
+    route = router.route(call, block_size, implementation, return_lse=return_lse)
+    if router.reads_values(call):
+        return _cache.Entry(call.xp, call.plan), route
+    kept = None
+    if route.compiled:
+        kept = compiled(call.flatten()[1], route, return_lse)
+    elif not return_lse and route.keys is None:
+        ran = call if route.keeps_dtype else call.in_compute_dtype()
+        kept = direct_kernel(ran, route.path, arguments)
+    return _cache.Entry(call.xp, call.plan, route, kept), route
+
+
+def _block_mask_key(block_mask: Any) -> Any:
+    """Return what the checks read of a block mask: its states' kind, shape, lengths, blocks."""
+    if block_mask is None:
+        return None
+    states = getattr(block_mask, "states", None)
+    return (
+        type(block_mask),
+        type(states),
+        getattr(states, "shape", None),
+        getattr(states, "dtype", None),
+        getattr(block_mask, "q_len", None),
+        getattr(block_mask, "kv_len", None),
+        getattr(block_mask, "block_size", None),
+    )
 
 
 def attention_weights(

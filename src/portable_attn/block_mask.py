@@ -33,9 +33,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._lib import _route
 from ._lib import _validation as v
 from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, MaskMod, build_states
 from ._lib._compat import array_namespace, namespace_or_numpy, on_device
+from ._lib._cpu import available_workers
 from ._paths._threads import tile_map
 
 __all__ = [
@@ -51,8 +53,8 @@ __all__ = [
 
 Array = Any
 
-#: FlexAttention's default block size.
-DEFAULT_BLOCK_SIZE = 128
+#: FlexAttention's default block size (the router's ``DEFAULT_MASK_BLOCK``).
+DEFAULT_BLOCK_SIZE = _route.DEFAULT_MASK_BLOCK
 
 
 def create_block_mask(
@@ -118,10 +120,53 @@ def create_block_mask(
     def check(result: Array, shape: tuple[int, ...]) -> None:
         v.check_mask_mod_result(xp, result, shape)
 
+    if (batch is None or heads is None) and q_len and kv_len:
+        _check_broadcast_axes(xp, mask_mod, batch, heads, block, q_len, kv_len, device)
+    workers = available_workers() if _route.library(batch_index).threads else 1
     states = build_states(
-        xp, mask_mod, batch_index, h, q_len, kv_len, block, device, check, tile_map(xp)
+        xp, mask_mod, batch_index, h, q_len, kv_len, block, device, check, tile_map(workers)
     )
     return BlockMask(states, mask_mod, q_len, kv_len, block)
+
+
+def _check_broadcast_axes(
+    xp: Any,
+    mask_mod: MaskMod,
+    batch: int | None,
+    heads: int | None,
+    block: tuple[int, int],
+    q_len: int,
+    kv_len: int,
+    device: Any,
+) -> None:
+    """Raise where `mask_mod` differs over a batch or head index it was told it does not.
+
+    A block mask built for index 0 alone (``batch=None`` / ``heads=None``) would skip
+    the blocks that index 0 hides for every sequence and head. Checked on the first
+    block, for indices 0 and 1 of each axis given as None.
+    """
+    nb, nh = (2 if batch is None else batch), (2 if heads is None else heads)
+    kw = on_device(device)
+    b = xp.reshape(xp.arange(0, nb, **kw), (nb, 1, 1, 1))
+    h = xp.arange(0, nh, **kw)[:, None, None]
+    q_idx = xp.arange(0, min(block[0], q_len), **kw)[:, None]
+    kv_idx = xp.arange(0, min(block[1], kv_len), **kw)[None, :]
+    try:
+        result = mask_mod(b, h, q_idx, kv_idx)
+        result = xp.broadcast_to(result, (nb, nh, q_idx.shape[0], kv_idx.shape[1]))
+    except Exception:  # a rule that fails here: the build raises its errors, checked
+        return
+    for name, given, axis in (("batch", batch, 0), ("heads", heads, 1)):
+        first = xp.take(result, xp.asarray([0], **kw), axis=axis)
+        second = xp.take(result, xp.asarray([1], **kw), axis=axis)
+        if given is None and not bool(xp.all(first == second)):
+            index = "batch index" if name == "batch" else "head index"
+            msg = (
+                f"`mask_mod` depends on the {index} (on the first block, index 0 and 1 "
+                f"differ) but `{name}` is None, which builds one block mask for index 0 "
+                f"alone: pass {name}=<the number of {'sequences' if name == 'batch' else 'heads'}>"
+            )
+            raise ValueError(msg)
 
 
 def and_masks(*mask_mods: MaskMod) -> MaskMod:

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ._lib._call import prepare
-from ._lib._compat import device, library_name
+from ._lib._compat import as_jax, device, library_name
 from ._lib._fields import field
 from ._lib._merge import merge_partials
-from ._lib._policy import choose_path
+from ._lib._route import route
 from ._lib._validation import check_given
 from ._paths._partial import partial_attention
 
@@ -107,7 +107,7 @@ def sequence_parallel_attention(
     given = {"query": query, "key": key, "value": value}
     for name, x in given.items():
         check_given(name, x)
-        if library_name(x) not in ("jax", "numpy"):  # host NumPy arrays are placed by JAX
+        if as_jax(x) is None:  # host NumPy arrays are placed by JAX
             msg = (
                 f"sequence_parallel_attention needs JAX (or NumPy) arrays, but `{name}` is a "
                 f"{library_name(x)} array; use scaled_dot_product_attention for it"
@@ -120,7 +120,8 @@ def sequence_parallel_attention(
     from jax.sharding import PartitionSpec as P
 
     def on_jax(x: Array | None) -> Array | None:  # host NumPy arrays become JAX arrays
-        return x if x is None or library_name(x) != "numpy" else jnp.asarray(x)
+        converted = None if x is None else as_jax(x)
+        return x if converted is None else converted
 
     call = prepare(  # every check, on the whole arrays
         *(on_jax(x) for x in (query, key, value)),
@@ -171,7 +172,7 @@ def sequence_parallel_attention(
             if neutral is not None:
                 a = {**a, name: jnp.where(index == 0, x, neutral)}
         part = skeleton.unflatten(a, kv_len=part_len, device=device(a["query"]))
-        path = choose_path(part, block_size, "portable")  # the policy, for one part
+        path = route(part, block_size, "portable").path  # the router, for one part
         out, lse = partial_attention(part, path, kv_start=index * part_len, kv_total=plan.kv_len)
         merged, _ = merge_partials(
             jnp,

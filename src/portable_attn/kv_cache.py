@@ -9,7 +9,6 @@ lengths.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ from ._lib._compat import (
     has_concrete_values,
     namespace_or_numpy,
     on_device,
+    register_pytree,
 )
 from ._lib._masks import arange
 from ._lib._validation import check_count
@@ -45,32 +45,18 @@ class KVCache:
     values: Any
     lengths: Any
 
-    def __post_init__(self) -> None:
-        if "jax" in sys.modules:  # JAX arrays imply JAX: make the cache a pytree
-            _register_with_jax()
-
     @property
     def capacity(self) -> int:
         """The number of token slots, ``keys.shape[-2]``."""
         return int(self.keys.shape[-2])
 
 
-_REGISTERED = False
-
-
-def _register_with_jax() -> None:
-    """Make KVCache a JAX pytree, so it passes through jax.jit, vmap and grad."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    import jax
-
-    jax.tree_util.register_pytree_node(
-        KVCache,
-        lambda c: ((c.keys, c.values, c.lengths), None),
-        lambda _, children: KVCache(*children),
-    )
-    _REGISTERED = True
+# a JAX pytree, so it passes through jax.jit, vmap and grad (whenever JAX is imported)
+register_pytree(
+    KVCache,
+    lambda c: ((c.keys, c.values, c.lengths), None),
+    lambda _, children: KVCache(*children),
+)
 
 
 def kv_cache_init(

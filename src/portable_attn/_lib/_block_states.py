@@ -25,14 +25,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from . import _route
 from ._compat import (
     array_namespace,
-    builds_task_graphs,
     device,
     has_concrete_values,
+    library_name,
     numpy_namespace,
     on_device,
-    register_pytree_once,
+    register_pytree,
     to_host,
 )
 
@@ -50,19 +51,8 @@ Array = Any
 MaskMod = Callable[[Array, Array, Array, Array], Array]
 
 HIDDEN, PARTIAL, FULL = 0, 1, 2
-#: booleans evaluated per tile of :func:`build_states` (whole blocks, all the (batch,
-#: head) pairs the mask differs over together): 4 Mi. NumPy asks the kernel for huge
-#: pages from 4 MiB on, so a boolean temporary of this size is faulted in 2 MiB at a
-#: time; with smaller tiles much of the build went to page faults (glibc maps each
-#: fresh buffer above its mmap threshold; hand runs, not a results file). The build
-#: time and memory at L = 32768 are in benchmarks/results/flex.json ("build"); a
-#: mask_mod whose temporaries are int64 (``q_idx - kv_idx``) holds 8 bytes per entry
-#: of a tile while it runs.
-TILE_ENTRIES = 2**22
 
 Range = tuple[int, int]
-#: rectangles whose answers a :class:`HostStates` keeps (a few tile grids' worth)
-ANSWERS_KEPT = 2**16
 
 
 def evaluate_mask_mod(
@@ -100,11 +90,11 @@ def build_states(
     """Block states (*batch, heads, nq, nk) as int8 (:data:`HIDDEN`/:data:`PARTIAL`/:data:`FULL`).
 
     `batch_index` is the (*batch, 1, 1, 1) flat batch index given to `mask_mod`.
-    The mask is evaluated on tiles of whole blocks, each at most :data:`TILE_ENTRIES`
-    booleans in all (over the (batch, head) pairs it differs over, which one block
-    evaluated first tells): memory O(block), whatever the lengths; a mask that does
-    not depend on the batch or head is reduced in its own broadcast shape (not once
-    per head). `check` (result, expected shape) validates what `mask_mod` returned,
+    The mask is evaluated on tiles of whole blocks, each at most
+    :data:`~._route.MASK_TILE_ENTRIES` booleans in all (over the (batch, head) pairs
+    it differs over, which one block evaluated first tells): memory O(block),
+    whatever the lengths; a mask that does not depend on the batch or head is
+    reduced in its own broadcast shape (not once per head). `check` (result, expected shape) validates what `mask_mod` returned,
     on that first block. `map_tiles` maps the tile function over the tiles (a thread
     pool's ``map`` for libraries that release the GIL).
     """
@@ -120,9 +110,12 @@ def build_states(
     if check is not None:  # raises a mask_mod's errors before any thread starts
         check(probe, (*lead, *first))
     differs_over = math.prod(probe.shape[:-2])  # (batch, head) pairs evaluated apart
+    if differs_over == 0:  # no sequence or head: nothing to hide or show
+        return xp.zeros((*lead, nq, nk), dtype=xp.int8, **on_device(device))
     per_block = bq * bk * differs_over
-    cols = max(1, min(nk, TILE_ENTRIES // per_block))  # key blocks per tile
-    rows = max(1, min(nq, TILE_ENTRIES // (per_block * cols)))  # query blocks per tile
+    entries = _route.MASK_TILE_ENTRIES
+    cols = max(1, min(nk, entries // per_block))  # key blocks per tile
+    rows = max(1, min(nq, entries // (per_block * cols)))  # query blocks per tile
 
     def tile(start: tuple[int, int]) -> Any:
         i, j = start
@@ -171,11 +164,11 @@ def _reduce_tile(
 
 
 class HostStates:
-    """What block states say of any rectangle of queries and keys, read on the host.
+    """Block states read on the host, reduced over batch and heads.
 
-    Holds NumPy copies of the states reduced over batch and heads (the paths compute
-    every batch item and head of a block together): a block is skipped only if every
-    (batch, head) hides it, and needs no mask only if every one shows it all.
+    The paths compute every batch item and head of a block together: a state block
+    is hidden only if every (batch, head) hides it, and needs no mask only if every
+    one shows it all (``_blocks.pair_states`` reads them at any block size).
 
     Parameters
     ----------
@@ -184,88 +177,29 @@ class HostStates:
         The query and key block sizes of the states.
     """
 
-    def __init__(
-        self, states: Any, block: tuple[int, int], start: tuple[int, int] = (0, 0)
-    ) -> None:
+    def __init__(self, states: Any, block: tuple[int, int]) -> None:
         np_xp = numpy_namespace()
-        self._xp = np_xp
         self.block = block
-        self.start = start  # the absolute position of local query 0 and key 0
         lead = tuple(range(states.ndim - 2))
         self.some = np_xp.any(states != HIDDEN, axis=lead)  # (nq, nk)
         self.every = np_xp.all(states == FULL, axis=lead)  # (nq, nk)
-        # answers by absolute rectangle, shared with the placed copies: a block mask
-        # serves every call (every layer), which asks of the same tiles each time
-        self._answers: dict[tuple[str, int, int, int, int], Any] = {}
 
-    def placed(self, q_start: int, kv_start: int) -> HostStates:
-        """Return the same states for a part whose query 0 / key 0 sit at these positions."""
-        placed = object.__new__(HostStates)
-        placed.__dict__.update(self.__dict__)
-        placed.start = (self.start[0] + q_start, self.start[1] + kv_start)
-        return placed
-
-    def visibility(self, q_range: Range, k_range: Range) -> str:
-        """``"skip"``, ``"partial"`` or ``"full"`` for queries `q_range` x keys `k_range`."""
-        if q_range[0] >= q_range[1] or k_range[0] >= k_range[1]:
-            return "partial"
-        q0, k0 = self.start
-        key = ("vis", q_range[0] + q0, q_range[1] + q0, k_range[0] + k0, k_range[1] + k0)
-        answer = self._answers.get(key)
-        if answer is None:
-            qs, ks = self._blocks(key)
-            xp = self._xp
-            if not bool(xp.any(self.some[qs, ks])):
-                answer = "skip"
-            else:
-                answer = "full" if bool(xp.all(self.every[qs, ks])) else "partial"
-            self._remember(key, answer)
-        return answer
-
-    def _blocks(self, key: tuple[str, int, int, int, int]) -> tuple[slice, slice]:
-        """Return the state blocks a rectangle (absolute positions, stops exclusive) overlaps."""
-        _, q_first, q_stop, k_first, k_stop = key
-        bq, bk = self.block
-        return slice(q_first // bq, (q_stop - 1) // bq + 1), slice(
-            k_first // bk, (k_stop - 1) // bk + 1
-        )
-
-    def _remember(self, key: tuple[str, int, int, int, int], answer: Any) -> None:
-        if len(self._answers) >= ANSWERS_KEPT:  # many different rectangles: start again
-            self._answers.clear()
-        self._answers[key] = answer
-
-    def covers_rows(self, q_range: Range, k_range: Range) -> bool:
-        """Whether every query of `q_range` sees some key of `k_range` in a full block.
-
-        A block shown in full (in every batch item and head) overlapping both ranges
-        gives each of its rows there a visible key: when each state row of blocks over
-        `q_range` has one, no row of the rectangle is empty.
-        """
-        if q_range[0] >= q_range[1] or k_range[0] >= k_range[1]:
-            return False
-        q0, k0 = self.start
-        key = ("rows", q_range[0] + q0, q_range[1] + q0, k_range[0] + k0, k_range[1] + k0)
-        answer = self._answers.get(key)
-        if answer is None:
-            qs, ks = self._blocks(key)
-            xp = self._xp
-            answer = bool(xp.all(xp.any(self.every[qs, ks], axis=1)))
-            self._remember(key, answer)
-        return bool(answer)
+    def built(self, block: tuple[int, int]) -> HostStates:
+        """Return these states (their own block size; `block` is a hint for lazy ones)."""
+        return self
 
     def visible_fraction(self) -> float:
         """Return the fraction of blocks some (batch, head) computes."""
-        return float(self._xp.mean(self._xp.astype(self.some, self._xp.float64)))
+        np_xp = numpy_namespace()
+        return float(np_xp.mean(np_xp.astype(self.some, np_xp.float64)))
 
 
 class LazyHostStates:
     """:class:`HostStates` of a ``mask_mod`` given without a block mask, built when first asked.
 
-    The dense path never asks (it evaluates the mask once); a tiled path asks per
-    block pair, and the states are built then, once per call, in blocks of the first
-    rectangle asked about (the path's tile: later, coarser rectangles are answered
-    exactly, finer ones conservatively as "partial").
+    The dense path never asks (it evaluates the mask once); a tiled path asks for the
+    states of its pairs, and they are built then, once per call, in blocks of the
+    first pairs asked about (coarser pairs are read exactly, finer ones as partial).
     """
 
     def __init__(
@@ -281,49 +215,22 @@ class LazyHostStates:
         self._args = (xp, mask_mod, batch_index, heads, q_len, kv_len)
         self._device = device
         self._host: HostStates | None = None
+        self._unreadable = False
 
-    def _built(self, block: tuple[int, int]) -> HostStates:
-        if self._host is None:
+    def built(self, block: tuple[int, int]) -> HostStates | None:
+        """Return the states, built in blocks of `block` on the first call.
+
+        None where the rule's values cannot be read (it closes over a value a
+        transform traces: ``vmap`` over per-example document ids).
+        """
+        if self._host is None and not self._unreadable:
             block = (max(1, block[0]), max(1, block[1]))
             states = build_states(*self._args, block, self._device)
-            self._host = HostStates(to_host(states), block)
+            if has_concrete_values(states):
+                self._host = HostStates(to_host(states), block)
+            else:
+                self._unreadable = True
         return self._host
-
-    def placed(self, q_start: int, kv_start: int) -> _PlacedLazy:
-        """Return the states of a part placed at these positions (:meth:`HostStates.placed`)."""
-        return _PlacedLazy(self, (q_start, kv_start))
-
-    def visibility(self, q_range: Range, k_range: Range) -> str:
-        """:meth:`HostStates.visibility`, the states built on the first call."""
-        block = (q_range[1] - q_range[0], k_range[1] - k_range[0])
-        return self._built(block).visibility(q_range, k_range)
-
-    def covers_rows(self, q_range: Range, k_range: Range) -> bool:
-        """:meth:`HostStates.covers_rows`, the states built on the first call."""
-        block = (q_range[1] - q_range[0], k_range[1] - k_range[0])
-        return self._built(block).covers_rows(q_range, k_range)
-
-
-class _PlacedLazy:
-    """A :class:`LazyHostStates` seen from a part placed at `start`."""
-
-    def __init__(self, lazy: LazyHostStates, start: tuple[int, int]) -> None:
-        self._lazy, self._start = lazy, start
-
-    def placed(self, q_start: int, kv_start: int) -> _PlacedLazy:
-        return _PlacedLazy(self._lazy, (self._start[0] + q_start, self._start[1] + kv_start))
-
-    def covers_rows(self, q_range: Range, k_range: Range) -> bool:
-        q0, k0 = self._start
-        return self._lazy.covers_rows(
-            (q_range[0] + q0, q_range[1] + q0), (k_range[0] + k0, k_range[1] + k0)
-        )
-
-    def visibility(self, q_range: Range, k_range: Range) -> str:
-        q0, k0 = self._start
-        return self._lazy.visibility(
-            (q_range[0] + q0, q_range[1] + q0), (k_range[0] + k0, k_range[1] + k0)
-        )
 
 
 class BlockMask:
@@ -362,7 +269,6 @@ class BlockMask:
         self.kv_len = kv_len
         self.block_size = block_size
         self._host: HostStates | None = None
-        register_pytree_once(BlockMask)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -441,6 +347,13 @@ class BlockMask:
         return cls(children[0], *aux)
 
 
+register_pytree(
+    BlockMask,
+    lambda bm: bm.tree_flatten(),
+    lambda aux, children: BlockMask.tree_unflatten(aux, children),
+)
+
+
 def _readable(states: Any) -> bool:
     """Whether the states' values can be read now (Dask's are computed: they are small)."""
-    return builds_task_graphs(states) or has_concrete_values(states)
+    return library_name(states) == "dask" or has_concrete_values(states)

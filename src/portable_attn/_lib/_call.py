@@ -29,26 +29,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from . import _route
 from . import _validation as v
 from ._block_states import BlockMask, LazyHostStates
 from ._compat import (
     array_namespace,
-    builds_task_graphs,
     concrete_float,
     default_integer_dtype,
     device,
     has_concrete_values,
     ids_in_one_dtype,
     library_name,
-    numpy_namespace,
     on_device,
-    pins_devices,
     reads_host_values,
     to_host,
-    traces_python_loops,
 )
 from ._fields import FIELDS
-from ._masks import SegmentBlocks, arange
+from ._masks import arange
 from ._scores import AttentionPlan, ScoreTerms, empty_result
 
 __all__ = [
@@ -97,9 +96,9 @@ class AttentionCall:
 
     @property
     def is_empty(self) -> bool:
-        """No query, key or query head: the result is zeros, nothing is computed."""
+        """No query, key, query head or sequence: the result is zeros, nothing is computed."""
         plan = self.plan
-        return plan.q_len == 0 or plan.kv_len == 0 or plan.num_q_heads == 0
+        return 0 in (plan.q_len, plan.kv_len, plan.num_q_heads, math.prod(plan.batch))
 
     def in_compute_dtype(self) -> AttentionCall:
         """Return this call with Q, K, V and bias in the compute dtype (itself if they are).
@@ -174,8 +173,13 @@ class AttentionCall:
         return out[0, ...] if self.drop_head else out
 
     def finish_lse(self, lse: Array) -> Array:
-        """Return a row log-sum-exp (..., Hq, Lq, 1) as (..., Hq, Lq), in the compute dtype."""
+        """Return a row log-sum-exp (..., Hq, Lq, 1) as (..., Hq, Lq), in the compute dtype.
+
+        (``torch.autocast`` runs the products in its own dtype: the lse is cast back.)
+        """
         lse = lse[..., 0]
+        if lse.dtype != self.plan.compute_dtype:
+            lse = self.xp.astype(lse, self.plan.compute_dtype)
         return lse[0, ...] if self.drop_head else lse
 
 
@@ -201,12 +205,15 @@ def prepare(
     kv_segment_ids: Array | None = None,
     mask_mod: Callable[..., Array] | None = None,
     block_mask: Any = None,
+    static: tuple[Any, AttentionPlan] | None = None,
 ) -> AttentionCall:
     """Validate the arguments of one attention call and prepare its arrays.
 
     The arguments are those of :func:`portable_attn.scaled_dot_product_attention`
     (without the path choices `block_size` and `implementation`); `value` is None
-    for the weights alone.
+    for the weights alone. `static`: the namespace and plan of a call with the same
+    signature (``_lib/_cache.py``), whose static checks this call passes too: they
+    are not repeated (the score terms are still checked and gathered).
 
     Returns
     -------
@@ -234,9 +241,11 @@ def prepare(
         "scale": v.array_or_none(scale),
         "softcap": v.array_or_none(softcap),
     }
-    xp, plan = _checked_static(
-        arrays, is_causal=is_causal, scale=scale, window=window, softcap=softcap
-    )
+    if static is None:
+        static = _checked_static(
+            arrays, is_causal=is_causal, scale=scale, window=window, softcap=softcap
+        )
+    xp, plan = static
     plan, terms = _score_terms(
         xp,
         plan,
@@ -285,46 +294,10 @@ def signed_lengths(xp: Any, x: Array) -> Array:
 
 
 # ---------------------------------------------------------------------------
-# the static facts: checked once per signature
+# the static facts
 
-#: (namespace, plan) by call signature: what :func:`_checked_static` decided
-_STATIC_CACHE: dict[Any, tuple[Any, AttentionPlan]] = {}
-_STATIC_CACHE_SIZE = 256
 #: ScoreTerms holding no array: when no model-building argument is given
 _PLAIN_TERMS = ScoreTerms()
-
-
-def _signature(arrays: dict[str, Array | None], options: dict[str, Any]) -> Any:
-    """Everything the checks and the plan of :func:`_checked_static` read, as a hashable key.
-
-    Per array: its type, shape and dtype, and on libraries that pin devices its
-    device and layout (the device and sparse-layout checks read them); elsewhere the
-    query's device (the plan's); each scalar option with its type. None when the call
-    cannot be cached: a learned `scale` or `softcap` (an array: a value of this
-    call only), or an argument that is not an array (the checks then raise their
-    errors). A key with an unhashable part (a CuPy device) is not cached either.
-    """
-    if arrays["scale"] is not None or arrays["softcap"] is not None:
-        return None
-    try:
-        query = arrays["query"]
-        pinned = pins_devices(query)
-        parts: list[Any] = [None if pinned else device(query)]
-        for x in arrays.values():
-            if x is None:
-                parts.append(None)
-            elif pinned:  # torch, CuPy: a .device attribute (and torch's layout)
-                parts.append((type(x), x.shape, x.dtype, x.device, getattr(x, "layout", None)))
-            else:
-                parts.append((type(x), x.shape, x.dtype))
-        # options come in one order; the types of a pair's entries too ((1, 2) == (True, 2))
-        parts.extend(
-            (type(o), o, tuple(map(type, o)) if type(o) is tuple else None)
-            for o in options.values()
-        )
-    except Exception:  # not an array: the checks will say
-        return None
-    return tuple(parts)
 
 
 def _checked_static(arrays: dict[str, Array | None], **options: Any) -> tuple[Any, AttentionPlan]:
@@ -332,30 +305,17 @@ def _checked_static(arrays: dict[str, Array | None], **options: Any) -> tuple[An
 
     The namespace of the arrays, their kinds (:func:`~._validation.check_supported_array`),
     devices, shapes and dtypes and the scalar options are checked, and the plan
-    decided, once per :func:`_signature`: calls with the same signature reuse both.
-    A call that fails a check is never cached, so a hit is exactly what the checks
-    would pass and build again.
+    decided: what the cache (``_lib/_cache.py``) keeps per call signature.
     """
-    key = _signature(arrays, options)
-    try:
-        hit = None if key is None else _STATIC_CACHE.get(key)
-    except TypeError:  # an unhashable part (a CuPy device): not cached
-        key = hit = None
-    if hit is not None:
-        return hit
     xp = array_namespace(**arrays)
     for name, x in arrays.items():
         if x is not None:
             v.check_supported_array(name, x)
     query = arrays["query"]
-    if pins_devices(query):
+    if _route.library(query).pins_devices:
         v.check_same_device(arrays, "query", device(query), device)
     names = ("query", "key", "value", "mask", "bias")
     plan = _build_plan(xp, *(arrays[n] for n in names), **options)
-    if key is not None:
-        if len(_STATIC_CACHE) >= _STATIC_CACHE_SIZE:
-            _STATIC_CACHE.clear()
-        _STATIC_CACHE[key] = (xp, plan)
     return xp, plan
 
 
@@ -474,15 +434,19 @@ def _score_terms(
         return plan, (_PLAIN_TERMS if mask is None else ScoreTerms(mask=mask))
     logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
     lengths = {}
-    for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
-        if x is not None:
-            v.check_lengths(xp, name, x, plan.batch)
-            x = signed_lengths(xp, x)
-            lengths[name] = xp.reshape(x, (*x.shape, 1, 1, 1))  # (*batch, 1, 1, 1)
     length_values = None
-    if kv_lengths is not None and reads_host_values(kv_lengths):  # free: no sync, no trace
-        # ints (NumPy, torch); None for an empty batch, which has no value to read
-        length_values = frozenset(kv_lengths.reshape(-1).tolist()) or None
+    for name, x, axis in (("q_lengths", q_lengths, "Lq"), ("kv_lengths", kv_lengths, "Lk")):
+        if x is None:
+            continue
+        v.check_lengths(xp, name, x, plan.batch)
+        if reads_host_values(x):  # free: no sync, no trace
+            found = frozenset(np.asarray(to_host(x)).reshape(-1).tolist())
+            limit = plan.q_len if axis == "Lq" else plan.kv_len
+            v.check_length_values(name, found, limit, axis)
+            if name == "kv_lengths":  # None for an empty batch, which has no value to read
+                length_values = found or None
+        x = signed_lengths(xp, x)
+        lengths[name] = xp.reshape(x, (*x.shape, 1, 1, 1))  # (*batch, 1, 1, 1)
     if lengths:  # i' = i + kv_len[b] - q_len[b] (Alignment.offset)
         plan = dataclasses.replace(plan, has_lengths=True)
     slopes = alibi_slopes
@@ -503,9 +467,11 @@ def _score_terms(
         v.check_sinks(xp, sinks, plan.batch, plan.num_q_heads)
         largest = float(xp.finfo(plan.compute_dtype).max)
         if float(xp.finfo(sinks.dtype).max) > largest and has_concrete_values(sinks):
-            # a wider dtype: finite values past the compute dtype's range would become inf
-            beyond = xp.logical_and(xp.isfinite(sinks), xp.abs(sinks) > largest)
-            v.check_sinks_range(bool(xp.any(beyond)), sinks, plan.compute_dtype)
+            # a wider dtype: finite values past the compute dtype's range would become inf;
+            # read on the host (under jax.jit, operations on a closed-over array trace)
+            host = np.asarray(to_host(sinks), dtype=np.float64)
+            beyond = bool(np.any(np.isfinite(host) & (np.abs(host) > largest)))
+            v.check_sinks_range(beyond, sinks, plan.compute_dtype)
         cast = xp.astype(sinks, plan.compute_dtype)
         sinks = xp.reshape(cast, (*sinks.shape, 1, 1))
     segments = _segments(xp, plan, q_segment_ids, kv_segment_ids)
@@ -534,7 +500,7 @@ def _score_terms(
 def _segments(
     xp: Any, plan: AttentionPlan, q_ids: Array | None, kv_ids: Array | None
 ) -> dict[str, Any]:
-    """Segment ids shaped to broadcast with a block, and the host block skipper if any."""
+    """Segment ids shaped to broadcast with a block: (*batch, 1, Lq, 1) and (*batch, 1, 1, Lk)."""
     if q_ids is None and kv_ids is None:
         return {}
     if q_ids is not None:
@@ -549,23 +515,9 @@ def _segments(
         kv_ids = q_ids
     # one dtype, compared by value (torch and array-api-strict refuse some promotions)
     q_ids, kv_ids = ids_in_one_dtype(xp, q_ids, kv_ids, names=("q_segment_ids", "kv_segment_ids"))
-    blocks = None
-    if reads_host_values(q_ids) and reads_host_values(kv_ids):  # host ids: skip by value
-        n = math.prod(plan.batch)
-        np_xp = numpy_namespace()
-        blocks = SegmentBlocks(
-            np_xp,
-            np_xp.reshape(
-                np_xp.broadcast_to(to_host(q_ids), (*plan.batch, plan.q_len)), (n, plan.q_len)
-            ),
-            np_xp.reshape(
-                np_xp.broadcast_to(to_host(kv_ids), (*plan.batch, plan.kv_len)), (n, plan.kv_len)
-            ),
-        )
     return {
         "q_segments": xp.reshape(q_ids, (*q_ids.shape[:-1], 1, plan.q_len, 1)),
         "kv_segments": xp.reshape(kv_ids, (*kv_ids.shape[:-1], 1, 1, plan.kv_len)),
-        "segment_blocks": blocks,
     }
 
 
@@ -606,14 +558,14 @@ def _mask_mod_terms(
     if block_mask is not None:
         out["block_host"] = block_mask.host()
         out["state_block"] = block_mask.block_size
-        if traces_python_loops(batch_index):  # the traced loop reads them by value
+        if _route.library(batch_index).walk == "traced":  # the traced loop reads them by value
             states = block_mask.states
             if library_name(states) != library_name(batch_index):  # built elsewhere: copy
                 states = xp.asarray(to_host(states))
             b = states.shape[0]
             lead = plan.batch if b != 1 else (1,) * len(plan.batch)
             out["block_states"] = xp.reshape(states, (*lead, *states.shape[1:]))
-    elif has_concrete_values(batch_index) and not builds_task_graphs(batch_index):
+    elif has_concrete_values(batch_index) and not _route.library(batch_index).task_graphs:
         out["block_host"] = LazyHostStates(
             xp, checked, batch_index, plan.num_q_heads, plan.q_len, plan.kv_len, plan.device
         )

@@ -1,19 +1,17 @@
-"""The single place that imports :mod:`array_api_compat`, and what each library can do.
+"""The runtime questions about arrays: namespace, device, host values, tracing.
 
-Everything else in the package asks this module for the namespace, the device
-and the library name of an array, so backend detection lives in one spot and can
-be cached per array type (namespace resolution is the largest part of the
-per-call overhead on tiny inputs).
-
-Policy elsewhere asks *capabilities* rather than comparing library names:
-:func:`is_traced`, :func:`has_concrete_values`, :func:`has_native_kernel`,
-:func:`traces_python_loops`, :func:`multithreaded_elementwise`. Each answers from
-the array's library here, and only here.
+The single place that imports :mod:`array_api_compat`. Everything else asks this
+module for the namespace, the device, the device kind and the library of an array,
+whether its values can be read on the host now (no sync, no trace), how to copy
+it there, and how to cut it out of autodiff. What a *library* can do (a native
+kernel, a traced loop, threads...) is not asked here: it is a row of the router's
+table, :data:`portable_attn._lib._route.LIBRARIES`.
 """
 
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 from typing import Any
 
@@ -23,32 +21,30 @@ from array_api_compat import is_array_api_obj, size
 
 __all__ = [
     "array_namespace",
-    "autodiff_family",
-    "builds_task_graphs",
-    "native_kernel_needs_equal_dims",
+    "as_jax",
+    "chunk_library",
     "chunk_sizes",
+    "concrete_float",
     "default_integer_dtype",
     "device",
     "device_kind",
-    "fused_native_kernel",
-    "concrete_float",
     "has_concrete_values",
-    "has_native_kernel",
     "ids_in_one_dtype",
     "is_array_api_obj",
+    "is_compiling",
     "is_traced",
     "library_name",
     "matmul_float32",
-    "multithreaded_elementwise",
     "namespace_or_numpy",
     "numpy_namespace",
     "on_device",
-    "parallel_query_blocks",
-    "pins_devices",
     "reads_host_values",
+    "register_pytree",
     "size",
+    "standard_namespace",
     "stop_gradient",
-    "traces_python_loops",
+    "to_host",
+    "torch_release",
 ]
 
 _NAMESPACE_BY_TYPE: dict[type, Any] = {}
@@ -83,34 +79,25 @@ def library_name(x: Any) -> str:
     return name
 
 
-def builds_task_graphs(x: Any) -> bool:
-    """Whether `x` is a lazy task-graph array (Dask): the call becomes tasks on its chunks."""
-    return library_name(x) == "dask"
-
-
-def autodiff_family(x: Any) -> str | None:
-    """``"torch"`` or ``"jax"``: whose custom-backward and native-kernel API `x` takes, or None."""
-    lib = library_name(x)
-    return lib if lib in ("torch", "jax") else None
-
-
-def native_kernel_needs_equal_dims(x: Any) -> bool:
-    """Whether the native kernel of `x`'s library needs ``Dv == Dk`` (``jax.nn``'s does)."""
-    return library_name(x) == "jax"
-
-
 def chunk_sizes(x: Any, axis: int) -> tuple[int, ...] | None:
     """Return the chunk sizes along `axis` of a Dask array split there, else None.
 
     Only for arrays split into several chunks along `axis` (with known sizes);
     NumPy, torch, JAX, CuPy and single-chunk axes give None.
     """
-    if not builds_task_graphs(x):
+    if library_name(x) != "dask":
         return None
     sizes = x.chunks[axis]
     if len(sizes) < 2 or any(n != n for n in sizes):  # one chunk, or unknown (NaN) sizes
         return None
     return tuple(int(n) for n in sizes)
+
+
+def chunk_library(x: Any) -> str:
+    """Return the library of the chunks of a Dask array (``"numpy"``, ``"cupy"``), else of `x`."""
+    if library_name(x) == "dask":
+        x = getattr(x, "_meta", None)
+    return library_name(x)
 
 
 def on_device(dev: Any) -> dict[str, Any]:
@@ -123,15 +110,6 @@ def on_device(dev: Any) -> dict[str, Any]:
     return {} if dev is None else {"device": dev}
 
 
-def pins_devices(x: Any) -> bool:
-    """Whether mixing devices among the arguments is an error to catch (torch, CuPy).
-
-    JAX places (and shards) arrays itself: a device of a JAX array may be a
-    sharding over several devices, which is not to be compared with another's.
-    """
-    return library_name(x) in ("torch", "cupy")
-
-
 def is_traced(x: Any) -> bool:
     """Whether `x` is an abstract value being traced (a JAX tracer under ``jax.jit``)."""
     if library_name(x) != "jax":
@@ -141,22 +119,56 @@ def is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def as_jax(x: Any) -> Any:
+    """`x` as a JAX array where JAX can take it (a JAX or a NumPy array), else None."""
+    name = library_name(x)
+    if name == "jax":
+        return x
+    if name != "numpy":
+        return None
+    import jax.numpy as jnp
+
+    return jnp.asarray(x)
+
+
+def is_compiling(x: Any) -> bool:
+    """Whether ``torch.compile`` is tracing the call that holds torch tensor `x`."""
+    if library_name(x) != "torch":
+        return False
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
 def has_concrete_values(x: Any) -> bool:
     """Whether the values of `x` can be read without tracing or computing a graph.
 
-    False for JAX tracers, for lazy Dask arrays (reading would compute them), for
-    torch tensors while ``torch.compile`` traces (reading would break the graph)
-    and for the wrapped tensors of ``torch.func`` transforms (``vmap`` refuses
-    ``.item()``).
+    False for JAX tracers, for lazy Dask arrays (reading would compute them), and for
+    torch tensors while any torch tracer records (:func:`_torch_traces`): a value
+    read there would be fixed into the graph, or refused.
     """
     lib = library_name(x)
     if lib == "torch":
-        import torch
-
-        if torch.compiler.is_compiling():
-            return False
-        return not torch._C._functorch.is_functorch_wrapped_tensor(x)
+        return not _torch_traces(x)
     return lib != "dask" and not is_traced(x)
+
+
+def _torch_traces(x: Any) -> bool:
+    """Whether a torch tracer records the computation on tensor `x`.
+
+    ``torch.compile`` (dynamo), ``torch.jit.trace``, ``make_fx`` and ``torch.export``
+    (a proxy or fake-tensor mode: any tensor dispatch mode counts), and the
+    ``torch.func`` transforms (a wrapped tensor, or a transform active around an
+    unwrapped one: a block mask first used inside ``torch.func.grad``).
+    """
+    import torch
+
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return True
+    functorch = torch._C._functorch
+    if functorch.is_functorch_wrapped_tensor(x) or functorch.peek_interpreter_stack() is not None:
+        return True
+    return bool(torch._C._len_torch_dispatch_stack())
 
 
 def concrete_float(x: Any) -> float:
@@ -186,21 +198,51 @@ def stop_gradient(x: Any) -> Any:
     return x
 
 
-_PYTREES: set[type] = set()
+def register_pytree(cls: type, flatten: Any, unflatten: Any) -> None:
+    """Make `cls` a JAX pytree: now if JAX is imported, else the moment it is.
 
-
-def register_pytree_once(cls: type) -> None:
-    """Register `cls` (``tree_flatten`` / ``tree_unflatten``) as a JAX pytree, once.
-
-    Only once JAX is imported (this never imports JAX): a class instantiated before
-    that is registered by its next instance.
+    Never imports JAX itself: a block mask or cache made with NumPy or torch before
+    ``import jax`` is a pytree all the same (``jax.jit(f)(q, block_mask)``).
     """
-    if cls in _PYTREES or "jax" not in sys.modules:
-        return
-    import jax
 
-    jax.tree_util.register_pytree_node_class(cls)
-    _PYTREES.add(cls)
+    def register() -> None:
+        import jax
+
+        jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+
+    if sys.modules.get("jax") is not None:
+        register()
+    else:
+        _AFTER_JAX.append(register)
+        if not any(isinstance(f, _JaxImportHook) for f in sys.meta_path):
+            sys.meta_path.insert(0, _JaxImportHook())
+
+
+_AFTER_JAX: list[Any] = []
+
+
+class _JaxImportHook:
+    """A meta path finder that runs the waiting registrations once ``jax`` is imported."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "jax":
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)  # once: find the real module, then wrap its loading
+        spec = importlib.util.find_spec("jax")
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            while _AFTER_JAX:
+                _AFTER_JAX.pop(0)()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
 
 def to_host(x: Any) -> Any:
@@ -231,9 +273,9 @@ def to_host(x: Any) -> Any:
 def reads_host_values(x: Any) -> bool:
     """Whether values of `x` are host memory to read for free: no device sync, no trace.
 
-    NumPy arrays, and torch CPU tensors outside ``torch.compile`` and ``torch.func``
-    transforms. Decisions that depend on values (skipping blocks of packed sequences
-    by their segment ids) are taken only for such arrays.
+    NumPy arrays, and torch CPU tensors while no torch tracer records
+    (:func:`has_concrete_values`). Decisions that depend on values (skipping blocks
+    of packed sequences by their segment ids) are taken only for such arrays.
     """
     lib = library_name(x)
     if lib == "numpy":
@@ -241,43 +283,7 @@ def reads_host_values(x: Any) -> bool:
     return lib == "torch" and x.device.type == "cpu" and has_concrete_values(x)
 
 
-def has_native_kernel(x: Any) -> bool:
-    """Whether the library of `x` has a fused attention kernel (``_paths/_native.py``)."""
-    return library_name(x) in ("torch", "jax")
-
-
-def fused_native_kernel(x: Any) -> bool:
-    """Whether the native kernel of `x`'s library is fused by default (torch SDPA).
-
-    PyTorch's SDPA picks a fused flash / memory-efficient kernel on CPU and CUDA
-    when given no mask; ``jax.nn.dot_product_attention`` with its default
-    implementation composes XLA operations (cuDNN only on request, on GPUs).
-    """
-    return library_name(x) == "torch"
-
-
-#: The torch release from which SDPA on the CPU returns zeros, with zero gradients, for
-#: a query row that sees no key: every key masked by a boolean mask or ``-inf`` in an
-#: additive one. Measured on torch 2.13.0 (float16, bfloat16, float32, float64; its
-#: flash and math kernels; forward and backward; eager, under ``torch.compile`` with
-#: inductor and under ``torch.func.vmap`` / ``grad``); ``tests/test_native.py`` and
-#: ``tests/test_transforms.py`` check it on every run. Earlier releases are not
-#: measured here, and CUDA's kernels not at all.
-TORCH_CPU_ZEROES_EMPTY_ROWS = (2, 13)
-
-
-def native_kernel_zeroes_empty_rows(x: Any) -> bool:
-    """Whether the native kernel for `x` returns zeros (zero gradients) on rows without keys.
-
-    Where it does, the native route adds no guard around it (``_paths/_native.py``):
-    torch on the CPU from :data:`TORCH_CPU_ZEROES_EMPTY_ROWS`.
-    """
-    if library_name(x) != "torch" or x.device.type != "cpu":
-        return False
-    return _torch_release() >= TORCH_CPU_ZEROES_EMPTY_ROWS
-
-
-def _torch_release() -> tuple[int, int]:
+def torch_release() -> tuple[int, int]:
     """Return (major, minor) of the installed torch, read once.
 
     Kept in a dict: ``torch.compile`` warns about a ``functools`` cache wrapper.
@@ -323,67 +329,6 @@ def matmul_float32(x: Any) -> Any:
         return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
     return matmul
-
-
-def traces_python_loops(x: Any) -> bool:
-    """Whether a Python loop over blocks becomes nodes of a traced program (JAX).
-
-    Such libraries are usually called under ``jax.jit``: every block of the
-    tiled path is a node of the compiled program, so the block count must stay
-    bounded.
-    """
-    return library_name(x) == "jax"
-
-
-def multithreaded_elementwise(x: Any) -> bool:
-    """Whether eager elementwise operations of the library of `x` run on several threads.
-
-    PyTorch's CPU kernels are multi-threaded; NumPy's ufuncs, array-api-strict
-    and the per-chunk NumPy of Dask run on one thread.
-    """
-    return library_name(x) == "torch"
-
-
-def parallel_query_blocks(x: Any) -> bool:
-    """Whether query blocks may run in threads (NumPy; see ``portable_attn._paths._threads``).
-
-    True for eager libraries whose elementwise ops run on one core and release
-    the GIL, with no autodiff to record the threads' work.
-    """
-    return library_name(x) == "numpy"
-
-
-def compiles_eager_calls(x: Any) -> bool:
-    """Whether an eager call on `x` runs its path as one compiled program (concrete JAX).
-
-    JAX dispatches every eager operation on its own (about 10-20 us each on a CPU), so
-    an eager call compiles its path once per call signature and reuses it, as
-    ``jax.nn.dot_product_attention`` (itself under ``jax.jit``) does; traced calls
-    (under ``jit``, ``grad``, ``vmap``) are already one program.
-    """
-    return library_name(x) == "jax" and not is_traced(x)
-
-
-def fuses_softmax_into_matmul(x: Any) -> bool:
-    """Whether the library's compiler fuses a softmax into the matmul after it (XLA: JAX).
-
-    Every JAX call runs compiled (under ``jit``, or as one program per eager call:
-    :func:`compiles_eager_calls`); XLA CPU compiles the row max, ``exp``, the row sums,
-    the division and ``P @ V`` into one kernel when nothing selects on the row
-    statistics between them.
-    """
-    return library_name(x) == "jax"
-
-
-def reuses_buffers(x: Any) -> bool:
-    """Whether the tiled path runs its block loop in reused buffers (``out=``): NumPy.
-
-    NumPy arrays, and Dask arrays of NumPy chunks (their pair tasks run NumPy). No
-    autodiff records NumPy's in-place writes (``portable_attn._paths._buffered``).
-    """
-    if builds_task_graphs(x):
-        x = getattr(x, "_meta", None)
-    return library_name(x) == "numpy"
 
 
 def default_integer_dtype(xp: Any) -> Any:
@@ -473,7 +418,36 @@ def namespace_or_numpy(xp: Any, *, caller: str = "", positional: Any = None) -> 
             stacklevel=3,
         )
         xp = positional
-    return numpy_namespace() if xp is None else xp
+    return numpy_namespace() if xp is None else standard_namespace(xp)
+
+
+_STANDARD: dict[int, Any] = {}
+
+
+def standard_namespace(xp: Any, name: str = "xp") -> Any:
+    """Return the array-API namespace of `xp`: a library's own module or its compat namespace.
+
+    ``numpy``, ``torch``, ``jax.numpy``, ``cupy``, ``array_api_strict``, ``dask.array``
+    and their :mod:`array_api_compat` namespaces all give the namespace their arrays
+    have; anything else is a TypeError naming `name`.
+    """
+    found = _STANDARD.get(id(xp))
+    if found is not None:
+        return found
+    try:
+        found = array_api_compat.array_namespace(xp.asarray(0))
+    except Exception:
+        kind = type(xp).__name__
+        shown = repr(xp) if isinstance(xp, str) else f"a {kind}"
+        msg = (
+            f"`{name}` must be an array namespace -- numpy, torch, jax.numpy, cupy, "
+            f"array_api_strict, dask.array or its array_api_compat namespace -- but got "
+            f"{shown}; pass the module itself (xp=torch, not xp='torch')"
+        )
+        raise TypeError(msg) from None
+    if isinstance(xp, types.ModuleType):  # modules live as long as the process
+        _STANDARD[id(xp)] = found
+    return found
 
 
 def _namespace_of(name: str, x: Any) -> Any:

@@ -17,6 +17,7 @@ from ._scores import (
     scaled_query_rows,
     scores_block,
     with_ones_column,
+    without_hidden_keys,
 )
 from ._softmax import masked_exp, safe_denominator
 
@@ -117,6 +118,9 @@ def dense_attention(
     fold = fold and matmul is None and not weights_first  # those sum P themselves
     xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
     terms, plan = call.terms, call.plan
+    whole_k = (0, plan.kv_len)  # keys past the lengths: zero, whatever they hold
+    k = without_hidden_keys(xp, k, terms, plan, whole_k)
+    v = without_hidden_keys(xp, v, terms, plan, whole_k)
     if bias is not None and bias.dtype != plan.compute_dtype:
         bias = xp.astype(bias, plan.compute_dtype)
     e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold, matmul=matmul)
@@ -149,8 +153,9 @@ def dense_attention(
 def dense_weights(call: AttentionCall) -> Any:
     """Attention weights, shape (*batch, Hq, Lq, Lk), in the compute dtype."""
     call = call.in_compute_dtype()
-    xp, terms = call.xp, call.terms
-    e = _exp_logits(xp, call.query, call.key, call.bias, terms, call.plan)
+    xp, terms, plan = call.xp, call.terms, call.plan
+    key = without_hidden_keys(xp, call.key, terms, plan, (0, plan.kv_len))
+    e = _exp_logits(xp, call.query, key, call.bias, terms, plan)
     weights = _normalise(xp, e.weights, e.row_sum, e.may_be_empty)
     if terms.dropout_keep is not None:
         weights = _dropout(xp, weights, terms) * terms.dropout_scale

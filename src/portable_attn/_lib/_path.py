@@ -1,17 +1,18 @@
-"""What computes one call: the :data:`Path` union that the policy decides and the paths run.
+"""What computes one call: the :class:`Route` the router decides and the drivers run.
 
-The policy (:mod:`portable_attn._lib._policy`) returns one of these and imports
-no path; the paths (:mod:`portable_attn._paths`) run one and import no policy.
-Every decision the policy makes for a call (tiles, threads, folding the row sums
-into ``P @ [V | 1]``, the Dask grid) is carried here, so a path never decides
-one again.
+The router (:func:`portable_attn._lib._route.route`) returns a :class:`Route`; the
+drivers (:mod:`portable_attn._paths`) run it and decide nothing: every choice the
+router makes for a call (the driver, its tiles, threads, folding the row sums into
+``P @ [V | 1]``, the backward, the kernel and its guard, the Dask grid) is a field
+here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["Blocks", "DaskGrid", "Dense", "Empty", "Native", "Path", "Tiled", "keeps_input_dtype"]
+__all__ = ["Blocks", "DaskGrid", "Dense", "Empty", "Native", "Path", "Route", "Tiled"]
 
 #: A block size, or the sizes of consecutive blocks (a Dask array's chunks).
 Blocks = int | tuple[int, ...]
@@ -28,14 +29,12 @@ class Dense:
 
     `fold`: the row sums of the weights come from ``P @ [V | 1]``, not another pass.
     `flash`: half-precision Q, K, V stay in their dtype, FlashAttention's form: both
-    products take half operands and accumulate in float32
-    (:func:`~._compat.matmul_float32`), the softmax and its statistics are float32,
+    products take half operands and accumulate in float32, the softmax is float32,
     the probabilities are cast back to the input dtype for ``P @ V``. Otherwise
-    (the default) Q, K and V are cast to float32 first.
+    Q, K and V are cast to float32 first.
     `weights_first`: the weights are divided by their row sums before ``P @ V``
     (XLA compiles the softmax and ``P @ V`` into one kernel); otherwise the
-    ``(Lq, Dv)`` output is divided after it, which is cheaper where each operation
-    runs on its own.
+    ``(Lq, Dv)`` output is divided after it.
     """
 
     fold: bool = False
@@ -48,37 +47,45 @@ class Tiled:
     """The online softmax over (query block, key block) pairs (``_lib/_tiled.py``).
 
     `block_q`, `block_k`: the tiles (ints, or the sizes of consecutive blocks);
-    `fold`: as for :class:`Dense`, per block; `workers`: threads over the query
-    blocks (NumPy), 1 for the calling thread alone; `loop`: the blocks run as a
-    traced loop (JAX: ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``) instead of a
-    Python loop, so the program does not grow with the number of blocks; `buffered`:
-    the block loop writes into buffers allocated once per call (NumPy's ``out=``,
-    ``_paths/_buffered.py``) instead of fresh arrays per block.
+    `fold`: as for :class:`Dense`, per block; `walk`: how the blocks are walked --
+    ``"python"`` a Python loop of fresh arrays, ``"buffered"`` the same loop writing
+    into buffers allocated once per call (NumPy's ``out=``, ``_paths/_buffered.py``),
+    ``"loop"`` a traced loop (JAX's ``lax.map`` / ``fori_loop``, ``_paths/_loop.py``)
+    whose program does not grow with the number of blocks; `workers`: threads over
+    the query blocks (NumPy), 1 for the calling thread alone; `backward`: what
+    differentiates the walk -- ``"torch"`` / ``"jax"`` the recomputing O(L) backward
+    registered with that library, ``"autodiff"`` the library's own autodiff through
+    the walk (a ``score_mod``), None no autodiff.
     """
 
     block_q: Blocks
     block_k: Blocks
     fold: bool = False
+    walk: Literal["python", "buffered", "loop"] = "python"
     workers: int = 1
-    loop: bool = False
-    buffered: bool = False
+    backward: Literal["torch", "jax", "autodiff"] | None = None
 
 
 @dataclass(frozen=True)
 class Native:
     """The framework's fused kernel with our masks and empty-row contract (``_native.py``).
 
+    `kernel`: ``"sdpa"`` (torch) or ``"jax_nn"`` (``jax.nn.dot_product_attention``).
     `upcast`: half-precision Q, K, V (and bias) reach the kernel cast to float32;
-    False: in their own dtype, for a kernel that accumulates in float32 itself
-    (the policy's :data:`~._policy.NATIVE_HALF_ROUTES` says which).
+    False: in their own dtype, for a kernel that accumulates in float32 itself.
     `tiles`: None, one kernel call for the whole call; an int, one call per query
-    tile of that many rows over the keys its visible key tiles span, so the key
-    tiles that block skipping hides (the band, segment ids, a block mask) are not
-    computed (``_native.native_tiles``).
+    tile of that many rows over the keys its visible key tiles span.
+    `guard`: rows that may see no key are given a harmless mask and zeroed after
+    the kernel (False where no row can be empty or the kernel zeroes them itself).
+    `min_keys`: a kernel call over fewer keys gets an explicit boolean mask (the
+    unmasked kernel loses a NaN of a query there).
     """
 
+    kernel: Literal["sdpa", "jax_nn"] = "sdpa"
     upcast: bool = True
     tiles: int | None = None
+    guard: bool = True
+    min_keys: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ class DaskGrid:
     `q_chunks`, `k_chunks`: the chunk sizes along ``Lq`` and ``Lk``; `inner`: the
     path each pair runs on its chunks (:class:`Dense`: one block per pair);
     `merge_fan_in`: partials merged per merge task; `task_scores`: consecutive
-    visible pairs of a query chunk share one task (and its merge) until it holds
+    visible pairs of a query chunk share one task (and one walk) until it holds
     that many scores (0: a task per pair).
     """
 
@@ -103,11 +110,18 @@ class DaskGrid:
 Path = Empty | Dense | Tiled | Native | DaskGrid
 
 
-def keeps_input_dtype(path: Path) -> bool:
-    """Whether `path` takes half-precision Q, K, V in their own dtype (no float32 copy)."""
-    match path:
-        case Native(upcast=upcast):
-            return not upcast
-        case Dense(flash=flash):
-            return flash
-    return False
+@dataclass(frozen=True)
+class Route:
+    """Everything the router decided for one call.
+
+    `path`: what computes it. `keys`: compute only the first `keys` keys (those the
+    host-read `kv_lengths` show some row), None for all. `compiled`: an eager JAX
+    call runs `path` as one compiled program, cached per call signature
+    (``_paths/_compiled.py``). `keeps_dtype`: half-precision Q, K, V reach the path
+    in their own dtype (no float32 copies).
+    """
+
+    path: Path
+    keys: int | None = None
+    compiled: bool = False
+    keeps_dtype: bool = False

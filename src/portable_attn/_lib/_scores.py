@@ -24,7 +24,6 @@ __all__ = [
     "ScoreTerms",
     "alibi_distance",
     "allowed_block",
-    "block_visibility",
     "capped_logits",
     "empty_result",
     "heads_to_rows",
@@ -35,7 +34,9 @@ __all__ = [
     "rows_may_be_empty",
     "rows_to_heads",
     "scaled_query_rows",
+    "score_index",
     "scores_block",
+    "without_hidden_keys",
     "slice_block",
     "with_ones_column",
 ]
@@ -110,8 +111,6 @@ class ScoreTerms:
     #: packed sequences: ids (*batch, 1, Lq, 1) and (*batch, 1, 1, Lk), equal ids attend
     q_segments: Any = None
     kv_segments: Any = None
-    #: host ids only (NumPy): which block pairs share no segment (``_masks.SegmentBlocks``)
-    segment_blocks: Any = None
     #: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (absolute positions), AND-ed
     mask_mod: Callable[..., Any] | None = None
     #: the block states of a block mask, (*batch|1, Hq|1, nq, nk) int8 (may be traced):
@@ -237,42 +236,72 @@ def allowed_block(
     q_range: Range,
     k_range: Range,
     *,
-    structural: bool = True,
-    segments: bool = True,
-    mask_mod: bool = True,
+    structured: bool = True,
 ) -> Any | None:
-    """Combine the user mask, causal, window, padding, segment ids and ``mask_mod`` for a block.
+    """Combine the user mask, causal, window, lengths, segment ids and ``mask_mod`` for a block.
 
-    Returns None when everything is allowed. ``structural=False`` leaves out the
-    causal/window part (for blocks known to be fully inside the band),
-    ``segments=False`` the segment ids (for blocks known to lie in one segment),
-    ``mask_mod=False`` the ``mask_mod`` (for blocks its block mask shows in full).
+    Returns None when everything is allowed. ``structured=False`` leaves out every
+    structured part (the band, the lengths, the segment ids, the ``mask_mod``): for
+    a block that :func:`~._blocks.host_pair_states` says they show in full.
     """
     parts = [slice_block(terms.mask, q_range, k_range)]  # (..., Hq|1, bq|1, bk|1)
-    if structural and plan.band.restricts:  # (bq, bk) or (*batch, 1, bq, bk)
-        offset = query_offset(plan, terms)
-        parts.append(plan.band.allowed(xp, q_range, k_range, offset, plan.device))
-    kv_lengths = None if _lengths_show_keys(terms, plan, k_range) else terms.kv_lengths
-    parts.append(padding_allowed(xp, q_range, k_range, terms.q_lengths, kv_lengths, plan.device))
-    if segments:
-        parts.append(segment_allowed(terms.q_segments, terms.kv_segments, q_range, k_range))
-    if mask_mod and terms.mask_mod is not None:  # (..., Hq|1, bq|1, bk|1)
+    if structured:
+        if plan.band.restricts:  # (bq, bk) or (*batch, 1, bq, bk)
+            offset = query_offset(plan, terms)
+            parts.append(plan.band.allowed(xp, q_range, k_range, offset, plan.device))
+        kv_lengths = None if _lengths_show_keys(terms, plan, k_range) else terms.kv_lengths
         parts.append(
-            evaluate_mask_mod(
-                xp,
-                terms.mask_mod,
-                terms.batch_index,
-                plan.num_q_heads,
-                q_range,
-                k_range,
-                plan.device,
-            )
+            padding_allowed(xp, q_range, k_range, terms.q_lengths, kv_lengths, plan.device)
         )
+        parts.append(segment_allowed(terms.q_segments, terms.kv_segments, q_range, k_range))
+        if terms.mask_mod is not None:  # (..., Hq|1, bq|1, bk|1)
+            parts.append(
+                evaluate_mask_mod(
+                    xp,
+                    terms.mask_mod,
+                    terms.batch_index,
+                    plan.num_q_heads,
+                    q_range,
+                    k_range,
+                    plan.device,
+                )
+            )
     allowed = None
     for part in parts:
         if part is not None:
             allowed = part if allowed is None else xp.logical_and(allowed, part)
     return allowed
+
+
+def without_hidden_keys(
+    xp: Any, x: Any, terms: ScoreTerms, plan: AttentionPlan, k_range: Range
+) -> Any:
+    """Keys (or values) `x` (..., Hkv, bk, D) of `k_range` with those past `kv_lengths` zeroed.
+
+    A key hidden by the lengths gets weight 0, but ``0 · NaN`` is NaN: whatever such
+    slots hold (a cache allocated with ``empty``, a reused pool) must not reach
+    ``P @ V`` or a gradient. None of them, or no lengths: `x` itself.
+    """
+    if terms.kv_lengths is None:
+        return x
+    if _lengths_show_keys(terms, plan, k_range):
+        return x
+    valid = arange(xp, k_range[0], k_range[1], plan.device)[:, None] < terms.kv_lengths
+    return xp.where(valid, x, 0.0)  # (*batch, Hkv | 1, bk, D)
+
+
+def score_index(
+    xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range
+) -> tuple[Any, Any, Any, Any]:
+    """Return the index arrays of ``score_mod`` for a block: batch, head, q_idx, kv_idx.
+
+    `batch` (*batch, 1, 1, 1) the flat batch index, `head` (Hq, 1, 1), `q_idx` (bq, 1)
+    and `kv_idx` (1, bk) absolute positions.
+    """
+    head = arange(xp, 0, plan.num_q_heads, plan.device)[:, None, None]  # (Hq, 1, 1)
+    q_idx = arange(xp, q_range[0], q_range[1], plan.device)[:, None]  # (bq, 1)
+    kv_idx = arange(xp, k_range[0], k_range[1], plan.device)[None, :]  # (1, bk)
+    return terms.batch_index, head, q_idx, kv_idx
 
 
 def scores_block(
@@ -295,10 +324,7 @@ def scores_block(
     """
     scores = capped
     if terms.score_mod is not None:
-        head = arange(xp, 0, plan.num_q_heads, plan.device)[:, None, None]  # (Hq, 1, 1)
-        q_idx = arange(xp, q_range[0], q_range[1], plan.device)[:, None]  # (bq, 1)
-        kv_idx = arange(xp, k_range[0], k_range[1], plan.device)[None, :]  # (1, bk)
-        scores = terms.score_mod(scores, terms.batch_index, head, q_idx, kv_idx)
+        scores = terms.score_mod(scores, *score_index(xp, terms, plan, q_range, k_range))
     bias_blk = slice_block(bias, q_range, k_range)
     if bias_blk is not None:
         scores = scores + bias_blk  # (..., Hq, bq, bk)
@@ -320,17 +346,6 @@ def query_offset(plan: AttentionPlan, terms: ScoreTerms) -> Any:
     """``i' - i`` of the call: an int, or (*batch, 1, 1, 1) with lengths (:class:`Alignment`)."""
     align = _WHOLE_CALL if plan.align is None else plan.align
     return align.offset(plan.q_len, plan.kv_len, terms.q_lengths, terms.kv_lengths)
-
-
-def block_visibility(plan: AttentionPlan, q_range: Range, k_range: Range) -> str:
-    """``"skip"``, ``"partial"`` or ``"full"``: what the band shows of a block (:class:`Band`).
-
-    With sequence lengths the alignment depends on array values, and a block of a
-    traced loop has traced starts: every such block is "partial".
-    """
-    offset = plan.offset
-    static = not plan.has_lengths and isinstance(offset, int)
-    return plan.band.visibility(q_range, k_range, offset if static else None)
 
 
 def hidden_by_value(bias: Any | None, terms: ScoreTerms) -> bool:

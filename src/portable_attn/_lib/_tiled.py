@@ -10,10 +10,12 @@ Backward (FlashAttention-2): recompute each block's probabilities from the saved
 log-sum-exp ``lse = m + log(l)`` and accumulate ``dQ``, ``dK``, ``dV`` (and the
 bias gradient) block by block, so training keeps O(L) memory too.
 
-Which (query block, key block) pairs are computed is decided from the static
-shapes only (causal / window structure), never from array values, so the loops
-trace under ``jax.jit``. Everything here is array-API standard; the adapters that
-register the backward with torch and JAX live in ``portable_attn._paths._autodiff``.
+Which (query block, key block) pairs are computed, and which need a mask, is the
+one answer of ``_blocks.py``: read on the host here, traced by value in JAX's loop
+(``_paths/_loop.py``). The online softmax (:class:`OnlineSoftmax`) is written once
+against :class:`Ops`, whose NumPy form (``_paths/_buffered.py``) writes into reused
+buffers. Everything here is array-API standard; the adapters that register the
+backward with torch and JAX live in ``portable_attn._paths._autodiff``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 from collections.abc import Collection
 from typing import Any, NamedTuple
 
+from ._blocks import FULL, host_pair_states
 from ._call import AttentionCall
 from ._compat import on_device
 from ._path import Blocks
@@ -30,27 +33,28 @@ from ._scores import (
     ScoreTerms,
     alibi_distance,
     allowed_block,
-    block_visibility,
     capped_logits,
     empty_result,
     heads_to_rows,
-    hidden_by_value,
     raw_logits_block,
     rows_to_heads,
     scaled_query_rows,
+    score_index,
     scores_block,
     slice_block,
     with_ones_column,
+    without_hidden_keys,
 )
 from ._softmax import finite_shift, safe_denominator
 
 __all__ = [
     "Blocks",
+    "Keys",
+    "OnlineSoftmax",
+    "Ops",
     "RowState",
-    "RowWalk",
     "block_ranges",
-    "block_visibility",
-    "pair_visibility",
+    "block_scores",
     "sum_to_shape",
     "tiled_backward",
     "tiled_forward",
@@ -86,80 +90,78 @@ def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
     return x
 
 
-def _block_scores(
-    xp: Any,
-    q_rows: Any,
-    k_blk: Any,
-    bias: Any,
-    terms: ScoreTerms,
-    plan: AttentionPlan,
-    q_range: Range,
-    k_range: Range,
-    visibility: str,
-) -> tuple[Any, Any, Any]:
-    """Return (logits, capped logits, scores with disallowed entries -inf) for one block."""
-    raw = raw_logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk): scale · Q Kᵀ
-    capped = capped_logits(xp, raw, plan)
-    scores = scores_block(xp, capped, bias, terms, plan, q_range, k_range)
-    allowed = visible_entries(xp, terms, plan, q_range, k_range, visibility)
-    if allowed is not None:
-        scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
-    return raw, capped, scores
+class Ops:
+    """The operations of the online softmax that a workspace may do in its own buffers.
 
-
-def visible_entries(
-    xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range, vis: str
-) -> Any:
-    """Return the "may attend" array of a block a walk visits (`vis` "full", "partial"), or None.
-
-    What :func:`pair_visibility` already shows needs no mask: a "full" block has no
-    band or ``mask_mod`` part, and a pair inside one document (host segment ids) no id
-    part. Every loop over blocks asks this, so they mask alike.
+    This portable form returns fresh arrays; ``_paths/_buffered.py`` gives NumPy's
+    form, which writes into buffers it allocated once per call (``out=``). The walk
+    (:class:`OnlineSoftmax`) is written once against these.
     """
-    blocks = terms.segment_blocks  # host ids: a pair inside one document needs no id mask
-    segments = blocks is None or not blocks.one_segment(q_range, k_range)
-    full = vis == "full"  # the band and the block mask show every entry
-    return allowed_block(
-        xp,
-        terms,
-        plan,
-        q_range,
-        k_range,
-        structural=not full,
-        segments=segments,
-        mask_mod=not full,
-    )
 
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
 
-def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) -> Any:
-    """Dropout on a block of (unnormalised) weights; the 1/(1-p) factor comes later."""
-    keep = slice_block(terms.dropout_keep, q_range, k_range)
-    return p if keep is None else xp.where(keep, p, 0.0)
+    def query_rows(self, q_blk: Any, plan: AttentionPlan) -> Any:
+        """``scale · Q`` of a query block as (..., Hkv, G*bq, Dk) (:func:`scaled_query_rows`)."""
+        return scaled_query_rows(self.xp, q_blk, plan)
 
+    def with_ones(self, call: AttentionCall) -> Any:
+        """``[V | 1]`` of `call` (:func:`with_ones_column`)."""
+        return with_ones_column(self.xp, call.value, call.plan)
 
-def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
-    return xp.zeros(shape, dtype=plan.compute_dtype, **on_device(plan.device))
+    def scores(self, q_rows: Any, k_t: Any, shape: tuple[int, ...]) -> Any:
+        """``q_rows @ k_t``: (..., Hkv, G*bq, Dk) x (..., Hkv, Dk, bk), as (..., Hq, bq, bk)."""
+        return rows_to_heads(self.xp, q_rows @ k_t, shape[-3])
 
+    def cap(self, s: Any, softcap: Any) -> Any:
+        """``softcap · tanh(s / softcap)``."""
+        return softcap * self.xp.tanh(s / softcap)
 
-def pair_visibility(plan: AttentionPlan, terms: ScoreTerms, q_range: Range, k_range: Range) -> str:
-    """Return what is visible of a block pair: the one answer every eager path asks.
+    def modified(self, s: Any, score_mod: Any, *index: Any) -> Any:
+        """``score_mod(s, *index)``."""
+        return score_mod(s, *index)
 
-    ``"skip"`` when the band (:func:`block_visibility`), host segment ids or the
-    block mask's states hide every entry; ``"full"`` when the band shows every entry
-    and a ``mask_mod`` (if any) is shown in full by its states (no mask work);
-    ``"partial"`` otherwise.
-    """
-    vis = block_visibility(plan, q_range, k_range)
-    blocks = terms.segment_blocks
-    if vis != "skip" and blocks is not None and blocks.disjoint(q_range, k_range):
-        return "skip"
-    if vis == "skip" or terms.mask_mod is None:
-        return vis
-    host = terms.block_host
-    states = "partial" if host is None else host.visibility(q_range, k_range)
-    if states == "skip":
-        return "skip"
-    return "full" if vis == "full" and states == "full" else "partial"
+    def add(self, s: Any, x: Any) -> Any:
+        """``s + x``."""
+        return s + x
+
+    def hide(self, s: Any, allowed: Any) -> Any:
+        """``-inf`` where not `allowed`."""
+        return self.xp.where(allowed, s, -self.xp.inf)
+
+    def maximum(self, m: Any, m_blk: Any) -> Any:
+        """``maximum(m, m_blk)``."""
+        return self.xp.maximum(m, m_blk)
+
+    def exp_shifted(self, s: Any, m: Any, owned: bool) -> Any:
+        """``exp(s - m)``; `owned`: `s` is a fresh array of ours that may be overwritten."""
+        if owned:
+            s -= m  # saves a third (bq, bk) block
+            return self.xp.exp(s)
+        return self.xp.exp(s - m)
+
+    def dropped(self, p: Any, keep: Any) -> Any:
+        """`p` with the entries dropout drops zeroed."""
+        return self.xp.where(keep, p, 0.0)
+
+    def matmul(self, p_rows: Any, v: Any, first: bool) -> Any:
+        """``p_rows @ v``; `first`: the product becomes the accumulator."""
+        return p_rows @ v
+
+    def rescaled(self, acc: Any, alpha: Any, pv: Any) -> Any:
+        """``alpha · acc + pv``."""
+        return alpha * acc + pv
+
+    def start_acc(self, acc: Any) -> Any:
+        """Return the accumulator before the first block (zeros, with a sink)."""
+        return acc
+
+    def write(self, target: Any, value: Any) -> None:
+        """Write `value` into `target`, a view of an output array of ours."""
+        target[...] = value
+
+    def release(self) -> None:
+        """Hand back what the walk held (a workspace's thread arena)."""
 
 
 class RowState(NamedTuple):
@@ -178,42 +180,48 @@ class RowState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class RowWalk:
-    """The online softmax of one call: start a query block's rows, visit a key block, finish.
+class Keys:
+    """One part of the keys a walk visits: its call, ``Kᵀ`` and the values it multiplies.
 
-    One implementation for every loop over key blocks: the Python loop of
-    :func:`tiled_forward` and the traced loop of ``_paths._loop`` (which carries
-    ``(m, l_sum, acc)`` from :meth:`carry_start`).
+    `values` is V, or ``[V | 1]`` when the row sums are folded into ``P @ [V | 1]``.
+    A call's own keys are one part; a Dask task walks the consecutive key chunks of
+    one query chunk as several parts (each placed at its positions).
     """
 
     call: AttentionCall
-    fold: bool
-    v_ones: Any
-    stop_gradient: Any
-    owned: bool
-    hide_rows: bool
+    k_t: Any  # (..., Hkv, Dk, Lk_part)
+    values: Any
+    shows_rows: bool  # a FULL pair shows every row a finite score (nothing unstructured hides)
 
     @classmethod
-    def of(
-        cls,
-        call: AttentionCall,
-        *,
-        fold: bool = False,
-        v_ones: Any = None,
-        stop_gradient: Any = None,
-    ) -> RowWalk:
-        if fold and v_ones is None:  # the row sums ride along as a last column of P V
-            v_ones = with_ones_column(call.xp, call.value, call.plan)
-        # Without a score_mod the block scores are always a fresh array of ours (a
-        # matmul, softcap, bias, ALiBi or where result) that autodiff has not saved:
-        # subtracting the max in place is safe. (JAX arrays rebind on ``-=``; the
-        # torch backward is the custom one, which runs this forward without grad.)
-        # With sinks the running max starts at the sinks, which a ``torch.func.vmap``
-        # over them batches while the scores are not: no in-place update then.
+    def of(cls, call: AttentionCall, values: Any) -> Keys:
         terms = call.terms
-        owned = terms.score_mod is None and terms.sinks is None
-        hide = hidden_by_value(call.bias, terms)
-        return cls(call, fold, v_ones, stop_gradient, owned, hide)
+        hides = (
+            terms.mask is not None
+            or call.bias is not None
+            or terms.score_mod is not None
+            or terms.alibi_slopes is not None
+        )
+        return cls(call, call.xp.matrix_transpose(call.key), values, not hides)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSoftmax:
+    """The online softmax of one call's queries: ``start``, ``step`` per key block, ``finish``.
+
+    The one implementation of it, run by every walk: the Python loop and NumPy's
+    buffered loop of :func:`tiled_forward` (its threads and Dask's tasks), and the
+    traced loop of ``_paths/_loop.py`` (which carries ``(m, l_sum, acc)`` from
+    :meth:`carry_start`). `ops` does the block operations (fresh arrays, or NumPy's
+    workspace buffers); `fold` takes the row sums from ``P @ [V | 1]``;
+    `stop_gradient` (the library's, when plain autodiff differentiates the walk)
+    stops the running max's gradient, which is exactly zero.
+    """
+
+    call: AttentionCall
+    ops: Ops
+    fold: bool = False
+    stop_gradient: Any = None
 
     def start(self, bq: int) -> RowState:
         """Return the state before the first key block: at the sink if any, else empty."""
@@ -229,8 +237,8 @@ class RowWalk:
         l_sum = xp.exp(terms.sinks - finite_shift(xp, m))  # (..., Hq, bq, 1)
         acc = _zeros(xp, (*plan.batch, plan.num_q_heads, bq, plan.value_dim), plan)
         if self.fold:  # the denominator rides along as the accumulator's last column
-            return RowState(m, None, xp.concat([acc, l_sum], axis=-1))
-        return RowState(m, l_sum, acc)
+            return RowState(m, None, self.ops.start_acc(xp.concat([acc, l_sum], axis=-1)))
+        return RowState(m, l_sum, self.ops.start_acc(acc))
 
     def carry_start(self, bq: int) -> tuple[Any, Any, Any]:
         """Return ``(m, l_sum, acc)`` of rows that saw nothing yet: -inf, 0, 0 (a loop carry)."""
@@ -242,44 +250,48 @@ class RowWalk:
         return m, (None if self.fold else _zeros(xp, (*rows, 1), plan)), acc
 
     def step(
-        self, state: RowState, q_rows: Any, q_range: Range, k_range: Range, vis: str
+        self, state: RowState, q_rows: Any, keys: Keys, q_range: Range, k_range: Range, full: bool
     ) -> RowState:
-        """Visit key block `k_range` (not skipped: `vis` "full" or "partial")."""
-        call = self.call
-        xp, terms, plan = call.xp, call.terms, call.plan
+        """Visit key block `k_range` of `keys`: a pair the states do not skip.
+
+        `full`: the pair needs no structured mask (:data:`~._blocks.FULL`).
+        """
+        ops, xp = self.ops, self.call.xp
+        plan = keys.call.plan
         hkv, hq = plan.num_kv_heads, plan.num_q_heads
         m, l_sum, acc, rows_seen = state
         ks, ke = k_range
-        _, _, s = _block_scores(
-            xp, q_rows, call.key[..., ks:ke, :], call.bias, terms, plan, q_range, k_range, vis
-        )
+        s = block_scores(ops, q_rows, keys, q_range, k_range, full)
         m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
-        m_new = m_blk if m is None else xp.maximum(m, m_blk)
+        m_new = m_blk if m is None else ops.maximum(m, m_blk)
         if self.stop_gradient is not None:
             m_new = self.stop_gradient(m_new)
         if rows_seen:  # m_new is finite in every row already
             m_safe = m_new
         else:  # a row hidden in every block so far: exp(-inf - finite) = 0
             m_safe = finite_shift(xp, m_new)
-            rows_seen = not self.hide_rows and vis == "full"
-        if self.owned:
-            s -= m_safe  # saves allocating (and faulting in) a third (bq, bk) block
-            p = xp.exp(s)  # (..., Hq, bq, bk)
-        else:
-            p = xp.exp(s - m_safe)  # (..., Hq, bq, bk)
+            rows_seen = full and keys.shows_rows
+        terms = keys.call.terms
+        owned = terms.score_mod is None and terms.sinks is None
+        p = ops.exp_shifted(s, m_safe, owned)  # (..., Hq, bq, bk)
         del s  # keep at most two (bq, bk) blocks alive
+        alpha = None if m is None else xp.exp(m - m_safe)  # rescales the old sums
+        v_blk = keys.values[..., ks:ke, :]
+        if not full:  # values past the lengths: zero, whatever they hold
+            v_blk = without_hidden_keys(xp, v_blk, terms, plan, k_range)
         if self.fold:
-            pv = heads_to_rows(xp, p, hkv) @ self.v_ones[..., ks:ke, :]  # (..., Hkv, G*bq, Dv+1)
-            pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv+1): [P V | rowsum P]
-            acc = pv if m is None else xp.exp(m - m_safe) * acc + pv
+            pv = ops.matmul(heads_to_rows(xp, p, hkv), v_blk, alpha is None)  # [P V | rowsum]
+            pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv+1)
+            acc = pv if alpha is None else ops.rescaled(acc, alpha, pv)
             return RowState(m_new, None, acc, rows_seen)
-        kept = heads_to_rows(xp, _keep(xp, p, terms, q_range, k_range), hkv)
-        pv = rows_to_heads(xp, kept @ call.value[..., ks:ke, :], hq)  # (..., Hq, bq, Dv)
-        p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
-        if m is None:
+        p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1), before dropout
+        keep = slice_block(terms.dropout_keep, q_range, k_range)
+        if keep is not None:
+            p = ops.dropped(p, keep)
+        pv = rows_to_heads(xp, ops.matmul(heads_to_rows(xp, p, hkv), v_blk, alpha is None), hq)
+        if alpha is None:
             return RowState(m_new, p_sum, pv, rows_seen)
-        alpha = xp.exp(m - m_safe)  # rescale what was summed under the old max
-        return RowState(m_new, alpha * l_sum + p_sum, alpha * acc + pv, rows_seen)
+        return RowState(m_new, alpha * l_sum + p_sum, ops.rescaled(acc, alpha, pv), rows_seen)
 
     def finish(self, state: RowState, bq: int) -> tuple[Any, Any]:
         """Return output (..., Hq, bq, Dv) and lse (..., Hq, bq, 1); lse ``-inf``: nothing seen."""
@@ -300,6 +312,75 @@ class RowWalk:
         return acc / denominator, xp.broadcast_to(lse, (*plan.batch, plan.num_q_heads, bq, 1))
 
 
+def block_scores(
+    ops: Ops, q_rows: Any, keys: Keys, q_range: Range, k_range: Range, full: bool
+) -> Any:
+    """One block's final scores (..., Hq, bq, bk), hidden entries ``-inf``.
+
+    ``softcap(scale · Q Kᵀ)``, then ``score_mod``, bias and ALiBi, then the masks
+    (:func:`visible_entries`): the score pipeline of ``_scores.py``, by `ops`.
+    """
+    call = keys.call
+    xp, plan, terms = call.xp, call.plan, call.terms
+    ks, ke = k_range
+    shape = (*plan.batch, plan.num_q_heads, q_range[1] - q_range[0], ke - ks)
+    s = ops.scores(q_rows, keys.k_t[..., ks:ke], shape)
+    if plan.softcap is not None:
+        s = ops.cap(s, plan.softcap)
+    if terms.score_mod is not None:
+        s = ops.modified(s, terms.score_mod, *score_index(xp, terms, plan, q_range, k_range))
+    bias = slice_block(call.bias, q_range, k_range)
+    if bias is not None:
+        s = ops.add(s, bias)
+    if terms.alibi_slopes is not None:
+        s = ops.add(s, -terms.alibi_slopes * alibi_distance(xp, terms, plan, q_range, k_range))
+    allowed = visible_entries(xp, terms, plan, q_range, k_range, full)
+    return s if allowed is None else ops.hide(s, allowed)
+
+
+def visible_entries(
+    xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range, full: bool
+) -> Any:
+    """Return the "may attend" array of a visited block, or None (everything visible).
+
+    A `full` pair (:data:`~._blocks.FULL`) needs no structured mask: the band, the
+    lengths, the segment ids and the ``mask_mod`` show all of it; the caller's
+    `mask` still applies. Every walk asks this, so they mask alike.
+    """
+    return allowed_block(xp, terms, plan, q_range, k_range, structured=not full)
+
+
+def _block_scores(
+    xp: Any,
+    q_rows: Any,
+    k_blk: Any,
+    bias: Any,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    q_range: Range,
+    k_range: Range,
+    full: bool,
+) -> tuple[Any, Any, Any]:
+    """Return (logits, capped logits, scores with hidden entries -inf) for the backward."""
+    raw = raw_logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk): scale · Q Kᵀ
+    capped = capped_logits(xp, raw, plan)
+    scores = scores_block(xp, capped, bias, terms, plan, q_range, k_range)
+    allowed = visible_entries(xp, terms, plan, q_range, k_range, full)
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
+    return raw, capped, scores
+
+
+def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) -> Any:
+    """Dropout on a block of (unnormalised) weights; the 1/(1-p) factor comes later."""
+    keep = slice_block(terms.dropout_keep, q_range, k_range)
+    return p if keep is None else xp.where(keep, p, 0.0)
+
+
+def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
+    return xp.zeros(shape, dtype=plan.compute_dtype, **on_device(plan.device))
+
+
 def tiled_forward(
     call: AttentionCall,
     block_q: Blocks,
@@ -307,51 +388,85 @@ def tiled_forward(
     *,
     fold: bool = False,
     q_ranges: list[Range] | None = None,
+    parts: list[AttentionCall] | None = None,
     v_ones: Any = None,
     stop_gradient: Any | None = None,
+    ops: Ops | None = None,
+    out: Any = None,
+    lse: Any = None,
 ) -> tuple[Any, Any]:
-    """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
+    """Attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1): the walk.
 
     ``lse`` is ``-inf`` for rows with no visible key (and no sink): the one
     convention of every path (:func:`empty_result`).
 
-    Per visible block (:meth:`RowWalk.step`): one score matmul, a row max,
-    ``exp(s - m)`` (the max subtracted in place) and, with `fold` (decided by the
-    path policy), one matmul with ``[V | 1]``, which gives the weighted sum and the
-    row sums of the weights together (no separate pass for the sum); the running sum
-    then rides along as the last column of the accumulator, so one rescale
-    ``alpha * acc`` covers both. The ``where`` that keeps an all-hidden row's max at
-    0 is left out once a block has shown every row a finite score.
+    For each query block, the online softmax (:class:`OnlineSoftmax`) visits the key
+    blocks that :func:`~._blocks.host_pair_states` does not skip, with the masks a
+    pair needs. Per visited block: one score matmul, a row max, ``exp(s - m)`` and,
+    with `fold`, one matmul with ``[V | 1]``, which gives the weighted sum and the row
+    sums together; the running sum then rides along as the accumulator's last
+    column, so one rescale covers both.
 
-    `q_ranges` (keyword-only) computes only those query ranges (by default the
-    blocks of `block_q`), concatenated along the query axis: a caller can split
-    the query blocks between workers. `v_ones` is a precomputed
-    :func:`with_ones_column` of `v` (shared by such calls). `stop_gradient`
-    (the library's, given when plain autodiff differentiates this loop) is
-    applied to the running max: the shift cancels exactly, so its gradient is
-    zero, and leaving it out of the graph avoids a NaN that XLA's optimised
-    program produced for it (GQA, 2x2 tiles, a position-dependent score_mod).
+    Parameters
+    ----------
+    call : AttentionCall
+        In the compute dtype, with a value.
+    block_q, block_k : int or tuple of int
+        The tiles (an int, or the sizes of consecutive blocks).
+    fold : bool, default False
+        Take the row sums from ``P @ [V | 1]`` (decided by the router).
+    q_ranges : list of (int, int), optional
+        Compute only these query ranges (by default the blocks of `block_q`): a
+        caller can split the query blocks between threads.
+    parts : list of AttentionCall, optional
+        Walk the keys of each of these calls in turn instead of `call`'s: the same
+        queries over consecutive key parts placed at their positions (a Dask task
+        over several key chunks), one online softmax, nothing to merge. A
+        ``once_per_row`` field (the sink) is counted from `call`.
+    v_ones : array, optional
+        ``[V | 1]`` of `call` (:func:`with_ones_column`), shared by the threads of a call.
+    stop_gradient : callable, optional
+        The library's stop-gradient for the running max (plain autodiff of the walk).
+    ops : Ops, optional
+        A workspace's operations (NumPy's buffers); by default fresh arrays.
+    out, lse : arrays (..., Hq, Lq, Dv) and (..., Hq, Lq, 1), optional
+        Where the rows of `q_ranges` are written (the threads of one call share them).
     """
     xp, q, plan = call.xp, call.query, call.plan
-    walk = RowWalk.of(call, fold=fold, v_ones=v_ones, stop_gradient=stop_gradient)
-    k_blocks = block_ranges(plan.kv_len, block_k)
+    ops = Ops(xp) if ops is None else ops
+    walk = OnlineSoftmax(call, ops, fold, stop_gradient)
     if q_ranges is None:
         q_ranges = block_ranges(plan.q_len, block_q)
-    outs, lses = [], []
-    for q_range in q_ranges:
-        q_rows = scaled_query_rows(xp, q[..., q_range[0] : q_range[1], :], plan)
-        bq = q_range[1] - q_range[0]
-        state = walk.start(bq)
-        for k_range in k_blocks:
-            vis = pair_visibility(plan, call.terms, q_range, k_range)
-            if vis != "skip":
-                state = walk.step(state, q_rows, q_range, k_range, vis)
-        out_blk, lse_blk = walk.finish(state, bq)
-        outs.append(out_blk)
-        lses.append(lse_blk)
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
-    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
-    return out, lse
+    try:
+        sources = []
+        for part in [call] if parts is None else parts:
+            k_ranges = block_ranges(part.plan.kv_len, block_k)
+            states = host_pair_states(part, q_ranges, k_ranges)
+            values = part.value
+            if fold:
+                values = v_ones if v_ones is not None and part is call else ops.with_ones(part)
+            sources.append((Keys.of(part, values), k_ranges, states))
+        outs, lses = [], []
+        for i, q_range in enumerate(q_ranges):
+            qs, qe = q_range
+            q_rows = ops.query_rows(q[..., qs:qe, :], plan)
+            state = walk.start(qe - qs)
+            for keys, k_ranges, states in sources:
+                for k_range, pair in zip(k_ranges, states[i], strict=True):
+                    if pair:
+                        state = walk.step(state, q_rows, keys, q_range, k_range, pair == FULL)
+            out_blk, lse_blk = walk.finish(state, qe - qs)
+            if out is not None:
+                ops.write(out[..., qs:qe, :], out_blk)
+                ops.write(lse[..., qs:qe, :], lse_blk)
+            else:
+                outs.append(out_blk)
+                lses.append(lse_blk)
+    finally:
+        ops.release()
+    if out is not None:
+        return out, lse
+    return _combine(xp, outs, -2, True), _combine(xp, lses, -2, True)
 
 
 def _combine(xp: Any, parts: list[Any], axis: int, concatenate: bool) -> Any:
@@ -375,6 +490,7 @@ def tiled_backward(
     *,
     need: Collection[str] = (),
     dlse: Any | None = None,
+    states: Any = None,
 ) -> dict[str, Any]:
     """Gradients of the tiled attention by field name, each shaped like its input.
 
@@ -385,7 +501,8 @@ def tiled_backward(
     wanted: ``bias``, ``alibi_slopes``, ``sinks`` and a learned (0-d array)
     ``scale`` or ``softcap``. `dlse` (..., Hq, Lq, 1) is the cotangent of the row
     log-sum-exp, when it is an output: ``d lse_i / d s_ij = p_ij``, so it enters as
-    ``D_i - dlse_i`` below.
+    ``D_i - dlse_i`` below. `states` are the pair states (``states[i][j]``) when the
+    caller knows them (a block of the traced loop); by default :func:`host_pair_states`.
     """
     xp, q, k, v = call.xp, call.query, call.key, call.value
     bias: Any = call.bias
@@ -412,7 +529,10 @@ def tiled_backward(
     dv_sums: list[Any] = [None] * len(k_blocks)
     dq_parts, dbias_rows = [], []
     dslopes = dsoftcap = None
-    for q_range in block_ranges(plan.q_len, block_q):
+    q_blocks = block_ranges(plan.q_len, block_q)
+    if states is None:
+        states = host_pair_states(call, q_blocks, k_blocks)
+    for i, q_range in enumerate(q_blocks):
         qs, qe = q_range
         q_blk = q[..., qs:qe, :]
         q_rows = scaled_query_rows(xp, q_blk, plan)  # (..., Hkv, G*bq, Dk)
@@ -421,15 +541,17 @@ def tiled_backward(
         dq_rows = None
         dbias_cols: list[Any] = []
         for j, k_range in enumerate(k_blocks):
-            vis = pair_visibility(plan, terms, q_range, k_range)
             ks, ke = k_range
-            if vis == "skip":
+            if not states[i][j]:
                 if need_bias_grad:
                     dbias_cols.append(None)
                 continue
             k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
+            if states[i][j] != FULL:  # keys past the lengths: zero, whatever they hold
+                k_blk = without_hidden_keys(xp, k_blk, terms, plan, k_range)
+                v_blk = without_hidden_keys(xp, v_blk, terms, plan, k_range)
             raw, capped, s = _block_scores(
-                xp, q_rows, k_blk, bias, terms, plan, q_range, k_range, vis
+                xp, q_rows, k_blk, bias, terms, plan, q_range, k_range, states[i][j] == FULL
             )
             p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
             p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)

@@ -33,6 +33,7 @@ __all__ = [
     "check_is_causal",
     "check_is_flag",
     "check_keywords",
+    "check_length_values",
     "check_lengths",
     "check_mask_dtype",
     "check_merge_parts",
@@ -332,6 +333,17 @@ def check_lengths(xp: Any, name: str, x: Any, batch: Shape) -> None:
         msg = f"`{name}` must be an integer array of valid lengths, but got dtype {x.dtype}"
         raise TypeError(msg)
     check_broadcastable_to(name, x, batch, "batch")
+
+
+def check_length_values(name: str, values: Any, limit: int, axis: str) -> None:
+    """Lengths read on the host: each in ``[0, limit]`` (the axis they count positions of)."""
+    bad = sorted(n for n in values if not 0 <= n <= limit)
+    if bad:
+        msg = (
+            f"`{name}` must hold valid prefix lengths of the {axis} axis, each in "
+            f"[0, {limit}], but got {bad[0]}"
+        )
+        raise ValueError(msg)
 
 
 def check_alibi_slopes(xp: Any, slopes: Any, batch: Shape, num_q_heads: int) -> None:

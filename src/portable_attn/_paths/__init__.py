@@ -1,18 +1,22 @@
-"""The paths that compute an attention call, each run as ``run(call, path, *, with_lse)``.
+"""The drivers that compute an attention call, each run as the router's :class:`Route` says.
 
-One module per path; :func:`run` dispatches on the :data:`~portable_attn._lib._path.Path`
-the policy (:mod:`portable_attn._lib._policy`) chose, which no path imports:
+:func:`run` dispatches on the :data:`~portable_attn._lib._path.Path` the router
+(:mod:`portable_attn._lib._route`) chose; no driver decides anything again:
 
-=================  =================================================================
-``Empty``          :meth:`AttentionCall.empty_result` (zeros, lse ``-inf`` or the sink)
-``Dense``          :func:`portable_attn._lib._dense.dense_attention`
-``Tiled``          :func:`._autodiff.tiled_attention` (the tiled kernel with its O(L)
-                   backward), or :func:`._threads.threaded_attention` (NumPy: the
-                   kernel in reused buffers, ``_buffered.py``, its query blocks in
-                   threads)
-``Native``         :func:`._native.native_attention` (torch SDPA, ``jax.nn``)
-``DaskGrid``       :func:`._dask.dask_attention` (one task per visible chunk pair)
-=================  =================================================================
+==========================  ===========================================================
+``Empty``                   :meth:`AttentionCall.empty_result` (zeros, lse ``-inf`` or
+                            the sink)
+``Dense``                   :func:`portable_attn._lib._dense.dense_attention`
+``Tiled(walk="python")``    :func:`portable_attn._lib._tiled.tiled_forward`, with the
+                            recomputing backward of ``_autodiff.py`` (torch, JAX) or the
+                            library's own autodiff through it (a ``score_mod``)
+``Tiled(walk="buffered")``  the same walk in NumPy's reused buffers (``_buffered.py``),
+                            its query blocks in threads with ``workers > 1``
+                            (``_threads.py``)
+``Tiled(walk="loop")``      JAX's traced loop (``_loop.py``)
+``Native``                  torch SDPA / ``jax.nn`` (``_native.py``), whole or per tile
+``DaskGrid``                one task per visible chunk pair (``_dask.py``)
+==========================  ===========================================================
 """
 
 from __future__ import annotations
@@ -20,49 +24,57 @@ from __future__ import annotations
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import compiles_eager_calls
+from .._lib._compat import stop_gradient
 from .._lib._dense import dense_attention
-from .._lib._path import DaskGrid, Dense, Empty, Native, Path, Tiled, keeps_input_dtype
-from ._autodiff import tiled_attention
-from ._compiled import compiled_run
+from .._lib._path import DaskGrid, Dense, Empty, Native, Route, Tiled
+from .._lib._tiled import tiled_forward
+from ._autodiff import recomputing_attention
+from ._buffered import buffered_forward
+from ._compiled import program
 from ._dask import dask_attention
+from ._loop import loop_attention
 from ._native import native_attention, native_tiles
+from ._partial import first_keys
 from ._threads import threaded_attention
 
-__all__ = ["run"]
+__all__ = ["compiled", "run"]
 
 
-def run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any, Any]:
-    """Compute `call` on `path`: ``(out, lse)``, head axis kept.
-
-    An eager JAX call runs as one compiled program, cached per call signature
-    (:mod:`._compiled`), unless it holds a user function (a ``score_mod`` or
-    ``mask_mod``: a program would keep the values it closes over from the first
-    call, and a function made anew per call would compile per call); every other
-    call runs as it is (:func:`_run`).
-    """
-    terms = call.terms
-    user_functions = terms.score_mod is not None or terms.mask_mod is not None
-    if compiles_eager_calls(call.query) and not user_functions and not isinstance(path, Empty):
-        return compiled_run(call, path, with_lse, _run)
-    return _run(call, path, with_lse=with_lse)
-
-
-def _run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[Any, Any]:
-    """Compute `call` on `path` here: ``(out, lse)``, head axis kept.
+def run(
+    call: AttentionCall, route: Route, *, with_lse: bool = False, kept: Any = None
+) -> tuple[Any, Any]:
+    """Compute `call` as `route` says: ``(out, lse)``, head axis kept.
 
     Both are in the compute dtype, except `out` of a path that keeps half-precision
-    inputs in their dtype (a native kernel's result is then in that dtype).
-
-    `out` is (..., Hq, Lq, Dv). `lse` is the row log-sum-exp (..., Hq, Lq, 1) with
-    `with_lse` (``-inf`` for a row with no visible key and no sink), else None.
-
-    Half-precision Q, K, V and bias are cast to the compute dtype here, before the
-    path (and outside its autodiff function, so gradients reach the inputs in their
-    dtype), unless the path takes them as they are (:func:`keeps_input_dtype`).
+    inputs in their dtype (a native kernel's result is then in that dtype). `out` is
+    (..., Hq, Lq, Dv); `lse` the row log-sum-exp (..., Hq, Lq, 1) with `with_lse`
+    (``-inf`` for a row with no visible key and no sink), else None. `kept`: the
+    compiled program of a ``route.compiled`` call (:func:`compiled`), kept by the cache.
     """
-    if not keeps_input_dtype(path):
+    if route.keys is not None:
+        call = first_keys(call, route.keys)
+    if route.compiled:
+        arrays, skeleton = call.flatten()
+        if kept is None:
+            kept = compiled(skeleton, route, with_lse)
+        return kept(arrays)
+    return _run(call, route, with_lse=with_lse)
+
+
+def compiled(skeleton: AttentionCall, route: Route, with_lse: bool) -> Any:
+    """Return the compiled program of a ``route.compiled`` call, for the cache to keep."""
+    return program(skeleton, route, with_lse, _run)
+
+
+def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[Any, Any]:
+    """Run the path of `route` on `call` here (half inputs cast first unless it keeps them).
+
+    The cast happens before the path (and outside its autodiff function, so gradients
+    reach the inputs in their dtype).
+    """
+    if not route.keeps_dtype:
         call = call.in_compute_dtype()
+    path = route.path
     match path:
         case Empty():
             out, lse = call.empty_result()
@@ -71,14 +83,24 @@ def _run(call: AttentionCall, path: Path, *, with_lse: bool = False) -> tuple[An
                 call, fold=fold, flash=flash, weights_first=first, with_lse=with_lse
             )
             out, lse = result if with_lse else (result, None)
-        case Tiled(workers=1, buffered=False):
-            out, lse = tiled_attention(call, path)
-        case Tiled():  # NumPy: in reused buffers, its query blocks in threads
+        case Tiled(walk="loop"):
+            out, lse = loop_attention(call, path)
+        case Tiled(walk="buffered", workers=1):
+            out, lse = buffered_forward(call, path.block_q, path.block_k, fold=path.fold)
+        case Tiled(walk="buffered"):
             out, lse = threaded_attention(call, path)
+        case Tiled(backward="torch" | "jax"):
+            out, lse = recomputing_attention(call, path)
+        case Tiled(backward="autodiff"):  # the max shift needs no gradient
+            out, lse = tiled_forward(
+                call, path.block_q, path.block_k, fold=path.fold, stop_gradient=stop_gradient
+            )
+        case Tiled():
+            out, lse = tiled_forward(call, path.block_q, path.block_k, fold=path.fold)
         case Native(tiles=None):
-            out, lse = native_attention(call), None  # in the input dtype when kept
-        case Native(tiles=int(tiles)):
-            out, lse = native_tiles(call, tiles), None
+            out, lse = native_attention(call, path), None  # in the input dtype when kept
+        case Native():
+            out, lse = native_tiles(call, path), None
         case DaskGrid():
             result = dask_attention(call, path, with_lse=with_lse)
             out, lse = result if with_lse else (result, None)

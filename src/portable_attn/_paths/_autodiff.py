@@ -1,6 +1,6 @@
-"""The tiled path, with its portable backward registered with torch autograd and JAX.
+"""The tiled path's recomputing backward, registered with torch autograd and JAX.
 
-Plain autograd through the tiled loop would save every block's probabilities,
+Plain autograd through the tiled walk would save every block's probabilities,
 which brings back O(Lq·Lk) memory in the backward pass. Here the forward saves
 only its inputs, the output and the row log-sum-exp; the backward
 (:func:`portable_attn._lib._tiled.tiled_backward`, written once in the array
@@ -11,10 +11,6 @@ The arrays of the call travel through the autodiff functions as the call's
 :meth:`~portable_attn._lib._call.AttentionCall.flatten` gives them, by name:
 the differentiable fields (:data:`~portable_attn._lib._fields.FIELDS`) get
 their gradients, the others None. No field is named here.
-
-A ``score_mod`` callable cannot be differentiated by the portable backward, so
-calls with one are differentiated by plain autograd through the tiled loop
-(exact, but the backward then stores the blocks).
 """
 
 from __future__ import annotations
@@ -23,41 +19,32 @@ import functools
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import autodiff_family, stop_gradient
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._tiled import tiled_backward, tiled_forward
-from ._loop import loop_attention
 
-__all__ = ["tiled_attention"]
+__all__ = ["recomputing_attention"]
 
 
-def tiled_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
+def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
     """Tiled attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
 
-    The lse is ``-inf`` for a row with no visible key (and no sink); its cotangent
-    flows back. The backward is the O(L)-memory portable one wherever the library
-    differentiates (torch autograd, ``jax.grad``) and no ``score_mod`` is given.
+    Differentiated by the O(L)-memory backward registered with ``path.backward``'s
+    library (torch autograd, ``jax.grad``); the lse's cotangent flows back too.
     """
-    lib = autodiff_family(call.query)
-    if path.loop:  # JAX: a traced loop, with a backward that loops too
-        return loop_attention(call, path)
-    if call.terms.score_mod is None and lib == "torch":
-        import torch
-
-        arrays, skeleton = call.flatten()
-        if torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values()):
-            names = tuple(arrays)
-            return _torch_function().apply(skeleton, path, names, *arrays.values())
-    elif call.terms.score_mod is None and lib == "jax":
-        arrays, skeleton = call.flatten()
+    arrays, skeleton = call.flatten()
+    if path.backward == "jax":
         return _jax_function(skeleton, path)(arrays)
-    # plain autodiff through the loop (score_mod): the max shift needs no gradient
-    return _forward(call, path, stop_gradient=stop_gradient)
+    import torch
+
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values())):
+        return _forward(call, path)  # nothing to record
+    names = tuple(arrays)
+    return _torch_function().apply(skeleton, path, names, *arrays.values())
 
 
-def _forward(call: AttentionCall, path: Tiled, **options: Any) -> tuple[Any, Any]:
-    return tiled_forward(call, path.block_q, path.block_k, fold=path.fold, **options)
+def _forward(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
+    return tiled_forward(call, path.block_q, path.block_k, fold=path.fold)
 
 
 def _backward(

@@ -4,8 +4,8 @@ A Dask call is validated once, eagerly, on the Dask arrays (:func:`prepare`); th
 module then builds the graph by hand (a :class:`~dask.highlevelgraph.HighLevelGraph`
 that Dask's own schedulers run):
 
-- one task per (batch chunk, head chunk, query chunk, key chunk) that causal/window
-  structure does not hide entirely (:func:`block_visibility` ``== "skip"``: no task).
+- one task per (batch chunk, head chunk, query chunk, key chunk) that the pair states
+  (``_lib/_blocks.py``: causal/window structure, a block mask) do not skip: no task.
   It receives the chunks themselves (NumPy or CuPy arrays inside the worker), builds
   an :class:`AttentionCall` for them in their own namespace (the call's
   :meth:`~AttentionCall.unflatten` of the blocks of every array field), places it at
@@ -44,14 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._lib._blocks import host_pair_states
 from .._lib._call import AttentionCall
-from .._lib._compat import array_namespace, builds_task_graphs, device
+from .._lib._compat import array_namespace, device, library_name
 from .._lib._fields import field
 from .._lib._masks import arange
 from .._lib._merge import merge_partials
 from .._lib._path import DaskGrid, Dense, Tiled
-from .._lib._tiled import pair_visibility
-from ._buffered import buffered_parts
+from .._lib._tiled import tiled_forward
+from ._buffered import buffered_forward
 from ._partial import partial_attention, placed_part
 
 __all__ = ["dask_attention"]
@@ -133,7 +134,7 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
 
     dsk: dict[Any, Any] = {}
     head_ranges, q_ranges, k_ranges = ranges["hq"], ranges["lq"], ranges["lk"]
-    terms = call.terms
+    states = host_pair_states(call, q_ranges, k_ranges)
     for b_idx in itertools.product(*(range(len(ranges[a])) for a in batch_axes)):
         b_ranges = tuple(ranges[a][i] for a, i in zip(batch_axes, b_idx, strict=True))
         batch_rows = math.prod(e - s for s, e in b_ranges)
@@ -147,10 +148,8 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
                     lse_key = (lse_name, *b_idx, hi, qi, 0)
                     lse_dsk[lse_key] = (operator.getitem, root, 1)
                     out_key = root
-                visible = [  # key chunks with keys that the band and a block mask show
-                    ki
-                    for ki, kr in enumerate(k_ranges)
-                    if kr[1] > kr[0] and pair_visibility(plan, terms, q_range, kr) != "skip"
+                visible = [  # key chunks with keys that the pair states show
+                    ki for ki, kr in enumerate(k_ranges) if kr[1] > kr[0] and states[qi][ki]
                 ]
                 index = {**dict(zip(batch_axes, b_idx, strict=True)), "hq": hi, "hkv": hi}
                 index["lq"] = qi
@@ -277,7 +276,7 @@ def _align(da: Any, x: Array, axes: tuple[str, ...], grid: dict) -> tuple[Array,
 
     Returns the aligned array and, per axis, its grid axis name or None (broadcast).
     """
-    if not builds_task_graphs(x):
+    if library_name(x) != "dask":
         x = da.asarray(x)
     if x.ndim < len(axes):
         x = x[(None,) * (len(axes) - x.ndim)]
@@ -417,12 +416,13 @@ def _run_task(kernel: _Kernel, pairs: tuple[_Pair, ...], *blocks: Array | None) 
     n = len(kernel.names)
     alone = pairs[0].final and not kernel.with_lse
     inner = kernel.inner
-    if isinstance(inner, Tiled) and inner.buffered and len(pairs) > 1:  # NumPy: one walk
+    if isinstance(inner, Tiled) and len(pairs) > 1:  # the key chunks as parts of one walk
         calls = [
             _placed(kernel, pair, _chunk_call(kernel, pair, blocks[i * n : (i + 1) * n]))
             for i, pair in enumerate(pairs)
         ]
-        out, lse = buffered_parts(calls, inner.block_q, inner.block_k, fold=inner.fold)
+        forward = buffered_forward if inner.walk == "buffered" else tiled_forward
+        out, lse = forward(calls[0], inner.block_q, inner.block_k, fold=inner.fold, parts=calls)
         out, lse = _full_rows(calls[0], out, lse)
         return out if alone else (out, lse)
     parts = [

@@ -7,10 +7,11 @@ same kernel runs inside JAX's structured loops instead:
 
 - queries: ``lax.map`` over the query blocks (a scan: one block body in the
   program, the outputs written into one (nq, ..., bq, Dv) result);
-- keys: ``lax.fori_loop`` from the first to the last key block the query block
-  can see, with the bounds from the causal/window band and, where they depend on
-  values (lengths, segment ids: packed documents), from those values inside the
-  program, so a traced call skips other documents' blocks too;
+- keys: ``lax.fori_loop`` over the key blocks the query block can see, in order:
+  the states of every block pair (``_lib/_blocks.py``, the one answer of every
+  path) are computed inside the program from the band and, by value, from the
+  lengths, the segment ids and a block mask's states, so a traced call skips
+  other documents' blocks too, and pairs shown in full take no structured mask;
 - the block body is the portable kernel itself: each (query block, key block)
   pair is a one-block call (:meth:`~AttentionCall.unflatten` of every field's
   block, placed at its positions by :func:`._partial.place_block`) visited by the
@@ -21,8 +22,8 @@ same kernel runs inside JAX's structured loops instead:
   a loop step several times as costly at 128 x 128 blocks (hand runs, not a
   results file; benchmarks/results/loop.json measures the loop as it is);
 - uneven last blocks: Q, K, V and every field are padded to whole blocks along
-  their ``Lq``/``Lk`` axes; the padded keys are hidden by a key length, the padded
-  query rows are cut off the result;
+  their ``Lq``/``Lk`` axes; the padded keys are hidden by the mask (whatever the
+  lengths say), the padded query rows are cut off the result;
 - a term of every row that belongs to no key (the sink logit, ``once_per_row`` in
   :data:`~portable_attn._lib._fields.FIELDS`) is merged once, at the end;
 - the backward is a loop too (a ``jax.custom_vjp``): ``lax.scan`` over the key
@@ -40,13 +41,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._lib._blocks import FULL, PARTIAL, traced_pair_states
 from .._lib._call import AttentionCall
 from .._lib._compat import stop_gradient
 from .._lib._fields import Role, axis_of, field
 from .._lib._merge import merge_partials
 from .._lib._path import Tiled
-from .._lib._scores import scaled_query_rows
-from .._lib._tiled import RowState, RowWalk, pair_visibility, sum_to_shape, tiled_backward
+from .._lib._tiled import (
+    Keys,
+    OnlineSoftmax,
+    Ops,
+    RowState,
+    block_ranges,
+    sum_to_shape,
+    tiled_backward,
+)
 from ._partial import place_block
 
 __all__ = ["loop_attention"]
@@ -88,7 +97,13 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
     bq, bk = min(path.block_q, plan.q_len), min(path.block_k, plan.kv_len)
     grid = _Grid(bq, bk, plan.q_len, plan.kv_len)
     arrays, skeleton = call.flatten()
-    if call.terms.score_mod is not None:  # JAX differentiates through a fixed-length loop
+    if plan.kv_len % bk:  # the keys padding the last block: hidden whatever the lengths say
+        import jax.numpy as jnp
+
+        valid = jnp.ones((1, plan.kv_len), dtype=jnp.bool_)
+        mask = arrays.get("mask")
+        arrays["mask"] = valid if mask is None else jnp.logical_and(mask, valid)
+    if path.backward == "autodiff":  # JAX differentiates through a fixed-length loop
         return _forward(skeleton, grid, arrays, differentiable=True)
 
     @jax.custom_vjp
@@ -143,20 +158,9 @@ def _padded(arrays: dict[str, Array], grid: _Grid) -> dict[str, Array]:
 
 
 def _block(
-    skeleton: AttentionCall,
-    padded: dict[str, Array],
-    grid: _Grid,
-    i: Any,
-    j: Any,
-    *,
-    full: bool = False,
+    skeleton: AttentionCall, padded: dict[str, Array], grid: _Grid, i: Any, j: Any
 ) -> AttentionCall:
-    """Build the one-block call of query block `i` and key block `j` (both may be traced).
-
-    `full`: the band shows the whole block, which then needs no causal/window mask.
-    """
-    import jax.numpy as jnp
-
+    """Build the one-block call of query block `i` and key block `j` (both may be traced)."""
     q_start, kv_start = i * grid.bq, j * grid.bk
     blocks = {}
     for name, x in padded.items():
@@ -164,213 +168,26 @@ def _block(
             continue
         x = _cut(x, _dim(name, x, "lq"), q_start, grid.bq)
         blocks[name] = _cut(x, _dim(name, x, "lk"), kv_start, grid.bk)
-    changes: dict[str, Any] = {"q_len": grid.bq, "kv_len": grid.bk}
-    if grid.lk % grid.bk and "kv_lengths" not in blocks:  # hides the padded keys
-        blocks["kv_lengths"] = jnp.asarray(grid.lk)
-        changes["has_lengths"] = True
-    if full:
-        changes.update(is_causal=False, window=None)
-    call = skeleton.unflatten(blocks, **changes)
-    if full and call.terms.mask_mod is not None:  # its block mask shows the pair in full
-        call = dataclasses.replace(call, terms=dataclasses.replace(call.terms, mask_mod=None))
+    call = skeleton.unflatten(blocks, q_len=grid.bq, kv_len=grid.bk)
     return place_block(call, q_start=q_start, kv_start=kv_start, q_total=grid.lq, kv_total=grid.lk)
 
 
-def _full(skeleton: AttentionCall, grid: _Grid, i: Any, j: Any) -> Any:
-    """Whether the band shows every entry of block pair (i, j) (static alignment only)."""
-    import jax.numpy as jnp
-
-    band, offset = skeleton.plan.band, skeleton.plan.offset
-    first_q, last_q = i * grid.bq + offset, i * grid.bq + grid.bq - 1 + offset
-    first_k, last_k = j * grid.bk, j * grid.bk + grid.bk - 1
-    full = jnp.asarray(True)
-    if band.right is not None:
-        full = jnp.logical_and(full, last_k <= first_q + band.right)
-    if band.left is not None:
-        full = jnp.logical_and(full, first_k >= last_q - band.left)
-    return full
+def _states(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
+    """(nq, nk) int8: the state of every block pair (``_lib/_blocks.py``), traced by value."""
+    call = skeleton.unflatten(arrays)
+    q_ranges, k_ranges = block_ranges(grid.lq, grid.bq), block_ranges(grid.lk, grid.bk)
+    return traced_pair_states(call, q_ranges, k_ranges)
 
 
-def _offsets(skeleton: AttentionCall, arrays: dict[str, Array]) -> tuple[Any, Any, Any, Any]:
-    """``i' - i`` at its least and most over the batch, and the largest q / kv lengths."""
-    import jax.numpy as jnp
+def _visits(visible: Any) -> tuple[Any, Any]:
+    """Return ``(count, index)``: visit ``index(t)`` for ``t`` in ``[0, count)``.
 
-    plan = skeleton.plan
-    q_len = arrays.get("q_lengths")
-    kv_len = arrays.get("kv_lengths")
-    if q_len is None and kv_len is None:
-        return plan.offset, plan.offset, plan.q_len, plan.kv_len
-    q = plan.q_len if q_len is None else q_len
-    kv = plan.kv_len if kv_len is None else kv_len
-    offset = jnp.asarray(kv - q)
-    q_max = plan.q_len if q_len is None else jnp.minimum(jnp.max(q_len), plan.q_len)
-    kv_max = plan.kv_len if kv_len is None else jnp.minimum(jnp.max(kv_len), plan.kv_len)
-    return jnp.min(offset), jnp.max(offset), q_max, kv_max
-
-
-def _segment_pairs(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """(nq, nk) bool: the block pairs whose segment-id ranges overlap in some sequence.
-
-    From the ids' values inside the program (traced ids skip too): a pair whose query
-    ids and key ids have disjoint ranges in every sequence has no visible entry. None
-    without segment ids.
+    The visible blocks of a row (or column) of the pair states, in order.
     """
     import jax.numpy as jnp
 
-    q_ids, kv_ids = arrays.get("q_segments"), arrays.get("kv_segments")
-    if q_ids is None or kv_ids is None:
-        return None
-    plan = skeleton.plan
-
-    def block_bounds(ids: Array, length: int, block: int, count: int) -> tuple[Array, Array]:
-        ids = jnp.reshape(jnp.broadcast_to(ids, (*plan.batch, length)), (-1, length))
-        ids = jnp.pad(ids, ((0, 0), (0, count * block - length)), mode="edge")
-        ids = jnp.reshape(ids, (ids.shape[0], count, block))  # (N, blocks, block)
-        return jnp.min(ids, axis=-1), jnp.max(ids, axis=-1)
-
-    q_lo, q_hi = block_bounds(q_ids[..., 0, :, 0], grid.lq, grid.bq, grid.nq)  # (N, nq)
-    k_lo, k_hi = block_bounds(kv_ids[..., 0, 0, :], grid.lk, grid.bk, grid.nk)  # (N, nk)
-    apart = jnp.logical_or(
-        q_hi[:, :, None] < k_lo[:, None, :], k_hi[:, None, :] < q_lo[:, :, None]
-    )  # (N, nq, nk)
-    return jnp.any(jnp.logical_not(apart), axis=0)
-
-
-def _overlaps(length: int, block: int, count: int, state_block: int) -> Array:
-    """(count, n_states) 0/1: which state blocks each loop block of `block` overlaps."""
-    import numpy as np
-
-    n_states = -(-length // state_block)
-    starts = np.arange(count) * block
-    stops = np.minimum(starts + block, length)
-    first, last = starts // state_block, (stops - 1) // state_block
-    idx = np.arange(n_states)
-    return ((idx >= first[:, None]) & (idx <= last[:, None])).astype(np.float32)
-
-
-def _mask_pairs(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> tuple[Any, Any]:
-    """(nq, nk) bool each: the pairs a block mask shows at all, and those it shows in full.
-
-    From the states' values inside the program (a traced block mask skips too),
-    reduced over batch and heads and mapped onto the loop's blocks (a loop block is
-    hidden only if every state block it overlaps is, full only if every one is).
-    (None, None) without a block mask.
-    """
-    import jax.numpy as jnp
-
-    states = arrays.get("block_states")
-    if states is None:
-        return None, None
-    mq, mk = skeleton.terms.state_block or (grid.bq, grid.bk)
-    lead = tuple(range(states.ndim - 2))
-    some = jnp.any(states != 0, axis=lead).astype(jnp.float32)  # (nq_states, nk_states)
-    partly = jnp.any(states != 2, axis=lead).astype(jnp.float32)
-    oq = jnp.asarray(_overlaps(grid.lq, grid.bq, grid.nq, mq))  # (nq, nq_states)
-    ok = jnp.asarray(_overlaps(grid.lk, grid.bk, grid.nk, mk))  # (nk, nk_states)
-    shown = (oq @ some @ ok.T) > 0  # (nq, nk): counts of visible state blocks
-    full = (oq @ partly @ ok.T) == 0
-    return shown, full
-
-
-def _pairs(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """(nq, nk) bool of the pairs visible by value (segment ids, block mask), or None."""
-    import jax.numpy as jnp
-
-    seg = _segment_pairs(skeleton, arrays, grid)
-    shown, _ = _mask_pairs(skeleton, arrays, grid)
-    if seg is None or shown is None:
-        return shown if seg is None else seg
-    return jnp.logical_and(seg, shown)
-
-
-def _visits(lo: Any, hi: Any, visible: Any) -> tuple[Any, Any, Any]:
-    """``(start, stop, index)``: visit ``index(t)`` for ``t`` in ``[start, stop)``.
-
-    Blocks ``[lo, hi)`` (the band and lengths); with a `visible` row of the pairs
-    visible by value (segment ids, a block mask: any pattern, strided or global
-    tokens), the list of the blocks in ``[lo, hi)`` it shows, in order.
-    """
-    import jax.numpy as jnp
-
-    if visible is None:
-        return lo, jnp.maximum(hi, lo), lambda t: t
-    n = visible.shape[0]
-    idx = jnp.arange(n)
-    row = jnp.logical_and(visible, jnp.logical_and(idx >= lo, idx < hi))
-    order = jnp.argsort(jnp.logical_not(row), stable=True)  # visible blocks first, in order
-    return jnp.asarray(0), jnp.sum(row.astype(jnp.int32)), lambda t: order[t]
-
-
-def _key_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """``i -> (start, stop, index)``: the key blocks query block `i` can see (:func:`_visits`).
-
-    From the band, the lengths, the segment ids and a block mask.
-    """
-    import jax.numpy as jnp
-
-    band = skeleton.plan.band
-    off_lo, off_hi, q_max, kv_max = _offsets(skeleton, arrays)
-    pairs = _pairs(skeleton, arrays, grid)
-
-    def keys(i: Any) -> tuple[Any, Any, Any]:
-        first_q = i * grid.bq + off_lo  # the smallest aligned position i' of the block
-        last_q = jnp.minimum(i * grid.bq + grid.bq, grid.lq) - 1 + off_hi
-        lo = jnp.asarray(0)
-        if band.left is not None:
-            lo = jnp.clip(jnp.floor_divide(first_q - band.left, grid.bk), 0, grid.nk)
-        hi = jnp.minimum(grid.nk, -(-kv_max // grid.bk))  # keys past every length: none
-        if band.right is not None:
-            hi = jnp.minimum(hi, jnp.floor_divide(last_q + band.right, grid.bk) + 1)
-        hi = jnp.where(i * grid.bq >= q_max, lo, hi)  # rows past every query length
-        return _visits(lo, hi, None if pairs is None else pairs[i])
-
-    return keys
-
-
-def _query_range(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """``j -> (start, stop, index)``: the query blocks that can see key block `j`."""
-    import jax.numpy as jnp
-
-    band = skeleton.plan.band
-    off_lo, off_hi, q_max, kv_max = _offsets(skeleton, arrays)
-    pairs = _pairs(skeleton, arrays, grid)
-
-    def queries(j: Any) -> tuple[Any, Any, Any]:
-        first_k = j * grid.bk
-        last_k = jnp.minimum(j * grid.bk + grid.bk, grid.lk) - 1
-        lo = jnp.asarray(0)
-        if band.right is not None:  # i' >= j - right
-            lo = jnp.clip(jnp.floor_divide(first_k - band.right - off_hi, grid.bq), 0, grid.nq)
-        hi = jnp.minimum(grid.nq, -(-q_max // grid.bq))
-        if band.left is not None:  # i' <= j + left
-            hi = jnp.minimum(hi, jnp.floor_divide(last_k + band.left - off_lo, grid.bq) + 1)
-        hi = jnp.where(first_k >= kv_max, lo, hi)
-        return _visits(lo, hi, None if pairs is None else pairs[:, j])
-
-    return queries
-
-
-def _full_pair(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> Any:
-    """``(i, j) -> bool``: the pair needs no band and no ``mask_mod``; None if never known.
-
-    The band's part needs a static alignment (no lengths); the block mask's part
-    its states (:func:`_mask_pairs`).
-    """
-    import jax.numpy as jnp
-
-    plan = skeleton.plan
-    band_static = plan.band.restricts and not plan.has_lengths
-    if plan.band.restricts and plan.has_lengths:
-        return None  # the band's alignment comes from values: never dropped
-    _, mask_full = _mask_pairs(skeleton, arrays, grid)
-    if not band_static and mask_full is None:
-        return None
-
-    def full(i: Any, j: Any) -> Any:
-        ok = _full(skeleton, grid, i, j) if band_static else jnp.asarray(True)
-        return ok if mask_full is None else jnp.logical_and(ok, mask_full[i, j])
-
-    return full
+    order = jnp.argsort(jnp.logical_not(visible), stable=True)  # visible blocks first
+    return jnp.sum(visible.astype(jnp.int32)), lambda t: order[t]
 
 
 def _rows(x: Array, grid: _Grid, i: Any) -> Array:
@@ -412,41 +229,35 @@ def _forward(
     from jax import lax
 
     padded = _padded(arrays, grid)
-    keys = _key_range(skeleton, arrays, grid)
-    full_pair = _full_pair(skeleton, arrays, grid)
+    states = _states(skeleton, arrays, grid)
     stop = stop_gradient if differentiable else None
 
-    def walk(block: AttentionCall) -> RowWalk:
-        return RowWalk.of(block, stop_gradient=stop)
+    def walk(block: AttentionCall) -> OnlineSoftmax:
+        return OnlineSoftmax(block, Ops(jnp), stop_gradient=stop)
 
     def pair(i: Any, j: Any, carry: Any) -> Any:
         def run(full: bool) -> Any:
             def compute(c: Any) -> Any:
-                block = _block(skeleton, padded, grid, i, j, full=full)
+                block = _block(skeleton, padded, grid, i, j)
                 whole = ((0, grid.bq), (0, grid.bk))
-                vis = pair_visibility(block.plan, block.terms, *whole)
-                if vis == "skip":  # hidden whatever the traced positions
-                    return c
-                q_rows = scaled_query_rows(jnp, block.query, block.plan)
-                return walk(block).step(RowState(*c), q_rows, *whole, vis)[:3]
+                q_rows = walk(block).ops.query_rows(block.query, block.plan)
+                keys = Keys.of(block, block.value)
+                return walk(block).step(RowState(*c), q_rows, keys, *whole, full)[:3]
 
             return compute
 
-        if full_pair is None:  # one kind of block: every mask applies
-            return run(False)(carry)
-        return lax.cond(full_pair(i, j), run(True), run(False), carry)
+        return lax.cond(states[i, j] == FULL, run(True), run(False), carry)
 
     def query_block(i: Any) -> Any:
         init = walk(_block(skeleton, padded, grid, i, 0)).carry_start(grid.bq)
-        start, stop_at, index = keys(i)
+        count, index = _visits(states[i] != 0)
         if not differentiable:  # a loop over the visible key blocks
-            state = lax.fori_loop(start, stop_at, lambda t, c: pair(i, index(t), c), init)
+            state = lax.fori_loop(0, count, lambda t, c: pair(i, index(t), c), init)
         else:
 
             def step(t: Any, carry: Any) -> Any:  # a fixed trip count, transposable
-                visible = jnp.logical_and(t >= start, t < stop_at)
                 j = index(jnp.minimum(t, grid.nk - 1))
-                return lax.cond(visible, lambda c: pair(i, j, c), lambda c: c, carry)
+                return lax.cond(t < count, lambda c: pair(i, j, c), lambda c: c, carry)
 
             state = lax.fori_loop(0, grid.nk, step, init)
         # the dropout scale and the empty-row convention of the whole rows
@@ -474,7 +285,7 @@ def _backward(
     from jax import lax
 
     padded = _padded(arrays, grid)
-    queries = _query_range(skeleton, arrays, grid)
+    states = _states(skeleton, arrays, grid)
     lq_pad = grid.nq * grid.bq
     out_p, dout_p, dlse_p = (_pad_to(x, x.ndim - 2, lq_pad) for x in (out, dout, dlse))
     lse_p = jnp.pad(  # padded rows: no probability (an empty row's lse)
@@ -502,17 +313,16 @@ def _backward(
         **{n: jnp.zeros_like(arrays[n]) for n in summed},
     }
     k_pad, v_pad = padded["key"], padded["value"]
-    full_pair = _full_pair(skeleton, arrays, grid)
     k_blk = (*k_pad.shape[:-2], grid.bk, k_pad.shape[-1])
     v_blk = (*v_pad.shape[:-2], grid.bk, v_pad.shape[-1])
 
     def key_block(carry: dict[str, Any], j: Any) -> Any:
-        start, stop_at, index = queries(j)
+        count, index = _visits(states[:, j] != 0)
 
         def grads_of(i: Any, full: bool) -> Any:
             def compute(_: Any) -> dict[str, Array]:
                 return tiled_backward(
-                    _block(skeleton, padded, grid, i, j, full=full),
+                    _block(skeleton, padded, grid, i, j),
                     _rows(out_p, grid, i),
                     _rows(lse_p, grid, i),
                     _rows(dout_p, grid, i),
@@ -520,6 +330,7 @@ def _backward(
                     grid.bk,
                     need=need,
                     dlse=_rows(dlse_p, grid, i),
+                    states=[[FULL if full else PARTIAL]],
                 )
 
             return compute
@@ -527,10 +338,7 @@ def _backward(
         def pair(t: Any, c: Any) -> Any:
             i = index(t)
             acc, dk, dv = c
-            if full_pair is not None:  # blocks shown in full need no band or mask_mod
-                g = lax.cond(full_pair(i, j), grads_of(i, True), grads_of(i, False), None)
-            else:
-                g = grads_of(i, False)(None)
+            g = lax.cond(states[i, j] == FULL, grads_of(i, True), grads_of(i, False), None)
             acc = dict(acc)
             acc["dq"] = _add_rows(acc["dq"], g["query"], grid.bq * i)
             if has_bias:
@@ -540,7 +348,7 @@ def _backward(
             return acc, dk + g["key"], dv + g["value"]
 
         zeros = (jnp.zeros(k_blk, k_pad.dtype), jnp.zeros(v_blk, v_pad.dtype))
-        carry, dk, dv = lax.fori_loop(start, stop_at, pair, (carry, *zeros))
+        carry, dk, dv = lax.fori_loop(0, count, pair, (carry, *zeros))
         return carry, (dk, dv)
 
     carry: Any

@@ -9,10 +9,12 @@ index arithmetic, and rows that see no key are given a harmless all-visible
 mask for the kernel and zeroed afterwards (the kernels would otherwise return
 NaN or uniform rows there), so their gradients are zero too, except where the
 kernel returns zeros with zero gradients there itself
-(:func:`~portable_attn._lib._compat.native_kernel_zeroes_empty_rows`: torch CPU).
+(``Native.guard``, from the router's ``ZEROES_EMPTY_ROWS``: torch CPU).
 
-What each kernel can express, and *when* a call is routed here, is decided by
-the policy (:func:`portable_attn._lib._policy.unsupported_reason`): torch SDPA and
+What each kernel can express, and *when* a call is routed here, is decided by the
+router (:func:`portable_attn._lib._route.route`, ``Native``): which kernel, whether
+half inputs are upcast, whether the kernel runs per query tile, whether rows without
+keys need the guard, and how few keys an unmasked call may have. torch SDPA and
 ``jax.nn.dot_product_attention`` (which needs Dv == Dk, and whose softmax is
 float32 even for float64) take masks, bias, lengths, windows and GQA; softcap,
 ``score_mod``, ALiBi and dropout are not expressible.
@@ -24,19 +26,21 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
+from .._lib._blocks import FULL, host_pair_states
 from .._lib._call import AttentionCall
-from .._lib._compat import autodiff_family, native_kernel_zeroes_empty_rows, reads_host_values
 from .._lib._masks import arange
+from .._lib._path import Native
 from .._lib._scores import (
     AttentionPlan,
     ScoreTerms,
     allowed_block,
-    block_visibility,
     hidden_by_value,
     rows_may_be_empty,
-    slice_block,
+    without_hidden_keys,
 )
-from .._lib._tiled import block_ranges, pair_visibility
+from .._lib._tiled import block_ranges
 from .._lib._validation import array_or_none
 from ._partial import cut_call
 
@@ -97,7 +101,10 @@ def _kernel_form(call: AttentionCall) -> tuple[bool, bool]:
     # square, and aligned at the diagonal (a part placed elsewhere is not)
     square = plan.q_len == plan.kv_len and plan.offset == 0
     kernel_causal = plan.is_causal and plan.window is None and square and plain
-    hides_nothing = block_visibility(plan, (0, plan.q_len), (0, plan.kv_len)) == "full"
+    band = plan.band
+    hides_nothing = not plan.has_lengths and (
+        band.visibility((0, plan.q_len), (0, plan.kv_len), plan.offset) == "full"
+    )
     decoding = (
         plan.q_len == 1
         and plan.is_causal
@@ -108,70 +115,84 @@ def _kernel_form(call: AttentionCall) -> tuple[bool, bool]:
     return kernel_causal, not (kernel_causal or hides_nothing or decoding)
 
 
-def _guards_empty_rows(call: AttentionCall) -> bool:
-    """Whether rows without keys are guarded around the kernel.
+@dataclasses.dataclass(frozen=True)
+class _KernelArgs:
+    """What one kernel call takes: :func:`native_attention`'s decisions for a call."""
 
-    Where a row may see no key, unless the kernel zeroes such rows itself (with zero
-    gradients: :func:`~portable_attn._lib._compat.native_kernel_zeroes_empty_rows`).
-    """
-    if not rows_may_be_empty(call.bias, call.terms, call.plan):
-        return False
-    return not native_kernel_zeroes_empty_rows(call.query)
+    query: Any
+    key: Any
+    value: Any
+    allowed: Any  # bool, broadcastable to (..., Hq, Lq, Lk), or None
+    bias: Any
+    causal: bool
+    plan: AttentionPlan
+    visible: Any  # rows that see a key (..., Lq|1, 1): the others are zeroed; None: no guard
 
 
-def native_attention(call: AttentionCall, *, rows_seen: bool = False) -> Any:
-    """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the dtype of `call`'s Q.
+def _kernel_args(call: AttentionCall, path: Native) -> _KernelArgs:
+    """Every mask folded into one "allowed" array in its own broadcast shape, and the guard.
 
-    `rows_seen`: the caller knows every query row sees a key (a block mask shows each
-    row a block in full, and nothing else hides entries): no empty-row guard.
-
-    That is the compute dtype, or the half-precision input dtype itself on a
-    :class:`~portable_attn._lib._path.Native` path that keeps it (the kernel then
-    accumulates in float32 itself; the policy's ``NATIVE_HALF_ROUTES`` says where).
-
-    The kernels return no log-sum-exp (the policy never routes ``return_lse`` here).
-
-    Every mask keeps its own broadcast shape: a padding mask or `kv_lengths`
-    stays (B, 1, 1, Lk), causal structure is (Lq, Lk), and structure that hides
-    nothing (bottom-right causal with ``Lq == 1``: decoding) is no mask at all.
+    A padding mask or `kv_lengths` stays (B, 1, 1, Lk), causal structure is (Lq, Lk),
+    structure that hides nothing is no mask at all. Rows that may see no key get a
+    harmless mask and are zeroed after the kernel, unless the kernel zeroes them itself
+    (``path.guard`` False). A call over fewer than ``path.min_keys`` keys gets a mask
+    (the unmasked kernel drops a query's NaN there).
     """
     xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
     terms, plan = call.terms, call.plan
+    whole_k = (0, plan.kv_len)  # keys past the lengths: zero, whatever they hold
+    k = without_hidden_keys(xp, k, terms, plan, whole_k)
+    v = without_hidden_keys(xp, v, terms, plan, whole_k)
     kernel_causal, structural = _kernel_form(call)
+    short = plan.kv_len < path.min_keys  # the unmasked kernel drops a query's NaN
+    if short and kernel_causal:
+        kernel_causal, structural = False, True
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
-    allowed = allowed_block(xp, terms, plan, whole_q, whole_k, structural=structural)
+    masked = plan if structural else dataclasses.replace(plan, is_causal=False, window=None)
+    allowed = allowed_block(xp, terms, masked, whole_q, whole_k)
     visible = None
-    if not rows_seen and _guards_empty_rows(call):
+    if path.guard and rows_may_be_empty(bias, terms, plan):
         if bias is None:
             visible = _visible_rows_of_key_mask(xp, terms, plan)
         if visible is None:
             visible = _visible_rows(xp, allowed, bias)
-    if visible is not None and reads_host_values(visible) and bool(xp.all(visible)):
-        # read for free (torch CPU, outside transforms): no row is empty, so neither the
-        # guard on the mask nor the pass that zeroes empty rows of the output is needed
-        visible = None
     if visible is not None:  # give empty rows something finite to chew on, zero them later
         if allowed is not None:
             allowed = xp.logical_or(allowed, xp.logical_not(visible))
         if bias is not None:
             bias = xp.where(visible, bias, 0.0)
+    if short and allowed is None and bias is None:
+        allowed = xp.ones((1, 1), dtype=xp.bool, **_on(plan))  # keeps a query's NaN
     if array_or_none(plan.scale) is not None:  # learned: the kernels take a float scale
         q = q * plan.scale  # so gradients reach it through this product
         plan = dataclasses.replace(plan, scale=1.0)
-    if autodiff_family(q) == "torch":
-        out = _torch(xp, q, k, v, allowed, bias, plan, kernel_causal)
-    else:
-        out = _jax(xp, q, k, v, allowed, bias, plan, kernel_causal)
-    return out if visible is None else xp.where(visible, out, 0.0)
+    return _KernelArgs(q, k, v, allowed, bias, kernel_causal, plan, visible)
+
+
+def _on(plan: AttentionPlan) -> dict[str, Any]:
+    return {} if plan.device is None else {"device": plan.device}
+
+
+def native_attention(call: AttentionCall, path: Native) -> Any:
+    """Attention by the framework kernel: (*batch, Hq, Lq, Dv) in the dtype of `call`'s Q.
+
+    That is the compute dtype, or the half-precision input dtype itself where the
+    route keeps it (the kernel then accumulates in float32 itself). The kernels
+    return no log-sum-exp (the router never sends ``return_lse`` here).
+    """
+    a = _kernel_args(call, path)
+    kernel = _torch if path.kernel == "sdpa" else _jax
+    out = kernel(call.xp, a.query, a.key, a.value, a.allowed, a.bias, a.plan, a.causal)
+    return out if a.visible is None else call.xp.where(a.visible, out, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class DirectKernel:
-    """SDPA called with a call's own Q, K, V and mask: :func:`native_attention` decided.
+    """SDPA called with a call's own Q, K, V and mask, as :func:`native_attention` decided.
 
-    What :func:`native_attention` does for the calls of one signature whose arrays go
-    to the kernel as they are (:func:`direct_kernel`), kept so that the next call of
-    that signature makes the kernel call alone (``portable_attn._direct``).
+    Kept by the cache (``_lib/_cache.py``) for a call signature whose arrays go to the
+    kernel as they are (:func:`direct_kernel`), so that a repeated call is the kernel
+    call alone.
     """
 
     is_causal: bool
@@ -200,129 +221,108 @@ class DirectKernel:
 def direct_kernel(
     call: AttentionCall, path: Any, arguments: tuple[Any, ...]
 ) -> DirectKernel | None:
-    """Return the kernel call of `call` on `path` where it takes the arrays as they are.
+    """Return the kernel call of `call` on `path` where it takes the caller's arrays as they are.
 
-    `arguments`: the caller's query, key, value and mask. :func:`native_attention`
-    makes that call, and None is returned, unless: torch, the whole call on ``Native``
-    (no tiles) in the inputs' dtype (no float32 copies, no cast of the result), Q, K
-    and V the caller's own (at least 3-D: no head axis added) and of the batch shape
-    (no broadcast), a float scale, no bias and no score term but the mask, which is the
-    kernel's mask itself (at least 2-D, spanning the call), no band mask to build, and
-    no empty-row guard (no row can be empty, or the kernel zeroes such rows itself).
+    `call` is the call the route runs (after any cast to the compute dtype);
+    `arguments` the caller's query, key, value and mask. None unless SDPA is called
+    whole with exactly those objects (no head axis added, no cast, no broadcast, no
+    mask built, no guard) and a float scale, and the call holds nothing else.
     """
-    q, k, v, terms, plan = call.query, call.key, call.value, call.terms, call.plan
-    query, key, value, mask = arguments
-    if q is not query or k is not key or v is not value:
+    if not isinstance(path, Native) or path.kernel != "sdpa" or path.tiles is not None:
         return None
-    if autodiff_family(q) != "torch" or path.tiles is not None or call.drop_head:
+    terms, plan = call.terms, call.plan
+    if call.drop_head or terms != ScoreTerms(mask=terms.mask):
         return None
-    if call.bias is not None or array_or_none(plan.scale) is not None or v is None:
-        return None
-    if terms != ScoreTerms(mask=terms.mask) or terms.mask is not mask:
-        return None
-    if mask is not None and slice_block(mask, (0, plan.q_len), (0, plan.kv_len)) is not mask:
-        return None
-    if not q.dtype == k.dtype == v.dtype == plan.result_dtype:
-        return None
-    if path.upcast and plan.result_dtype != plan.compute_dtype:
-        return None
+    a = _kernel_args(call, path)
     batch = tuple(plan.batch)
-    if not tuple(q.shape[:-3]) == tuple(k.shape[:-3]) == tuple(v.shape[:-3]) == batch:
+    query, key, value, mask = arguments
+    same = a.query is query and a.key is key and a.value is value and a.bias is None
+    if not same or a.visible is not None or a.allowed is not mask:
         return None
-    kernel_causal, structural = _kernel_form(call)
-    if structural and plan.band.restricts:
-        return None
-    if _guards_empty_rows(call):
+    if not tuple(query.shape[:-3]) == tuple(key.shape[:-3]) == tuple(value.shape[:-3]) == batch:
         return None
     gqa = plan.num_q_heads != plan.num_kv_heads
-    return DirectKernel(kernel_causal, float(plan.scale), gqa, plan.result_dtype)
+    return DirectKernel(a.causal, float(plan.scale), gqa, plan.result_dtype)
 
 
-def native_tiles(call: AttentionCall, tile: int) -> Any:
+def native_tiles(call: AttentionCall, path: Native) -> Any:
     """Run the kernel once per query tile, over the keys its visible key tiles span.
 
-    For each query tile of `tile` rows, the key tiles that block skipping hides
-    (:func:`~portable_attn._lib._tiled.pair_visibility`: the band, host segment ids,
-    a block mask) are left out: the kernel sees the keys from the first visible key
+    For each query tile of ``path.tiles`` rows, the key tiles that the pair states
+    (``_lib/_blocks.py``: the band, host lengths and segment ids, a ``mask_mod``'s
+    states) skip are left out: the kernel sees the keys from the first visible key
     tile to the last (:func:`~._partial.cut_call`, at their positions in the whole
-    call), with the masks the part needs -- none where the span is shown in full and
-    lies in one segment. Consecutive tiles that together make a square causal part
-    inside one segment (a packed document) are one call with the kernel's own causal
-    flag (:func:`_causal_runs`). A query tile that sees no key is zeros (from the
-    kernel given its first key tile, all of it hidden). Exact: every visible key of a
-    row is in its tile's span.
+    call), with the masks the part needs -- none where the states show the span in
+    full. Consecutive tiles that together make a square causal part inside one
+    segment (a packed document) are one call with the kernel's own causal flag
+    (:func:`_causal_runs`). A query tile that sees no key is zeros (from the kernel
+    given its first key tile, all of it hidden). Exact: every visible key of a row
+    is in its tile's span.
 
     Returns
     -------
     array, shape (*batch, Hq, Lq, Dv)
         In the dtype of `call`'s Q, as :func:`native_attention`.
     """
-    xp, plan, terms = call.xp, call.plan, call.terms
-    k_tiles = block_ranges(plan.kv_len, tile)
+    xp, plan = call.xp, call.plan
+    tile = path.tiles or plan.q_len
+    q_tiles, k_tiles = block_ranges(plan.q_len, tile), block_ranges(plan.kv_len, tile)
+    states = np.asarray(host_pair_states(call, q_tiles, k_tiles))
+    rest = states  # the states without the band: what segments, lengths, mask_mod show
+    if plan.band.restricts:
+        rest = np.asarray(host_pair_states(_without_band(call), q_tiles, k_tiles))
     parts = []
-    for q_range in block_ranges(plan.q_len, tile):
-        seen = [pair_visibility(plan, terms, q_range, kr) for kr in k_tiles]
-        shown = [j for j, vis in enumerate(seen) if vis != "skip"]
+    for i in range(len(q_tiles)):
+        shown = np.flatnonzero(states[i])
         # no visible key: the first key tile, whose masks hide it all (the kernel's
         # empty-row handling gives zeros, and zero gradients that autograd can reach)
-        first, last = (shown[0], shown[-1]) if shown else (0, 0)
-        span = (k_tiles[first][0], k_tiles[last][1])
-        full = bool(shown) and all(vis == "full" for vis in seen[first : last + 1])
-        parts.append((q_range, span, full))
+        first, last = (int(shown[0]), int(shown[-1]) + 1) if shown.size else (0, 1)
+        parts.append((i, i + 1, first, last, bool(shown.size)))
     outs = []
-    for q_range, span, full in _causal_runs(call, parts):
-        part = _without_shown_masks(cut_call(call, q_range, span), terms, q_range, span, full)
-        outs.append(native_attention(part, rows_seen=_rows_seen(part, terms, q_range, span)))
+    for i0, i1, j0, j1, seen in _causal_runs(call, parts, rest):
+        q_range, span = (q_tiles[i0][0], q_tiles[i1 - 1][1]), (k_tiles[j0][0], k_tiles[j1 - 1][1])
+        full = seen and bool(np.all(states[i0:i1, j0:j1] == FULL))
+        shown_rest = seen and bool(np.all(rest[i0:i1, j0:j1] == FULL))
+        part = _without_shown_masks(cut_call(call, q_range, span), full, shown_rest)
+        outs.append(native_attention(part, path))
     return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
 
 
-def _rows_seen(part: AttentionCall, terms: Any, q_range: Any, span: Any) -> bool:
-    """Whether every row of `part` provably sees a key, from the block states alone.
-
-    When the ``mask_mod`` is the only thing that hides entries of the part (no band
-    left, no mask, lengths, segments or bias) and its states show every row of the
-    tile some block of the span in full.
-    """
-    p_terms, plan = part.terms, part.plan
-    host = terms.block_host
-    if p_terms.mask_mod is None or host is None or plan.band.restricts:
-        return False
-    others = dataclasses.replace(p_terms, mask_mod=None)
-    if hidden_by_value(part.bias, others):
-        return False
-    return bool(host.covers_rows(q_range, span))
+def _without_band(call: AttentionCall) -> AttentionCall:
+    plan = dataclasses.replace(call.plan, is_causal=False, window=None)
+    return dataclasses.replace(call, plan=plan)
 
 
-def _causal_runs(call: AttentionCall, parts: list[Any]) -> list[Any]:
+def _causal_runs(call: AttentionCall, parts: list[Any], rest: Any) -> list[Any]:
     """Merge runs of tiles that share a span start into square causal parts where exact.
 
-    A run of query tiles ``[s, e)`` whose spans all start at ``s`` and whose last span
-    ends at ``e`` is the square part ``[s, e) x [s, e)``: with causal alone inside it
-    (one segment, a ``mask_mod`` shown in full, nothing else hiding by value) it is
-    one kernel call with the kernel's causal flag, which skips the upper triangle
-    itself (a packed document: SDPA on the document alone).
+    `parts` are ``(i0, i1, j0, j1, seen)`` tile ranges. A run of query tiles ``[i, e)``
+    whose spans all start at key tile ``i`` and whose last span ends at tile ``e`` is
+    the square part ``[i, e) x [i, e)``: with causal alone inside it (`rest`, the
+    states without the band, show it in full: one segment, a ``mask_mod`` shown in
+    full; nothing else hides by value) it is one kernel call with the kernel's causal
+    flag, which skips the upper triangle itself (a packed document: SDPA on the
+    document alone).
     """
     plan, terms = call.plan, call.terms
-    rest = dataclasses.replace(
-        terms, q_segments=None, kv_segments=None, segment_blocks=None, mask_mod=None
-    )
-    if not plan.is_causal or plan.window is not None or hidden_by_value(call.bias, rest):
+    others = dataclasses.replace(terms, q_segments=None, kv_segments=None, mask_mod=None)
+    if not plan.is_causal or plan.window is not None or hidden_by_value(call.bias, others):
         return parts
-    if plan.offset != 0:  # Lq != Lk: keys right of the diagonal are visible too
+    if plan.offset != 0 or plan.q_len != plan.kv_len:  # keys right of the diagonal show
         return parts
     merged: list[Any] = []
     i = 0
     while i < len(parts):
-        (qs, _), (lo, _), _ = parts[i]
+        i0, _, lo, _, _ = parts[i]
         j = i
-        if lo == qs:  # a run can start here: find where its last span ends on the diagonal
-            while j + 1 < len(parts) and parts[j + 1][1][0] == lo:
+        if lo == i0:  # a run can start here: find where its last span ends on the diagonal
+            while j + 1 < len(parts) and parts[j + 1][2] == lo:
                 j += 1
-            while j > i and parts[j][1][1] != parts[j][0][1]:
+            while j > i and parts[j][3] != parts[j][1]:
                 j -= 1
-        qe = parts[j][0][1]
-        if j > i and parts[j][1][1] == qe and _inside_one_mask(terms, (qs, qe), (lo, qe)):
-            merged.append(((qs, qe), (lo, qe), False))
+        end = parts[j][1]
+        if j > i and parts[j][3] == end and bool(np.all(rest[i0:end, lo:end] == FULL)):
+            merged.append((i0, end, lo, end, True))
             i = j + 1
         else:
             merged.append(parts[i])
@@ -330,39 +330,30 @@ def _causal_runs(call: AttentionCall, parts: list[Any]) -> list[Any]:
     return merged
 
 
-def _inside_one_mask(terms: Any, q_range: Any, span: Any) -> bool:
-    """Whether segment ids and a ``mask_mod`` show every entry of the part (host reads)."""
-    blocks = terms.segment_blocks
-    if terms.q_segments is not None and (blocks is None or not blocks.one_segment(q_range, span)):
-        return False
-    if terms.mask_mod is not None:
-        host = terms.block_host
-        return host is not None and host.visibility(q_range, span) == "full"
-    return True
+def _without_shown_masks(part: AttentionCall, full: bool, shown_rest: bool) -> AttentionCall:
+    """`part` without the masks that show all of it.
 
-
-def _without_shown_masks(
-    part: AttentionCall, terms: Any, q_range: Any, span: Any, full: bool
-) -> AttentionCall:
-    """`part` without the masks that show all of it: band, segments, ``mask_mod``."""
-    new_terms = part.terms
-    blocks = terms.segment_blocks
-    if blocks is not None and blocks.one_segment(q_range, span):
-        new_terms = dataclasses.replace(
-            new_terms, q_segments=None, kv_segments=None, segment_blocks=None
+    `full`: every structured mask shows it all (band, lengths, segments, ``mask_mod``);
+    `shown_rest`: all but the band do (segments and ``mask_mod`` are dropped).
+    """
+    terms, plan = part.terms, part.plan
+    if shown_rest:
+        terms = dataclasses.replace(
+            terms, q_segments=None, kv_segments=None, mask_mod=None, block_host=None
         )
-    host = terms.block_host
-    if (
-        terms.mask_mod is not None
-        and host is not None
-        and host.visibility(q_range, span) == "full"
-    ):
-        new_terms = dataclasses.replace(new_terms, mask_mod=None, block_host=None)
-    plan = part.plan
     if full:
-        plan = dataclasses.replace(plan, is_causal=False, window=None)
-        new_terms = dataclasses.replace(new_terms, mask_mod=None, block_host=None)
-    return dataclasses.replace(part, plan=plan, terms=new_terms)
+        plan = dataclasses.replace(plan, is_causal=False, window=None, has_lengths=False)
+        terms = dataclasses.replace(
+            terms,
+            q_lengths=None,
+            kv_lengths=None,
+            kv_length_values=None,
+            mask_mod=None,
+            block_host=None,
+            q_segments=None,
+            kv_segments=None,
+        )
+    return dataclasses.replace(part, plan=plan, terms=terms)
 
 
 def _to_batch(xp: Any, x: Any, batch: tuple[int, ...]) -> Any:

@@ -106,12 +106,14 @@ def place_block(
         def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
             return inner(scores, batch, head, q_idx + q_start, kv_idx + kv_start)
 
-    align = Alignment(q_start=q_start, kv_start=kv_start, q_total=q_total, kv_total=kv_total)
+    align = plan.align or Alignment()
+    align = Alignment(  # a part of a part (a tile of a Dask chunk) adds up the starts
+        q_start=align.q_start + q_start,
+        kv_start=align.kv_start + kv_start,
+        q_total=q_total if align.q_total is None else align.q_total,
+        kv_total=kv_total if align.kv_total is None else align.kv_total,
+    )
     new_plan = dataclasses.replace(plan, align=align)
-    host = terms.block_host
-    if host is not None:  # the states of the whole call, read at the part's positions
-        static = isinstance(q_start, int) and isinstance(kv_start, int)
-        host = host.placed(q_start, kv_start) if static else None
     new_terms = dataclasses.replace(
         terms,
         q_lengths=q_lengths,
@@ -119,7 +121,6 @@ def place_block(
         kv_length_values=None,  # those of the whole call, not of the part
         score_mod=mod,
         mask_mod=_shifted_mask_mod(terms.mask_mod, q_start, kv_start),
-        block_host=host,
     )
     return dataclasses.replace(call, plan=new_plan, terms=new_terms)
 
@@ -248,7 +249,7 @@ def partial_attention(
     match path:
         case Empty():
             return call.empty_result()
-        case Tiled(block_q=block_q, block_k=block_k, fold=fold, buffered=True):
+        case Tiled(block_q=block_q, block_k=block_k, fold=fold, walk="buffered"):
             return buffered_forward(call, block_q, block_k, fold=fold)  # NumPy (Dask chunks)
         case Tiled(block_q=block_q, block_k=block_k, fold=fold):
             return tiled_forward(call, block_q, block_k, fold=fold)

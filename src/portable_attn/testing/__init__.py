@@ -34,7 +34,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from .._lib._compat import library_name
+from .._lib._compat import library_name, standard_namespace
 from ._backends import (
     ALL_KINDS,
     AUTODIFF_FAMILIES,
@@ -185,6 +185,7 @@ def assert_close(
             )
             raise AssertionError(msg)
         xp = array_api_compat.array_namespace(expected)
+    xp = standard_namespace(xp)
     if actual_xp is not xp:
         msg = (
             f"namespace mismatch: `actual` is an array of {_namespace_name(actual_xp)}, "

@@ -1,8 +1,8 @@
-"""Every routing decision of ``portable_attn._lib._policy``, pinned (not its timing).
+"""Every routing decision of ``portable_attn._lib._route``, pinned (not its timing).
 
-Each test asks :func:`choose_path` which path a call takes, on every backend, and
-checks the values of the routed call against the float64 oracle where the
-decision matters for what is computed.
+Each test asks :func:`route` which path a call takes, on every backend, and checks
+the values of the routed call against the float64 oracle where the decision
+matters for what is computed.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-import portable_attn._lib._policy as policy
+import portable_attn._lib._route as policy
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import prepare
 from portable_attn._lib._path import DaskGrid, Dense, Empty, Native, Tiled
-from portable_attn._lib._policy import choose_path, default_tiles
+from portable_attn._lib._route import LIBRARIES, Library, default_tiles
 from portable_attn.testing import reference_attention
 
 
@@ -24,6 +24,21 @@ from portable_attn.testing import reference_attention
 def _small_calls_take_the_kernel(monkeypatch):
     """The 9-token calls below would take no kernel (``NATIVE_MIN_KEYS``, tested alone)."""
     monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {})
+
+
+def choose_path(call, block_size, implementation):
+    return policy.route(call, block_size, implementation).path
+
+
+def _no_dense_limit(monkeypatch, *names):
+    """Every library (or those named) tiles whatever its size."""
+    for name, row in LIBRARIES.items():
+        if not names or name in names:
+            monkeypatch.setitem(LIBRARIES, name, Library(**{**row.__dict__, "dense_limit": 0}))
+
+
+def _tiles(name):
+    return LIBRARIES[name]
 
 
 def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
@@ -37,11 +52,15 @@ def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
 
 
 def _route(path):
-    """The route of a path, without the fold decision (pinned by its own tests)."""
-    if isinstance(path, Tiled):  # nor buffering (test_numpy_tiles_are_buffered)
-        return dataclasses.replace(path, fold=False, buffered=False)
+    """The route of a path, without the decisions pinned by their own tests: folding,
+    the walk and the backward, the native kernel's guard and minimum of keys."""
+    if isinstance(path, Tiled):
+        walk = "loop" if path.walk == "loop" else "python"
+        return dataclasses.replace(path, fold=False, walk=walk, backward=None)
     if isinstance(path, Dense):
         return dataclasses.replace(path, fold=False)
+    if isinstance(path, Native):
+        return Native(tiles=path.tiles)
     if isinstance(path, DaskGrid):
         return dataclasses.replace(path, inner=_route(path.inner))
     return path
@@ -141,18 +160,10 @@ class TestDefaultRoute:
         assert frac(4096, is_causal=True, window=(256, 0)) == 1 - 62 / 512
         assert frac(1024, is_causal=True) == 0.375
         assert frac(1024) == 0.0
-        assert frac(1024, is_causal=True, kv_lengths=backend.asarray(np.array([9]))) == 0.0
-
-    def test_a_band_that_hides_nothing_is_not_walked(self, backend, monkeypatch):
-        # a decoding step (bottom-right causal, Lq = 1): every call of it asks, so the
-        # policy answers without visiting the 32 key blocks, most of its time on such a call
-        def walked(*args):
-            raise AssertionError("visited the block pairs")
-
-        monkeypatch.setattr(policy, "pair_visibility", walked)
-        q = backend.asarray(np.zeros((1, 1, 1, 4)))
-        kv = backend.asarray(np.zeros((1, 1, 4096, 4)))
-        assert policy.skipped_fraction(prepare(q, kv, kv, is_causal=True), 128, 128) == 0.0
+        # lengths read on the host skip the key blocks past every length; others nothing
+        host = backend.family in ("numpy", "torch") and backend.device_name == "cpu"
+        lengths = frac(1024, is_causal=True, kv_lengths=backend.asarray(np.array([9])))
+        assert lengths == (1 - 2 / 64 if host else 0.0)
 
     def test_portable_never_routes(self, backend):
         assert _path(backend, implementation="portable") == _portable(backend)
@@ -179,7 +190,18 @@ class TestDefaultRoute:
         _, (q, k, v) = _arrays(backend)
         path = choose_path(prepare(q, k, v), 4, None)
         tiled = path.inner if isinstance(path, DaskGrid) else path
-        assert tiled.buffered == (backend.family in ("numpy", "dask"))
+        assert (tiled.walk == "buffered") == (backend.family in ("numpy", "dask"))
+
+    def test_the_backward_follows_the_library(self, backend):
+        """The recomputing backward of torch and JAX, their own autodiff with a score_mod."""
+        _, (q, k, v) = _arrays(backend)
+        path = choose_path(prepare(q, k, v), 4, None)
+        tiled = path.inner if isinstance(path, DaskGrid) else path
+        family = {"torch": "torch", "jax": "jax"}.get(backend.family)
+        assert tiled.backward == family
+        modded = choose_path(prepare(q, k, v, score_mod=lambda s, b, h, i, j: s), 4, None)
+        modded = modded.inner if isinstance(modded, DaskGrid) else modded
+        assert modded.backward == (None if family is None else "autodiff")
 
     def test_no_query_or_no_key_is_empty(self, backend):
         assert _path(backend, shape={"lq": 0}) == Empty()
@@ -195,9 +217,7 @@ class TestAuto:
         assert _path(backend, softcap=5.0) == _portable(backend)
 
     def test_above_the_limit_tiles(self, backend, monkeypatch):
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
-        monkeypatch.setattr(policy, "BUFFERED_DENSE_LIMIT_BYTES", 0)
+        _no_dense_limit(monkeypatch)
         data, (q, k, v) = _arrays(backend)
         mask_np = np.random.default_rng(1).random((9, 9)) < 0.7
         mask = backend.asarray(mask_np)
@@ -205,7 +225,7 @@ class TestAuto:
         if backend.family == "dask":  # chunk pairs of 5 x 5 scores, tiled inside
             assert path == _portable(backend)
         elif backend.family == "jax":
-            assert path == Tiled(*default_tiles(True, 9, 9))  # short: unrolled
+            assert path == Tiled(*default_tiles(_tiles("jax"), 9, 9))  # short: unrolled
         elif backend.family == "numpy":  # in reused buffers
             assert path == Tiled(*policy.buffered_tiles(9, 9))
         else:
@@ -214,8 +234,8 @@ class TestAuto:
         expected = reference_attention(*data, mask=mask_np, softcap=5.0)
         np.testing.assert_allclose(backend.to_numpy(out), expected, atol=1e-12, rtol=1e-10)
 
-    def test_the_multithreaded_limit_applies_to_torch_only(self, backend, monkeypatch):
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+    def test_the_torch_limit_applies_to_torch_only(self, backend, monkeypatch):
+        _no_dense_limit(monkeypatch, "torch")
         path = _path(backend, softcap=5.0)
         if backend.family == "torch":
             assert path == Tiled(*policy.EAGER_TILES)
@@ -223,8 +243,7 @@ class TestAuto:
             assert path == _portable(backend)
 
     def test_plain_auto_calls_still_take_the_fused_kernel(self, backend, monkeypatch):
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        _no_dense_limit(monkeypatch)
         path = _path(backend, block_size="auto", is_causal=True)
         assert (path == Native()) == _fused(backend)
 
@@ -237,39 +256,41 @@ class TestTracedTiles:
     def test_unrolled_at_least_the_minimum_block_and_at_most_the_maximum_count(
         self, length, block
     ):
-        bq, bk = default_tiles(True, length, length)
+        bq, bk = default_tiles(_tiles("jax"), length, length)
         assert bq == bk == block
         assert bq >= policy.TRACED_MIN_BLOCK
         assert -(-length // bq) <= policy.TRACED_MAX_BLOCKS
 
     @pytest.mark.parametrize(("length", "block"), [(9, 9), (2048, 512), (65536, 512)])
     def test_the_loop_tiles_clipped_to_the_lengths(self, length, block):
-        bq, bk = default_tiles(True, length, length, loop=True)
+        bq, bk = default_tiles(_tiles("jax"), length, length, loop=True)
         assert bq == bk == block == min(length, policy.LOOP_TILES[0])
-        windowed = default_tiles(True, length, length, loop=True, windowed=True)
+        windowed = default_tiles(_tiles("jax"), length, length, loop=True, windowed=True)
         assert windowed == (min(length, policy.LOOP_WINDOW_TILES[0]),) * 2
 
     @pytest.mark.backends("jax", reason="JAX: the traced loop's tiles")
     def test_a_windowed_long_call_loops_in_window_tiles(self, backend, monkeypatch):
         monkeypatch.setattr(policy, "LOOP_MIN_SCORE_BYTES", 0)
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        _no_dense_limit(monkeypatch)
         _, (q, k, v) = _arrays(backend, lq=600, lk=600)
         for window, tiles in ((None, policy.LOOP_TILES), ((3, 0), policy.LOOP_WINDOW_TILES)):
             path = choose_path(prepare(q, k, v, window=window), "auto", "portable")
-            assert _route(path) == Tiled(*tiles, loop=True)
+            assert _route(path) == Tiled(*tiles, walk="loop")
 
     def test_jax_runs_long_calls_as_a_loop(self, backend, monkeypatch):
         call = prepare(*_arrays(backend)[1])
-        assert not getattr(choose_path(call, 4, None), "loop", False)  # short: unrolled
+
+        def loops(path):
+            return getattr(path, "walk", None) == "loop"
+
+        assert not loops(choose_path(call, 4, None))  # short: unrolled
         monkeypatch.setattr(policy, "LOOP_MIN_SCORE_BYTES", 0)
-        assert getattr(choose_path(call, 4, None), "loop", False) == (backend.family == "jax")
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
-        auto = choose_path(call, None, "portable")
-        assert getattr(auto, "loop", False) == (backend.family == "jax")
+        assert loops(choose_path(call, 4, None)) == (backend.family == "jax")
+        _no_dense_limit(monkeypatch)
+        assert loops(choose_path(call, None, "portable")) == (backend.family == "jax")
 
     def test_eager_libraries_get_the_eager_tiles(self):
-        assert default_tiles(False, 32768, 32768) == policy.EAGER_TILES
+        assert default_tiles(_tiles("torch"), 32768, 32768) == policy.EAGER_TILES
 
     @pytest.mark.parametrize(
         ("lq", "lk", "tiles"),
@@ -282,7 +303,7 @@ class TestTracedTiles:
     )
     def test_buffered_tiles_hold_a_block_of_scores(self, lq, lk, tiles):
         """Query tiles of 256 rows; key tiles widen while the query tile is shorter."""
-        assert default_tiles(False, lq, lk, buffered=True) == tiles
+        assert default_tiles(_tiles("numpy"), lq, lk) == tiles
 
 
 class TestNative:
@@ -300,8 +321,7 @@ class TestNative:
 
     def test_native_takes_auto_block_size_above_the_limit(self, backend, monkeypatch):
         """block_size="auto" leaves the choice to the library: "native" must not refuse it."""
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
+        _no_dense_limit(monkeypatch)
         data, args = _arrays(backend, dv=4)
         if backend.family not in ("torch", "jax"):
             with pytest.raises(ValueError, match="no native attention kernel"):
@@ -379,70 +399,3 @@ class TestThreads:
         assert getattr(path, "workers", 1) == (available_workers() if threads else 1)
         small = _path(backend, shape={**big, "hq": 1, "hkv": 1}, softcap=5.0)
         assert getattr(small, "workers", 1) == 1  # under THREADS_MIN_SCORE_BYTES (or dense)
-
-
-class TestCachedPaths:
-    """A repeated call takes the path decided for its first, without the rules."""
-
-    def _count_decisions(self, monkeypatch):
-        monkeypatch.setattr(policy, "CHECK_CACHED_PATHS", False)
-        decided = []
-        rules = policy._decide_path
-        monkeypatch.setattr(
-            policy, "_decide_path", lambda *a: decided.append(a[0].plan) or rules(*a)
-        )
-        return decided
-
-    def test_a_repeated_call_is_decided_once(self, backend, monkeypatch):
-        decided = self._count_decisions(monkeypatch)
-        first = _path(backend)
-        assert _path(backend) == first  # new arrays, the same signature
-        cached = isinstance(first, (Native, Dense))  # Dask's grid follows its chunks
-        assert len(decided) == (1 if cached else 2)
-        _path(backend, shape={"lq": 5})  # another signature: decided
-        _path(backend, block_size=4)  # another choice: decided (and tiled: not cached)
-        _path(backend, block_size=4)
-        assert len(decided) == (4 if cached else 5)
-
-    def test_an_equal_but_invalid_block_size_is_still_refused(self, backend, monkeypatch):
-        self._count_decisions(monkeypatch)
-        empty = {"lq": 0}  # an empty call: its path (Empty) is cached whatever the blocks
-        for blocks in (1, (1, 2)):
-            _path(backend, shape=empty, block_size=blocks)
-        for bad in (1.0, True, (1.0, 2), (True, 2)):
-            with pytest.raises(TypeError, match="block_size"):
-                _path(backend, shape=empty, block_size=bad)
-
-    def test_a_learned_scale_is_not_cached(self, backend, monkeypatch):
-        decided = self._count_decisions(monkeypatch)
-        _, (q, k, v) = _arrays(backend)
-        scale = backend.asarray(np.asarray(0.5))
-        for _ in range(2):
-            choose_path(prepare(q, k, v, scale=scale), None, None)
-        assert len(decided) == 2
-        assert not [
-            p
-            for p, _ in policy._PATHS.values()
-            if p.scale is not None and not isinstance(p.scale, float)
-        ]
-
-    def test_calls_with_host_values_are_decided_each_time(self, backend, monkeypatch):
-        decided = self._count_decisions(monkeypatch)
-        lengths = backend.asarray(np.array([5]))
-        for _ in range(2):
-            _path(backend, kv_lengths=lengths)
-        assert len(decided) == 2
-
-    def test_a_policy_change_after_a_call_is_caught(self, backend, monkeypatch):
-        first = _path(backend)
-        if not isinstance(first, (Native, Dense)):
-            pytest.skip(f"{first!r} is not cached")
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES", 0)
-        monkeypatch.setattr(policy, "AUTO_DENSE_LIMIT_BYTES_MULTITHREADED", 0)
-        monkeypatch.setattr(policy, "BUFFERED_DENSE_LIMIT_BYTES", 0)
-        kinds = ("cpu", "cuda", "gpu")  # whichever device the backend computes on
-        monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {(backend.family, d): 10**9 for d in kinds})
-        with pytest.raises(AssertionError, match="forget_paths"):
-            _path(backend)
-        policy.forget_paths()
-        assert _path(backend) != first

@@ -1,0 +1,108 @@
+"""The one cache in front of the route: call signature -> what was decided for it.
+
+A call's *signature* (:func:`signature`) is everything the checks, the plan and the
+router read of it without reading values: the type, shape and dtype of every array
+argument (with the device and layout where the library pins devices), the query's
+device, and every scalar option with its type. Calls with the same signature pass
+the same static checks and get the same plan and, unless the route reads host
+values, the same route. So the first call of a signature validates, plans and
+routes, and keeps an :class:`Entry`; a later call replays it:
+
+- an entry with a kept kernel call (:class:`~portable_attn._paths._native.DirectKernel`:
+  torch, whose Q, K, V and mask go to SDPA as they are) is that call alone;
+- an entry with a route runs it on the call's arrays (the score terms still gathered
+  and checked), with its compiled program for an eager JAX call;
+- an entry without a route (the router read host values: lengths or segment ids)
+  skips the static checks and the plan, and routes again.
+
+A call that fails a check is never kept. Nothing is kept while ``torch.compile``
+traces (a compiled graph has no Python to save, and symbolic shapes are not keys).
+After a router setting changes (:mod:`portable_attn._lib._route`), :func:`forget`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import _route
+from ._compat import device, is_compiling
+from ._path import Route
+from ._scores import AttentionPlan
+
+__all__ = ["Entry", "entry_for", "forget", "signature"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What was decided for one call signature.
+
+    `xp` and `plan`: the namespace and the static facts; `route`: the route, or None
+    where the router reads host values (decided per call); `kept`: the kernel call of
+    a torch call SDPA takes as it is, or the compiled program of an eager JAX call.
+    """
+
+    xp: Any
+    plan: AttentionPlan
+    route: Route | None = None
+    kept: Any = None
+
+
+_ENTRIES: dict[Any, Entry] = {}
+
+
+def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
+    """Return the cache key of a call of these `arrays` and scalar `options`, or None.
+
+    `arrays` start with the query; None entries are arguments not given. `options`
+    are the scalar arguments in a fixed order (a pair's entries keyed with their
+    types: ``(1, 2) == (True, 2)``). None: not kept -- an argument that is not an
+    array (the checks will say), a learned `scale` or `softcap` (an array in the
+    plan), a call under ``torch.compile``, or an unhashable part.
+    """
+    query = arrays[0]
+    if is_compiling(query):
+        return None
+    try:
+        pinned = _route.library(query).pins_devices
+        parts: list[Any] = [None if pinned else device(query)]
+        for x in arrays:
+            if x is None:
+                parts.append(None)
+            elif pinned:  # torch, CuPy: a .device attribute (and torch's layout)
+                parts.append((type(x), x.shape, x.dtype, x.device, getattr(x, "layout", None)))
+            else:
+                parts.append((type(x), x.shape, x.dtype))
+        for o in options:
+            if hasattr(o, "shape"):  # a learned scale or softcap: this call's value
+                return None
+            parts.append((type(o), o, tuple(map(type, o)) if type(o) is tuple else None))
+        key = tuple(parts)
+        hash(key)
+    except Exception:  # not an array, or unhashable: the checks will say what it is
+        return None
+    return key
+
+
+def entry_for(key: Any, derive: Callable[[], tuple[Entry, Any]]) -> tuple[Entry, Any]:
+    """Return the entry kept under signature `key`, or derive and keep one.
+
+    `derive` validates, plans and routes the call (a miss); it returns the entry and
+    what the caller needs of that work. Returns ``(entry, None)`` on a hit and
+    ``derive()`` on a miss. A `key` of None is never kept: every such call derives.
+    """
+    entry = None if key is None else _ENTRIES.get(key)
+    if entry is not None:
+        return entry, None
+    entry, derived = derive()
+    if key is not None:
+        if len(_ENTRIES) >= _route.CACHE_SIZE:
+            _ENTRIES.clear()
+        _ENTRIES[key] = entry
+    return entry, derived
+
+
+def forget() -> None:
+    """Drop every entry: after a router setting changes."""
+    _ENTRIES.clear()

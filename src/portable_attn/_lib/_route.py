@@ -1,0 +1,778 @@
+"""The router: which path computes a call, what each library can do, every tuning constant.
+
+One function decides, :func:`route`, and returns a :class:`~._path.Route`; the drivers
+(:mod:`portable_attn._paths`) run it and decide nothing. What a library can do is
+data, one row of :data:`LIBRARIES` per library; every threshold the router (or any
+module of the engine) tunes by is a constant of this module, with the measurement
+behind it. Five paths compute the same exact attention:
+
+======== ==============================================================================
+path     what it is
+======== ==============================================================================
+Empty    no query or no key: zeros, nothing computed
+Dense    one block: the (Lq, Lk) scores built once (``_lib/_dense.py``)
+Tiled    the online softmax over (query block, key block) pairs (``_lib/_tiled.py``),
+         O(L) memory, hidden block pairs skipped (``_lib/_blocks.py``); walked as a
+         Python loop, in reused buffers (NumPy), in threads, or as a traced loop (JAX)
+Native   the framework's kernel with our masks and empty-row contract
+         (``_paths/_native.py``), whole or once per query tile
+DaskGrid Dask arrays: one task per visible (query chunk, key chunk) pair running the
+         tiled path on the chunks, merged per query chunk by a tree (``_paths/_dask.py``)
+======== ==============================================================================
+
+The rules, in the order :func:`route` applies them:
+
+0. `kv_lengths` read on the host (NumPy, torch CPU) hide every key at or past the
+   largest length from every row: only the first keys are computed
+   (:func:`kept_keys`, ``Route.keys``), whatever the path.
+1. An int or a pair `block_size` is the tiled path with those blocks, ``"dense"`` the
+   dense path; ``implementation="native"`` is the native kernel, or a ValueError when
+   it cannot express the call (:func:`unsupported_reason`).
+2. Dask arrays: one task per (query chunk, key chunk) pair (:func:`_dask_path`).
+3. ``implementation=None`` on a library whose native kernel is fused (torch SDPA) and
+   a call it can express, with at least :data:`NATIVE_MIN_KEYS` keys: the kernel,
+   whole, or once per query tile where block skipping hides at least
+   :data:`NATIVE_TILES_MIN_SKIP` of the tiles (or a ``mask_mod`` is given); a call
+   whose structure lets the tiled path skip at least :data:`SKIP_FRACTION_FOR_TILED`
+   of its pairs takes the tiled path instead (:func:`_native_route`).
+4. Otherwise dense while the dense scores fit in the library's ``dense_limit``, tiled
+   above (:func:`_tiles`): NumPy in reused buffers (:func:`buffered_tiles`), in
+   threads above :data:`THREADS_MIN_SCORE_BYTES`; JAX as a traced loop from
+   :data:`LOOP_MIN_SCORE_BYTES` (or with a traced block mask), unrolled below; other
+   libraries :data:`EAGER_TILES`.
+5. Eager libraries take the row sums from ``P @ [V | 1]`` where that pays
+   (:func:`fold_row_sums`); XLA divides the weights before ``P @ V``
+   (:func:`dense_weights_first`).
+6. Half precision accumulates in float32 on every path; a native kernel takes half
+   inputs in their own dtype where :data:`NATIVE_HALF_ROUTES` measured that faster
+   (:func:`native_upcasts`), the dense path takes FlashAttention's form where
+   :data:`PORTABLE_HALF_FLASH` did (:func:`dense_flash_form`).
+7. An eager JAX call runs its path as one compiled program (``Route.compiled``).
+
+A router setting changed at run time takes effect after :func:`portable_attn._lib._cache.forget`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import _validation as v
+from ._compat import chunk_sizes, device_kind, library_name, torch_release
+from ._cpu import available_workers, can_limit_blas, has_float16_arithmetic
+from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Route, Tiled
+
+if TYPE_CHECKING:
+    from ._call import AttentionCall
+
+__all__ = [
+    "AUTO_DENSE_LIMIT_BYTES",
+    "BUFFERED_BLOCK_SCORES",
+    "BUFFERED_TILE",
+    "CACHE_SIZE",
+    "COMPILED_SIGNATURES",
+    "DASK_MERGE_FAN_IN",
+    "DASK_TASK_SCORES",
+    "DEFAULT_MASK_BLOCK",
+    "EAGER_TILES",
+    "FLOAT16_CPU_ROUTES",
+    "KEEP_WORKSPACE_BYTES",
+    "LIBRARIES",
+    "LOOP_MIN_SCORE_BYTES",
+    "LOOP_TILES",
+    "LOOP_WINDOW_TILES",
+    "MASK_LOOP_MIN_TILE",
+    "MASK_TILE_ENTRIES",
+    "NATIVE_HALF_ROUTES",
+    "NATIVE_MIN_KEYS",
+    "NATIVE_TILE",
+    "NATIVE_TILES_MIN_SKIP",
+    "PORTABLE_HALF_FLASH",
+    "SKIP_FRACTION_FOR_TILED",
+    "THREADS_MIN_SCORE_BYTES",
+    "TRACED_BLOCK_STEP",
+    "TRACED_MAX_BLOCKS",
+    "TRACED_MIN_BLOCK",
+    "WORKSPACE_ALIGN",
+    "ZEROES_EMPTY_ROWS",
+    "Library",
+    "buffered_tiles",
+    "default_tiles",
+    "fold_row_sums",
+    "kept_keys",
+    "library",
+    "reads_values",
+    "route",
+    "skipped_fraction",
+    "unsupported_reason",
+]
+
+
+# ---------------------------------------------------------------------------
+# what each library can do
+
+
+@dataclass(frozen=True)
+class Library:
+    """What one array library can do: one row of :data:`LIBRARIES`.
+
+    Attributes
+    ----------
+    dense_limit : int
+        ``block_size=None`` keeps the dense path while the dense scores take at most
+        this many bytes (B x Hq x Lq x Lk x itemsize), and tiles above.
+    walk : {"python", "buffered", "traced"}
+        How its tiled path walks the blocks: a Python loop of fresh arrays, the same
+        loop in buffers reused through ``out=`` (NumPy), or a loop the library
+        traces into a program (JAX: unrolled when short, a traced loop when long).
+    threads : bool
+        Query blocks may run in threads: elementwise work on one core that releases
+        the GIL, no autodiff to record it (NumPy).
+    native : {"sdpa", "jax_nn"} or None
+        Its fused attention kernel, if any (``_paths/_native.py``).
+    native_default : bool
+        The default route may take `native`: a fused kernel (torch SDPA picks a
+        flash / memory-efficient kernel; ``jax.nn`` composes XLA operations).
+    native_equal_dims : bool
+        `native` needs ``Dv == Dk`` (``jax.nn.dot_product_attention``).
+    autodiff : {"torch", "jax"} or None
+        Whose custom-backward API its arrays take.
+    compiles_eager : bool
+        An eager call runs its path as one compiled program, cached per signature
+        (JAX dispatches each eager operation on its own, 10-20 us each on a CPU).
+    fuses_softmax : bool
+        Its compiler fuses the softmax into the ``P @ V`` after it (XLA).
+    half_matmul : bool
+        It has a half-precision matmul accumulating in float32 in the standard's
+        terms (``jnp.matmul(preferred_element_type=float32)``).
+    pins_devices : bool
+        Mixing devices among the arguments is an error to catch (torch, CuPy; JAX
+        places and shards arrays itself).
+    task_graphs : bool
+        Arrays are lazy task graphs (Dask): a call becomes tasks on their chunks.
+    """
+
+    dense_limit: int
+    walk: Literal["python", "buffered", "traced"] = "python"
+    threads: bool = False
+    native: Literal["sdpa", "jax_nn"] | None = None
+    native_default: bool = False
+    native_equal_dims: bool = False
+    autodiff: Literal["torch", "jax"] | None = None
+    compiles_eager: bool = False
+    fuses_softmax: bool = False
+    half_matmul: bool = False
+    pins_devices: bool = False
+    task_graphs: bool = False
+
+
+#: ``block_size=None`` keeps the dense path while its logits would take at most this
+#: many bytes, and tiles above. NumPy measured dense and tiled within a factor of 1.7
+#: either way at L = 1024-8192 without causal masking, the tiled path's memory O(L)
+#: (benchmarks/results/history/tiled.json and bench-numpy.json).
+AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
+
+#: One row per library (by the name of the module that owns its arrays); a library
+#: not listed takes ``Library(AUTO_DENSE_LIMIT_BYTES)``: the portable path, a Python
+#: walk, no native kernel.
+#:
+#: - numpy: the tiled path in reused buffers kept the dense path only up to 2 MiB of
+#:   scores (L = 256 at B=1, H=8): tiled over dense was 1.27 / 1.07 / 0.98 at L = 64 /
+#:   128 / 256 and 0.59 / 0.78 at L = 512 / 1024 (benchmarks/results/targets.json).
+#: - torch: its multi-threaded eager kernels made the dense path 1.7-2.6x (plain) and
+#:   2.8-6.1x (causal) slower than the tiled path at L = 512-8192, faster at L = 128
+#:   (0.5 MiB): 4 MiB (benchmarks/results/history/bench-torch.json).
+LIBRARIES: dict[str, Library] = {
+    "numpy": Library(2 * 2**20, walk="buffered", threads=True),
+    "torch": Library(
+        4 * 2**20, native="sdpa", native_default=True, autodiff="torch", pins_devices=True
+    ),
+    "jax": Library(
+        AUTO_DENSE_LIMIT_BYTES,
+        walk="traced",
+        native="jax_nn",
+        native_equal_dims=True,
+        autodiff="jax",
+        compiles_eager=True,
+        fuses_softmax=True,
+        half_matmul=True,
+    ),
+    "cupy": Library(AUTO_DENSE_LIMIT_BYTES, pins_devices=True),
+    "array_api_strict": Library(AUTO_DENSE_LIMIT_BYTES),
+    "dask": Library(AUTO_DENSE_LIMIT_BYTES, task_graphs=True),
+}
+_PORTABLE = Library(AUTO_DENSE_LIMIT_BYTES)
+
+
+def library(x: Any) -> Library:
+    """Return the row of :data:`LIBRARIES` of the library that owns array `x`."""
+    return LIBRARIES.get(library_name(x), _PORTABLE)
+
+
+# ---------------------------------------------------------------------------
+# tiles
+
+#: ``(block_q, block_k)`` of ``"auto"`` for eagerly executed libraries: two
+#: (H, 128, 256) float32 score blocks (1 MiB each for H = 8) stay cache-friendly.
+EAGER_TILES = (128, 256)
+#: The tiles of the buffered walk (NumPy): query tiles of this many rows (fewer for a
+#: shorter Lq) ...
+BUFFERED_TILE = 256
+#: ... and key tiles of BUFFERED_TILE, widened while the query tile is shorter to hold
+#: this many scores per (batch, head): a decoding step (Lq = 1) takes 4096 keys in one
+#: block. Chosen from hand runs of 64-256 x 256-512 tiles at L = 128-4096 (256 x 256
+#: was the fastest or within noise of it on causal calls, and within 10% on plain
+#: ones; one query row over 4096 keys ran 20% faster in one block than in 16).
+BUFFERED_BLOCK_SCORES = 256 * 256
+#: NumPy's tiled path runs its query blocks in threads from this many bytes of dense
+#: scores: on 2 cores, 2 threads with BLAS limited to one thread each took 0.71
+#: (plain) / 0.77 (causal) of the single-threaded time at L = 4096 and 0.91 / 0.97 at
+#: L = 2048 (128 MiB, H = 8), but 1.07 / 1.13 at L = 1024 (benchmarks/results/threads.json).
+THREADS_MIN_SCORE_BYTES = 128 * 2**20
+#: A thread keeps its workspace (the buffered walk's buffers) for its next call up to
+#: this many bytes; a larger one is allocated per call, where faulting it in costs
+#: little beside what it computes. Then neither the per-call allocation nor glibc's
+#: thresholds (which Dask's workers set to trim at 64 KiB) decide the speed of small
+#: calls and Dask's chunk pairs (issue 23: the same call measured 58 ms and 106 ms in
+#: one process before).
+KEEP_WORKSPACE_BYTES = 16 * 2**20
+#: Bytes: every buffer of a workspace starts on a cache line.
+WORKSPACE_ALIGN = 64
+#: ``(block_q, block_k)`` of the traced loop (rule 4), clipped to the lengths. A loop
+#: step carries the online softmax, so it costs about what its block computes; smaller
+#: blocks skip more of the causal half. Chosen from hand runs (B=1, H=8, D=64, float32,
+#: jax.jit, L = 4096 and 8192, causal and plain, forward and jit(grad); blocks of 256,
+#: 512 and 1024): 512 was the fastest or within noise of it in each;
+#: benchmarks/results/loop.json measures these tiles.
+LOOP_TILES = (512, 512)
+#: ... and of a call with a window (a left bound of the band): most of a 512 block lies
+#: outside a narrow band; window (256, 0) + causal at L = 4096: 256 was the fastest.
+LOOP_WINDOW_TILES = (256, 256)
+#: Traced libraries run the tiled path as a traced loop from this many bytes of dense
+#: scores (L = 2048 for B=1, H=8 in float32), below which the dense path or, between
+#: the two limits, the unrolled program runs. Measured (benchmarks/results/loop.json,
+#: causal, B=1, H=8, D=64, float32, jax.jit), loop against unrolled: at L = 2048,
+#: 0.043 s against 0.126 s forward and 0.15 s against 0.29 s for jit(grad); at 4096,
+#: 0.137 s against 0.278 s, compiled in 0.26 s against 2.3 s, with 100 / 208 MiB of
+#: extra peak RSS against 602 / 1444 MiB; at 8192, 0.46 s against 0.74 s.
+LOOP_MIN_SCORE_BYTES = 128 * 2**20
+#: A traced block mask runs the traced loop whatever the length (only the loop skips
+#: by value), in tiles of whole state blocks of at least this size: of 128, 256 and 512
+#: (B=1, H=8, L=4096, D=64, float32, states of 128, jax.jit), 256 was close to the
+#: faster on 4 causal documents of 1024 and on a causal window of 256 (flex.json).
+MASK_LOOP_MIN_TILE = 256
+#: Below LOOP_MIN_SCORE_BYTES a traced library unrolls the Python loop into the
+#: program: blocks of a multiple of this many positions ...
+TRACED_BLOCK_STEP = 128
+#: ... of at least this size ...
+TRACED_MIN_BLOCK = 256
+#: ... and at most this many blocks per axis keep compile time bounded.
+TRACED_MAX_BLOCKS = 16
+#: FlexAttention's default block size, the default of ``create_block_mask``.
+DEFAULT_MASK_BLOCK = 128
+#: Booleans a ``mask_mod`` is evaluated on at once while its block states are built
+#: (whole blocks, every (batch, head) it differs over): 4 Mi. NumPy asks for huge pages
+#: from 4 MiB on; with smaller tiles much of the build went to page faults (hand runs;
+#: build time and memory at L = 32768 in benchmarks/results/flex.json, "build").
+MASK_TILE_ENTRIES = 2**22
+
+# ---------------------------------------------------------------------------
+# the native kernel
+
+#: The default routes a call the fused native kernel could take whole (and not per
+#: tile) to the tiled path instead when causal/window structure hides at least this
+#: fraction of the (query block, key block) pairs of EAGER_TILES: window (256, 0) +
+#: causal at L = 4096 skips 88% of the pairs; causal alone skips 38-47% (L = 1024-4096),
+#: where the kernel stays faster (benchmarks/results/cases-torch.json).
+SKIP_FRACTION_FOR_TILED = 0.75
+#: Query tile (and key tile) of the native kernel run per tile: of 128, 256 and 512
+#: rows, SDPA per 256-row tile over its visible key span was the fastest on a
+#: packed-document causal call (4 x 1024 in 4096, B=1, H=8, D=64; hand runs; the
+#: default call's figures are in benchmarks/results/flex.json and cases-torch.json) ...
+NATIVE_TILE = 256
+#: ... chosen over one whole kernel call when block skipping hides at least this
+#: fraction of the (NATIVE_TILE, NATIVE_TILE) tile pairs.
+NATIVE_TILES_MIN_SKIP = 0.5
+#: The fewest keys an unmasked native kernel call may have, per ``(library, device
+#: kind)``: torch 2.13 CPU SDPA returns zeros, not NaN, for a query row holding a NaN
+#: when Lk < 16 and no ``attn_mask`` is given (float16 to float64, D = 16-128, any Lq),
+#: against the contract that NaN propagates; given a mask it propagates. Whole calls
+#: with fewer keys take the portable path (``implementation="native"`` still asks for
+#: the kernel as it is); shorter parts of a call per tile get a mask.
+NATIVE_MIN_KEYS: dict[tuple[str, str], int] = {("torch", "cpu"): 16}
+#: The release from which the native kernel returns zeros, with zero gradients, for a
+#: query row that sees no key (every key masked by a boolean mask or ``-inf`` in an
+#: additive one), per ``(library, device kind)``: then no guard is built around it.
+#: Measured on torch 2.13.0 CPU (float16 to float64; flash and math kernels; forward
+#: and backward; eager, under inductor and ``torch.func``): ``tests/test_native.py`` and
+#: ``tests/test_transforms.py`` check it on every run. Earlier releases and CUDA are
+#: not measured: they keep the guard.
+ZEROES_EMPTY_ROWS: dict[tuple[str, str], tuple[int, int]] = {("torch", "cpu"): (2, 13)}
+#: Half-precision inputs of a native kernel: ``(library, device kind, dtype)`` -> whether
+#: they reach the kernel in their own dtype (True) or as float32 copies (False); a route
+#: not listed upcasts. Each kernel accumulates in float32 and runs its softmax in
+#: float32, so both keep the contract; the table keeps the faster
+#: (benchmarks/results/half-torch.json and half-jax.json: B=1, H=8, D=64, L = 1024-4096):
+#:
+#: - torch CPU bfloat16: the float32 copies cost 7-21% at L = 1024-2048 and 31 MiB of
+#:   peak memory at L = 4096, for the same error. Own dtype.
+#: - torch CPU float16: on a CPU without float16 arithmetic SDPA in float16 is slow (the
+#:   float32 route ran at 0.63-0.74x of it). Upcast, except where FLOAT16_CPU_ROUTES.
+#: - torch CUDA: the fused kernels take half precision only and accumulate in float32.
+#:   Own dtype; not yet timed here (benchmarks/gpu.sh).
+#: - JAX (``implementation="native"`` only): own dtype, except float16 on a CPU, which
+#:   XLA CPU refuses ("The precision 'F16_F16_F32' is not supported by dot_general").
+NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
+    ("torch", "cpu", "bfloat16"): True,
+    ("torch", "cpu", "float16"): False,
+    ("torch", "cuda", "bfloat16"): True,
+    ("torch", "cuda", "float16"): True,
+    ("jax", "cpu", "bfloat16"): True,
+    ("jax", "cpu", "float16"): False,
+    ("jax", "gpu", "bfloat16"): True,
+    ("jax", "gpu", "float16"): True,
+}
+#: Routes of NATIVE_HALF_ROUTES that take the input dtype instead on a CPU with float16
+#: arithmetic (AVX512-FP16 or AMX-FP16): torch CPU float16 there ran the float32 route
+#: at 0.98-1.17x SDPA in float16 and the float16 route at 0.99-1.02x, the float32
+#: route's error 0.83-1.0x SDPA's (half-torch.json, L = 1024-4096).
+FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
+#: The dense path's half-precision form per ``(library, device kind)``: True is
+#: FlashAttention's form (half products accumulated in float32, float32 softmax,
+#: probabilities cast back for ``P @ V``), False and unlisted cast Q, K and V to
+#: float32 first. JAX CPU bfloat16 under ``jit`` (dense, L = 1024): faster, with an
+#: error within the contract (benchmarks/results/half-jax.json). GPUs: not measured.
+PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True}
+
+# ---------------------------------------------------------------------------
+# Dask and the caches
+
+#: Dask merges the partials of one query chunk this many at a time, as a tree: a merge
+#: task holds that many (..., Hq, bq, Dv) partials, under one chunk pair of scores
+#: while 4 Dv <= bk; a query chunk over n key chunks costs about n / 3 merge tasks.
+DASK_MERGE_FAN_IN = 4
+#: Consecutive visible chunk pairs of one query chunk share one Dask task (one walk)
+#: until the task holds this many scores: a task costs about 2 ms of scheduling, more
+#: than a (1, 8, 256, 256) pair computes, while a (1, 8, 1024, 1024) pair (8 Mi scores)
+#: stays a task of its own (benchmarks/results/targets.json: tasks per call).
+DASK_TASK_SCORES = 4 * 2**20
+#: Call signatures the one cache keeps (``_lib/_cache.py``): all are dropped when full.
+CACHE_SIZE = 256
+#: Compiled programs of eager JAX calls kept, least recently used first out: one per
+#: call signature (shapes, dtypes, options, functions) and path.
+COMPILED_SIGNATURES = 256
+
+
+# ---------------------------------------------------------------------------
+# the router
+
+
+def route(
+    call: AttentionCall, block_size: Any, implementation: Any, *, return_lse: bool = False
+) -> Route:
+    """Decide how `call` is computed (the rules are in the module docstring).
+
+    Parameters
+    ----------
+    call : AttentionCall
+        The validated call.
+    block_size, implementation
+        The caller's choices, as :func:`portable_attn.scaled_dot_product_attention` takes them.
+    return_lse : bool, default False
+        The caller needs the row log-sum-exp too (no native kernel gives it).
+
+    Raises
+    ------
+    ValueError
+        A `block_size` or `implementation` that is not one of the documented values,
+        or ``implementation="native"`` for a call the kernel cannot express.
+    """
+    from .._paths._partial import first_keys
+
+    v.check_implementation(implementation)
+    sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
+    lib = library(call.query)
+    if implementation == "native":
+        explicit = sizes != "auto"  # the caller asked for a portable path
+        reason = unsupported_reason(call, explicit_block_size=explicit, return_lse=return_lse)
+        v.check_native_route(reason)
+    keys = kept_keys(call)  # rule 0
+    if keys is not None:
+        call = first_keys(call, keys)
+    path = _path(call, lib, sizes, implementation, return_lse)
+    user_functions = call.terms.score_mod is not None or call.terms.mask_mod is not None
+    compiled = (
+        lib.compiles_eager
+        and not isinstance(path, Empty)
+        and not user_functions  # a program would keep what they close over
+        and not _traced(call)
+    )
+    return Route(path, keys, compiled, _keeps_dtype(path))
+
+
+def reads_values(call: AttentionCall) -> bool:
+    """Whether :func:`route` reads values of `call` on the host (then it routes every call).
+
+    Lengths and segment ids read where that is free (rule 0's cut, the pairs the
+    native kernel per tile skips); everything else it reads is the call's signature.
+    """
+    from ._compat import reads_host_values
+
+    terms = call.terms
+    return any(
+        x is not None and reads_host_values(x)
+        for x in (terms.q_lengths, terms.kv_lengths, terms.q_segments)
+    )
+
+
+def _traced(call: AttentionCall) -> bool:
+    from ._compat import is_traced
+
+    return is_traced(call.query)
+
+
+def _keeps_dtype(path: Path) -> bool:
+    """Whether `path` takes half-precision Q, K, V in their own dtype (no float32 copy)."""
+    match path:
+        case Native(upcast=upcast):
+            return not upcast
+        case Dense(flash=flash):
+            return flash
+    return False
+
+
+def _path(
+    call: AttentionCall, lib: Library, sizes: Any, implementation: Any, return_lse: bool
+) -> Path:
+    """Rules 1-6: the path of `call` (its keys already cut by rule 0)."""
+    if call.is_empty:
+        return Empty()
+    if implementation == "native":
+        return _native(call, lib)
+    if lib.task_graphs:
+        return _dask_path(call, sizes)
+    fold = fold_row_sums(call)
+    if sizes == "dense":
+        return _dense(call, lib, fold)
+    if isinstance(sizes, tuple):
+        return _tiled(call, lib, sizes, fold, workers=1)
+    if implementation is None and lib.native_default:
+        native = _native_route(call, lib, return_lse)
+        if native is not None:
+            return native
+    tiles = _tiles(call, lib)
+    if tiles is None:
+        return _dense(call, lib, fold)
+    return _tiled(call, lib, tiles, fold, workers=_workers(call, lib))
+
+
+def _dense(call: AttentionCall, lib: Library, fold: bool) -> Dense:
+    """Rules 5-6: the dense path's form."""
+    flash = dense_flash_form(call, lib)
+    return Dense(fold, flash, lib.fuses_softmax and not flash)
+
+
+def _tiled(
+    call: AttentionCall, lib: Library, tiles: tuple[Blocks, Blocks], fold: bool, *, workers: int
+) -> Tiled:
+    """Return the tiled path in `tiles`: its walk and its backward."""
+    walk: Literal["python", "buffered", "loop"] = "python"
+    if lib.walk == "buffered":
+        walk = "buffered"
+    elif lib.walk == "traced" and runs_as_loop(call):
+        walk = "loop"
+    backward: Literal["torch", "jax", "autodiff"] | None = lib.autodiff
+    if backward is not None and call.terms.score_mod is not None:
+        backward = "autodiff"  # the recomputing backward cannot differentiate a score_mod
+    return Tiled(*tiles, fold=fold, walk=walk, workers=workers, backward=backward)
+
+
+def _native(call: AttentionCall, lib: Library, tiles: int | None = None) -> Native:
+    """Return the native kernel of `lib` for `call`, whole or per query tile of `tiles` rows."""
+    assert lib.native is not None  # unsupported_reason said so
+    kind = (library_name(call.query), device_kind(call.query))
+    since = ZEROES_EMPTY_ROWS.get(kind)
+    zeroes = since is not None and torch_release() >= since
+    return Native(
+        lib.native, native_upcasts(call), tiles, not zeroes, NATIVE_MIN_KEYS.get(kind, 0)
+    )
+
+
+def kept_keys(call: AttentionCall) -> int | None:
+    """Rule 0: how many leading keys `call` needs, when `kv_lengths` hide the rest.
+
+    With `kv_lengths` read on the host (``ScoreTerms.kv_length_values``: NumPy, torch
+    CPU) no row sees a key at or past the largest length, so the keys from there on
+    are computed by no path: return that length (at least 1, so gradients still reach
+    K and V as zeros), or None when every key may be seen. The cut call is the same
+    whole call, with lengths, not ``Lk``, aligning its rows. Not with what is laid
+    out over the whole key axis on the host: segment ids and a ``mask_mod`` or block
+    mask (their host states).
+    """
+    terms = call.terms
+    values = terms.kv_length_values
+    if values is None or call.plan.align is not None:
+        return None
+    if terms.q_segments is not None or terms.mask_mod is not None:
+        return None
+    keep = max(1, max(values))
+    return keep if keep < call.plan.kv_len else None
+
+
+def unsupported_reason(
+    call: AttentionCall,
+    *,
+    explicit_block_size: bool = False,
+    return_lse: bool = False,
+    per_tile: bool = False,
+) -> str | None:
+    """Why `call` cannot go to its library's native kernel, or None when it can.
+
+    `explicit_block_size` is an int, a pair or "dense": a request for a portable
+    tiled path. `return_lse`: neither kernel returns the log-sum-exp publicly.
+    `per_tile`: the kernel runs per query tile, where a ``mask_mod`` is evaluated
+    into each tile's mask. torch SDPA and ``jax.nn.dot_product_attention`` (which
+    needs Dv == Dk) take masks, bias, lengths, windows, segment ids and GQA.
+    """
+    plan, terms = call.plan, call.terms
+    lib = library(call.query)
+    if lib.native is None:
+        name = library_name(call.query)
+        return f"there is no native attention kernel for {name} arrays (torch and jax only)"
+    unsupported = [
+        name
+        for name, used in (
+            ("softcap", plan.softcap is not None),
+            ("score_mod", terms.score_mod is not None),
+            ("mask_mod (or block_mask)", terms.mask_mod is not None and not per_tile),
+            ("alibi_slopes", terms.alibi_slopes is not None),
+            ("dropout_mask", terms.dropout_keep is not None),
+            ("sinks", terms.sinks is not None),
+            ("return_lse", return_lse),
+            ("an explicit block_size (a portable path)", explicit_block_size),
+        )
+        if used
+    ]
+    if unsupported:
+        return f"the native kernel cannot express {', '.join(unsupported)}"
+    if lib.native_equal_dims and plan.value_dim != plan.key_dim:
+        return (
+            "jax.nn.dot_product_attention needs `value` axis -1 (Dv) == `key` axis -1 "
+            f"(Dk), but got Dv={plan.value_dim} and Dk={plan.key_dim}"
+        )
+    return None
+
+
+def fold_row_sums(call: AttentionCall, q_len: int | None = None) -> bool:
+    """Rule 5: take the row sums of P from ``P @ [V | 1]`` instead of a pass over P.
+
+    Not with dropout (it drops weights from ``P V`` but not from the sums), and not
+    for traced libraries (JAX): XLA fuses the sum into the ``exp`` pass already, and
+    the wider matmul measured 4-11% slower under ``jax.jit``. Eager libraries save one
+    pass over every (bq, bk) block (NumPy: 3-7%), but building ``[V | 1]`` copies V:
+    it pays only when each K/V head has more query rows (G * Lq) than V has columns.
+    `q_len`: the queries of one task (a Dask chunk), by default the call's.
+    """
+    plan = call.plan
+    rows = plan.groups * (plan.q_len if q_len is None else q_len)
+    traced = library(call.query).walk == "traced"
+    return call.terms.dropout_keep is None and not traced and rows > plan.value_dim
+
+
+def _half_input_dtype(call: AttentionCall) -> str | None:
+    """``"float16"`` / ``"bfloat16"`` when Q, K, V (and a bias) all have that dtype, else None.
+
+    Mixed dtypes, a float32 bias beside half Q (the kernel would round it to half
+    precision) and a learned `scale` (a float32 array) keep the float32 route.
+    """
+    xp, plan = call.xp, call.plan
+    dt = plan.result_dtype
+    if dt == plan.compute_dtype or v.array_or_none(plan.scale) is not None:
+        return None  # float32 / float64, or a learned temperature
+    arrays = (call.query, call.key, call.value, call.bias)
+    if any(x is not None and x.dtype != dt for x in arrays):
+        return None
+    for name in ("bfloat16", "float16"):
+        if getattr(xp, name, None) is not None and dt == getattr(xp, name):
+            return name
+    return None
+
+
+def native_upcasts(call: AttentionCall) -> bool:
+    """Rule 6: whether the native kernel gets float32 copies of half Q, K, V."""
+    half = _half_input_dtype(call)
+    if half is None:
+        return True
+    key = (library_name(call.query), device_kind(call.query), half)
+    if key in FLOAT16_CPU_ROUTES and has_float16_arithmetic():
+        return False
+    return not NATIVE_HALF_ROUTES.get(key, False)
+
+
+def dense_flash_form(call: AttentionCall, lib: Library | None = None) -> bool:
+    """Rule 6: whether the dense path computes half inputs in FlashAttention's form."""
+    lib = library(call.query) if lib is None else lib
+    if not lib.half_matmul or _half_input_dtype(call) is None:
+        return False
+    return PORTABLE_HALF_FLASH.get((library_name(call.query), device_kind(call.query)), False)
+
+
+def _workers(call: AttentionCall, lib: Library) -> int:
+    """Rule 4: threads for the query blocks of the tiled path."""
+    if not lib.threads or _score_bytes(call) < THREADS_MIN_SCORE_BYTES or not can_limit_blas():
+        return 1
+    return available_workers()
+
+
+def _score_bytes(call: AttentionCall) -> int:
+    """Bytes of the dense scores B x Hq x Lq x Lk of the call."""
+    plan = call.plan
+    itemsize = 8 if plan.compute_dtype == call.xp.float64 else 4
+    return math.prod(plan.batch) * plan.num_q_heads * plan.q_len * plan.kv_len * itemsize
+
+
+def _native_route(call: AttentionCall, lib: Library, return_lse: bool) -> Native | None:
+    """Rule 3: the fused native kernel, whole or per query tile, unless the tiled path wins."""
+    if unsupported_reason(call, return_lse=return_lse, per_tile=True) is not None:
+        return None
+    if call.plan.kv_len < NATIVE_MIN_KEYS.get(
+        (library_name(call.query), device_kind(call.query)), 0
+    ):
+        return None
+    if call.terms.mask_mod is not None:
+        return _native(call, lib, NATIVE_TILE)
+    if _kernel_causal(call):  # the kernel's own causal skipping: one call
+        return _native(call, lib)
+    if skipped_fraction(call, NATIVE_TILE, NATIVE_TILE) >= NATIVE_TILES_MIN_SKIP:
+        return _native(call, lib, NATIVE_TILE)
+    if skipped_fraction(call, *EAGER_TILES) < SKIP_FRACTION_FOR_TILED:
+        return _native(call, lib)
+    return None
+
+
+def _kernel_causal(call: AttentionCall) -> bool:
+    """Causal alone on a square call: the kernel's causal flag skips the hidden half itself."""
+    plan = call.plan
+    return (
+        plan.is_causal
+        and plan.window is None
+        and plan.q_len == plan.kv_len
+        and call.terms.q_segments is None
+        and call.terms.block_host is None
+    )
+
+
+def skipped_fraction(call: AttentionCall, block_q: int, block_k: int) -> float:
+    """Return the fraction of (query block, key block) pairs the tiled path skips.
+
+    What :func:`~._blocks.pair_states` hides, read on the host.
+    """
+    from ._blocks import SKIP, host_pair_states, may_skip
+    from ._tiled import block_ranges
+
+    if not may_skip(call):
+        return 0.0
+    states = host_pair_states(
+        call, block_ranges(call.plan.q_len, block_q), block_ranges(call.plan.kv_len, block_k)
+    )
+    pairs = sum(len(row) for row in states)
+    return sum(row.count(SKIP) for row in states) / pairs if pairs else 0.0
+
+
+def _dask_path(call: AttentionCall, sizes: Any) -> DaskGrid:
+    """Rule 2: the chunk grid of a Dask call and the path inside each chunk pair."""
+    from ._compat import chunk_library
+
+    plan = call.plan
+    q_chunks = chunk_sizes(call.query, -2) or (plan.q_len,)
+    k_chunks = chunk_sizes(call.key, -2) or (plan.kv_len,)
+    # the pair tasks run NumPy (CuPy) chunks: eager, so folding follows their query chunk
+    fold = fold_row_sums(call, q_len=max(q_chunks))
+    chunk_lib = LIBRARIES.get(chunk_library(call.query), _PORTABLE)
+    walk: Literal["python", "buffered"] = "buffered" if chunk_lib.walk == "buffered" else "python"
+    inner: Dense | Tiled
+    if sizes == "dense":
+        inner = Dense(fold)
+    else:
+        block_q, block_k = (
+            default_tiles(chunk_lib, max(q_chunks), max(k_chunks)) if sizes == "auto" else sizes
+        )
+        inner = Tiled(block_q, block_k, fold=fold, walk=walk)
+    return DaskGrid(tuple(q_chunks), tuple(k_chunks), inner, DASK_MERGE_FAN_IN, DASK_TASK_SCORES)
+
+
+def _tiles(call: AttentionCall, lib: Library) -> tuple[int, int] | None:
+    """Rule 4: (block_q, block_k) of the tiled path, or None for the dense path."""
+    if _traced_block_mask(call):  # the loop skips what the states hide, at their blocks
+        return _mask_loop_tiles(call)
+    if _score_bytes(call) <= lib.dense_limit:
+        return None
+    plan = call.plan
+    loop = runs_as_loop(call)
+    return default_tiles(
+        lib, plan.q_len, plan.kv_len, loop=loop, windowed=plan.band.left is not None
+    )
+
+
+def _mask_loop_tiles(call: AttentionCall) -> tuple[int, int]:
+    """Return the tiles of the traced loop over a traced block mask.
+
+    Whole state blocks, at least :data:`MASK_LOOP_MIN_TILE`.
+    """
+    plan = call.plan
+    mq, mk = call.terms.state_block or EAGER_TILES
+    bq = mq * max(1, -(-MASK_LOOP_MIN_TILE // mq))
+    bk = mk * max(1, -(-MASK_LOOP_MIN_TILE // mk))
+    return min(bq, max(1, plan.q_len)), min(bk, max(1, plan.kv_len))
+
+
+def runs_as_loop(call: AttentionCall) -> bool:
+    """Rule 4: whether the tiled path of a traced library runs as a traced loop (JAX).
+
+    Long calls, and calls with a block mask whose states are traced (only the loop
+    reads them by value and skips what they hide).
+    """
+    if library(call.query).walk != "traced":
+        return False
+    return _score_bytes(call) >= LOOP_MIN_SCORE_BYTES or _traced_block_mask(call)
+
+
+def _traced_block_mask(call: AttentionCall) -> bool:
+    terms = call.terms
+    return terms.block_states is not None and terms.block_host is None
+
+
+def default_tiles(
+    lib: Library, q_len: int, kv_len: int, *, loop: bool = False, windowed: bool = False
+) -> tuple[int, int]:
+    """``(block_q, block_k)`` of the tiled path of `lib` above the dense limit.
+
+    Buffered walks take :func:`buffered_tiles`; traced ones :data:`LOOP_TILES`
+    (:data:`LOOP_WINDOW_TILES` for a `windowed` band) as a `loop`, else at most
+    :data:`TRACED_MAX_BLOCKS` unrolled blocks of at least :data:`TRACED_MIN_BLOCK` per
+    axis; other libraries :data:`EAGER_TILES`.
+    """
+    if lib.walk == "buffered":
+        return buffered_tiles(q_len, kv_len)
+    if lib.walk == "traced" and loop:
+        bq, bk = LOOP_WINDOW_TILES if windowed else LOOP_TILES
+        return min(bq, max(1, q_len)), min(bk, max(1, kv_len))
+    if lib.walk == "traced":
+        per_axis = TRACED_MAX_BLOCKS * TRACED_BLOCK_STEP
+        return (
+            max(TRACED_MIN_BLOCK, TRACED_BLOCK_STEP * math.ceil(q_len / per_axis)),
+            max(TRACED_MIN_BLOCK, TRACED_BLOCK_STEP * math.ceil(kv_len / per_axis)),
+        )
+    return EAGER_TILES
+
+
+def buffered_tiles(q_len: int, kv_len: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` of the buffered walk (NumPy), clipped to the lengths.
+
+    :data:`BUFFERED_TILE` query rows (or all of a shorter Lq), and key tiles of
+    :data:`BUFFERED_TILE` widened to :data:`BUFFERED_BLOCK_SCORES` scores per block.
+    """
+    bq = min(BUFFERED_TILE, max(1, q_len))
+    bk = max(BUFFERED_TILE, BUFFERED_BLOCK_SCORES // bq)
+    return bq, min(bk, max(1, kv_len))
