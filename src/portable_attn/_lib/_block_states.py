@@ -94,9 +94,10 @@ def build_states(
     :data:`~._route.MASK_TILE_ENTRIES` booleans in all (over the (batch, head) pairs
     it differs over, which one block evaluated first tells): memory O(block),
     whatever the lengths; a mask that does not depend on the batch or head is
-    reduced in its own broadcast shape (not once per head). `check` (result, expected shape) validates what `mask_mod` returned,
-    on that first block. `map_tiles` maps the tile function over the tiles (a thread
-    pool's ``map`` for libraries that release the GIL).
+    reduced in its own broadcast shape (not once per head). `check` (result,
+    expected shape) validates what `mask_mod` returned, on that first block.
+    `map_tiles` maps the tile function over the tiles (a thread pool's ``map``
+    for libraries that release the GIL).
     """
     bq, bk = block
     nq, nk = -(-q_len // bq), -(-kv_len // bk)
