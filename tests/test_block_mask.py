@@ -231,7 +231,7 @@ def test_hidden_blocks_are_not_computed(backend, xp, given):
         evaluated.append(1)
         return (q_idx // 5) == (kv_idx // 5)
 
-    bm = create_block_mask(docs, None, None, n, n, block_size=block)
+    bm = create_block_mask(docs, 1, 1, n, n, block_size=block)  # (None: one more, checking)
     building = len(evaluated)  # the states' evaluations
     evaluated.clear()
     kw = {"mask_mod": docs} if given == "mask_mod" else {"block_mask": bm}

@@ -53,7 +53,7 @@ class TestLengths:
         assert np.all(padded[:, :, 4:] == 0)
 
     @pytest.mark.parametrize("block_size", PATHS)
-    @pytest.mark.parametrize("lengths", [[5, 2, 6], [0, 3, 4], [9, 9, 9], [0, 3, 12]], ids=str)
+    @pytest.mark.parametrize("lengths", [[5, 2, 6], [0, 3, 4], [9, 9, 9], [0, 3, 9]], ids=str)
     def test_host_lengths_cut_the_keys_none_sees(self, backend, block_size, lengths):
         # Where lengths are read on the host (NumPy, torch CPU) the keys past the largest
         # length are computed by no path (policy rule 0): NaN there cannot reach the

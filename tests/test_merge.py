@@ -8,6 +8,7 @@ on every backend, for every position-dependent feature.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import numpy as np
@@ -18,7 +19,7 @@ from portable_attn import get_alibi_slopes
 from portable_attn._lib._call import prepare
 from portable_attn._lib._merge import merge_partials
 from portable_attn._lib._route import route
-from portable_attn._paths._partial import partial_attention
+from portable_attn._paths._partial import _sliced, partial_attention
 from portable_attn.testing import reference_attention
 
 B, HQ, HKV, LQ, LK, D = 2, 4, 2, 6, 11, 8
@@ -26,18 +27,18 @@ PARTS = ((0, 3), (3, 4), (4, 11))  # uneven, one of a single key
 
 
 def _merge_parts(backend, q, k, v, *, mask=None, bias=None, block_size=None, **kw):
+    """Each part's call holds its keys and the whole call's lengths, as a Dask chunk's does."""
     xp = backend.xp
+    if mask is not None:
+        kw["mask"] = backend.asarray(mask)
+    if bias is not None:
+        kw["bias"] = backend.asarray(bias)
+    whole = prepare(*(backend.asarray(a) for a in (q, k, v)), **kw)
     outs, lses = [], []
     for start, stop in PARTS:
-        if mask is not None:
-            kw["mask"] = backend.asarray(mask[..., start:stop])
-        if bias is not None:
-            kw["bias"] = backend.asarray(bias[..., start:stop])
-        call = prepare(
-            backend.asarray(q),
-            backend.asarray(k[..., start:stop, :]),
-            backend.asarray(v[..., start:stop, :]),
-            **kw,
+        call = _sliced(whole, {"lk": (start, stop)}, kv_len=stop - start)
+        call = dataclasses.replace(  # a part: the lengths' host values are the whole's
+            call, terms=dataclasses.replace(call.terms, kv_length_values=None)
         )
         path = route(call, block_size, "portable").path
         out, lse = partial_attention(call, path, kv_start=start, kv_total=LK)

@@ -244,6 +244,7 @@ def scaled_dot_product_attention(
     options += (return_lse, dropout_p, score_mod is None, mask_mod is None)
     options += (_block_mask_key(block_mask),)
     arguments = (query, key, value, mask)
+    signature = _cache.signature(arrays, options)
 
     def derive() -> tuple[_cache.Entry, Any]:  # a miss: every check, the plan, the route
         call = prepare(
@@ -257,10 +258,11 @@ def scaled_dot_product_attention(
             **model,
         )
         with_lse = check_is_flag("return_lse", return_lse)
-        entry, route = decide(call, block_size, implementation, with_lse, arguments)
+        kept = arguments if signature is not None else None  # not kept: nothing to keep
+        entry, route = decide(call, block_size, implementation, with_lse, kept)
         return entry, (call, route)
 
-    entry, derived = _cache.entry_for(_cache.signature(arrays, options), derive)
+    entry, derived = _cache.entry_for(signature, derive)
     if derived is not None:
         call, route = derived
     elif entry.kept is not None and entry.route is not None and not entry.route.compiled:
@@ -289,16 +291,17 @@ def decide(
     block_size: Any,
     implementation: Any,
     return_lse: bool,
-    arguments: tuple[Any, ...],
+    arguments: tuple[Any, ...] | None,
 ) -> tuple[_cache.Entry, Route]:
     """Route `call` and return what the cache keeps for its signature, and the route.
 
-    `arguments`: the caller's query, key, value and mask. The entry keeps the route
-    unless the router read host values of the call, the compiled program of an eager
-    JAX call, and the kernel call of a torch call whose arrays go to SDPA as they are.
+    `arguments`: the caller's query, key, value and mask, or None where nothing is
+    kept (no signature). The entry keeps the route unless the router read host values
+    of the call, the compiled program of an eager JAX call, and the kernel call of a
+    torch call whose arrays go to SDPA as they are.
     """
     route = router.route(call, block_size, implementation, return_lse=return_lse)
-    if router.reads_values(call):
+    if arguments is None or router.reads_values(call):
         return _cache.Entry(call.xp, call.plan), route
     kept = None
     if route.compiled:

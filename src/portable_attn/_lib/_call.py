@@ -41,6 +41,7 @@ from ._compat import (
     device,
     has_concrete_values,
     ids_in_one_dtype,
+    is_compiling,
     library_name,
     on_device,
     reads_host_values,
@@ -554,7 +555,12 @@ def _mask_mod_terms(
         v.check_mask_mod_result(xp, result, (*target, q_idx.shape[0], kv_idx.shape[1]))
         return result
 
-    out: dict[str, Any] = {"mask_mod": checked}
+    rule: Any = checked
+    if is_compiling(batch_index):  # evaluated outside inductor's codegen (its // bug)
+        from .._paths._opaque import opaque_rule
+
+        rule = opaque_rule(checked, mask_mod)
+    out: dict[str, Any] = {"mask_mod": rule}
     if block_mask is not None:
         out["block_host"] = block_mask.host()
         out["state_block"] = block_mask.block_size

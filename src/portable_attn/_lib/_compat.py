@@ -222,15 +222,19 @@ _AFTER_JAX: list[Any] = []
 
 
 class _JaxImportHook:
-    """A meta path finder that runs the waiting registrations once ``jax`` is imported."""
+    """A meta path finder that runs the waiting registrations once ``jax`` is imported.
+
+    It finds ``jax`` as the standard path finder does and wraps the loading of the
+    module it found; it stays until a loading of ``jax`` completes (a lookup alone,
+    ``importlib.util.find_spec("jax")``, imports nothing).
+    """
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "jax":
             return None
-        import importlib.util
+        import importlib.machinery
 
-        sys.meta_path.remove(self)  # once: find the real module, then wrap its loading
-        spec = importlib.util.find_spec("jax")
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
         loader = None if spec is None else spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
@@ -238,6 +242,8 @@ class _JaxImportHook:
 
         def exec_module(module: Any) -> None:
             execute(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             while _AFTER_JAX:
                 _AFTER_JAX.pop(0)()
 

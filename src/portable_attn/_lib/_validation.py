@@ -636,6 +636,13 @@ def check_supported_array(name: str, x: Any) -> None:
         msg = f"`{name}` is a sparse tensor ({x.layout}); pass a dense (strided) one"
         raise TypeError(msg)
     if any(not isinstance(n, int) for n in x.shape):  # Dask: NaN for unknown chunk sizes
+        if type(x.shape).__name__ == "Size":  # torch.jit.trace: sizes are traced tensors
+            msg = (
+                f"`{name}` has sizes that are tensors: torch.jit.trace records shapes as "
+                "tensors, which this library does not trace; use torch.compile, "
+                "torch.export or torch.fx (make_fx)"
+            )
+            raise TypeError(msg)
         msg = (
             f"`{name}` has unknown sizes {tuple(x.shape)} (a Dask array whose chunk sizes "
             "are not known): call `.compute_chunk_sizes()` on it first"
