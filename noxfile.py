@@ -1,8 +1,13 @@
 """The test matrix: one nox session per backend, each in its own virtualenv.
 
-    nox                      # everything that can run on this machine
+    nox                      # the contributor matrix: everything that can run here
     nox -s tests-torch       # one backend
     nox -l                   # list the sessions
+
+``tests-portable-<python>`` runs the portable suite (NumPy and array-api-strict,
+which need nothing else) on every Python found, in one virtualenv per Python; the
+backend sessions run their suites once. Test sessions run on every core
+(``pytest -n auto``).
 
 The ``tests-<backend>`` sessions are generated from the ``BACKENDS`` table below.
 
@@ -90,11 +95,17 @@ _expose_pyenv_versions()
 PYTHONS = [v for v in SUPPORTED if _runs(v)] or [f"{sys.version_info[0]}.{sys.version_info[1]}"]
 
 
+#: pytest's workers: one per core (pytest-xdist; JAX's suite is mostly single-threaded
+#: compilation)
+WORKERS = ("-n", "auto")
+
+
 def _pytest(session: nox.Session, backend: str) -> None:
     session.run(
         "python",
         "-m",
         "pytest",
+        *WORKERS,
         "--backend",
         backend,
         "--ignore=tests/integrations",  # the tests-integrations session runs those
@@ -174,18 +185,17 @@ class Backend:
     doctests: bool = False  # also run pytest --doctest-modules src/portable_attn
     also: tuple[str, ...] = ()  # installed with ".[test]"
     skip_without_gpu: str | None = None  # skip with this reason when no NVIDIA GPU is found
+    families: str | None = None  # the suite's --backend, by default the session's name
 
 
 BACKENDS = {
-    "numpy": Backend(
-        "NumPy (writable and read-only inputs) on every Python 3.10-3.13 found, and doctests.",
+    "portable": Backend(
+        "NumPy (writable and read-only inputs) and array-api-strict (proof that only the "
+        "standard is used) on every Python 3.10-3.13 found, and doctests.",
         PYTHONS,
         doctests=True,
         also=(f"nox=={metadata.version('nox')}",),  # tests/test_noxfile.py tests this file
-    ),
-    "array_api_strict": Backend(
-        "array-api-strict: proof that only the standard is used.",
-        PYTHONS,
+        families="numpy,array_api_strict",
     ),
     "torch": Backend(
         "PyTorch CPU (and CUDA when present), autograd, gradcheck, torch.compile.",
@@ -222,7 +232,7 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
         elif spec.first is not None:
             session.install(spec.first)
         session.install(*pin, ".[test]", *spec.also)
-        _pytest(session, backend)
+        _pytest(session, spec.families or backend)
         if spec.doctests:
             session.run("python", "-m", "pytest", "--doctest-modules", "src/portable_attn")
 

@@ -9,6 +9,7 @@ or :func:`check`, and judges a result against the float64 oracle
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
@@ -20,7 +21,93 @@ from portable_attn.testing import Backend
 # ---------------------------------------------------------------------------
 # data
 
-PATHS = [None, 3]  # `block_size` of the dense path, and of a tiled one whose blocks divide nothing
+# ---------------------------------------------------------------------------
+# the routes: every feature test runs on every route its backend can take
+
+
+def _inner(path):
+    return getattr(path, "inner", path)  # a Dask grid's: what its chunk pairs run
+
+
+@dataclass(frozen=True)
+class RouteCase:
+    """One route of the router, reached from a test: the `route` fixture (tests/conftest.py).
+
+    `kw`: the arguments that ask for it (pass them with ``**route.kw``); `settings`: the
+    router constants set while the test runs (``portable_attn._lib._route``), as
+    ``name -> value`` (``LIBRARIES`` rows as ``"LIBRARIES.<name>.<field>"``); `takes`:
+    whether a decided path is this route. A call with these arguments that the router
+    sends elsewhere (a feature the route cannot compute: a native kernel and a
+    softcap) skips the test, with the reason.
+    """
+
+    name: str
+    families: tuple[str, ...]
+    kw: dict[str, Any]
+    settings: dict[str, Any]
+    takes: Any
+
+
+ALL_FAMILIES = ("numpy", "array_api_strict", "torch", "jax", "cupy", "dask")
+#: the routes: each is reached, through the router itself, on these backends
+ROUTES = {
+    route.name: route
+    for route in (
+        RouteCase(
+            "dense",
+            ALL_FAMILIES,
+            {"block_size": "dense"},
+            {},
+            lambda p: type(_inner(p)).__name__ == "Dense",
+        ),
+        RouteCase(  # a tiled walk whose blocks divide nothing: Python, buffered, unrolled
+            "tiled",
+            ALL_FAMILIES,
+            {"block_size": (2, 3)},
+            {},
+            lambda p: type(_inner(p)).__name__ == "Tiled" and _inner(p).walk != "loop",
+        ),
+        RouteCase(  # NumPy's buffered walk, its query blocks in two threads
+            "threads",
+            ("numpy",),
+            {},
+            {
+                "LIBRARIES.numpy.dense_limit": 0,
+                "THREADS_MIN_SCORE_BYTES": 0,
+                "BUFFERED_TILE": 2,
+                "BUFFERED_BLOCK_SCORES": 6,
+                "available_workers": lambda: 2,
+            },
+            lambda p: getattr(p, "workers", 1) > 1,
+        ),
+        RouteCase(  # JAX's traced loop
+            "loop",
+            ("jax",),
+            {"block_size": (2, 3)},
+            {"LOOP_MIN_SCORE_BYTES": 0},
+            lambda p: getattr(p, "walk", None) == "loop",
+        ),
+        RouteCase(  # SDPA, one call (JAX's kernel is asked for by name: tests/test_native.py)
+            "native",
+            ("torch",),
+            {},
+            {"NATIVE_MIN_KEYS": {}, "NATIVE_TILES_MIN_SKIP": 2.0, "SKIP_FRACTION_FOR_TILED": 2.0},
+            lambda p: type(p).__name__ == "Native" and p.tiles is None,
+        ),
+        RouteCase(  # SDPA once per query tile of 4 over its visible key span
+            "native_tiles",
+            ("torch",),
+            {},
+            {"NATIVE_MIN_KEYS": {}, "NATIVE_TILE": 4, "NATIVE_TILES_MIN_SKIP": -1.0},
+            lambda p: type(p).__name__ == "Native" and p.tiles is not None,
+        ),
+    )
+}
+
+
+def routes_of(family: str) -> list[str]:
+    """The names of the routes a backend family can take."""
+    return [name for name, route in ROUTES.items() if family in route.families]
 
 
 #: (Lq, Lk) of the tiled-path cases: Lq > Lk and Lq < Lk; no small block size divides them
@@ -165,23 +252,25 @@ def attention_plan(
 # running both entry points
 
 
-def run(backend: Backend, q, k, v, *, dtype: str = "float64", block_size=None, **kw):
+def run(backend: Backend, q, k, v, *, dtype: str = "float64", route=None, block_size=None, **kw):
     """``(scaled_dot_product_attention, attention_weights)`` of NumPy data on `backend`.
 
     Array keyword arguments are moved to the backend; `q`, `k`, `v` become `dtype`.
-    `block_size` goes to ``scaled_dot_product_attention`` only.
+    `route` (a :class:`RouteCase`) or `block_size` go to ``scaled_dot_product_attention``
+    only.
     """
     from portable_attn import attention_weights, scaled_dot_product_attention
 
     kw = on_backend(backend, kw)
     qb, kb, vb = (backend.asarray(a, dtype) for a in (q, k, v))
-    out = scaled_dot_product_attention(qb, kb, vb, block_size=block_size, **kw)
+    choice = route.kw if route is not None else {"block_size": block_size}
+    out = scaled_dot_product_attention(qb, kb, vb, **choice, **kw)
     return out, attention_weights(qb, kb, **kw)
 
 
-def check(backend: Backend, q, k, v, *, block_size=None, **kw):
+def check(backend: Backend, q, k, v, *, route=None, block_size=None, **kw):
     """:func:`run`, each result compared with the float64 oracle; returns the results."""
-    out, w = run(backend, q, k, v, block_size=block_size, **kw)
+    out, w = run(backend, q, k, v, route=route, block_size=block_size, **kw)
     assert_close(backend, out, testing.reference_attention(q, k, v, **kw))
     assert_close(backend, w, testing.reference_weights(q, k, **kw))
     return out, w

@@ -19,6 +19,11 @@ is reported as skipped, with the reason)::
     @pytest.mark.dtypes("float16", "bfloat16")  # parametrizes `dtype` with `backend`,
     def test_half(backend, dtype): ...  # only the pairs the backend supports
 
+A test that takes the ``route`` fixture runs on every route its backend can take
+(``_helpers.ROUTES``: dense, tiled, NumPy's threads, JAX's traced loop, the native
+kernel whole and per tile), each reached through the router itself; a call the route
+cannot compute skips with the reason.
+
 Markers on a class or a module (``pytestmark``) apply to each of its tests; several
 markers intersect. ``backends`` on a test without the ``backend`` fixture skips it
 when the run asks for none of the families.
@@ -153,13 +158,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         cases = [(k, d) for k in kinds for d in dtypes if kind_supports(k, d)]
         argnames = ("backend", "dtype")
         why.append(f"needs one of the dtypes {', '.join(dtypes)}")
+    if "route" in metafunc.fixturenames:
+        from _helpers import routes_of
+
+        cases = [(*c, r) for c in cases for r in routes_of(family_of(c[0]))]
+        argnames = (*argnames, "route")
     if not cases:
         reason = "; ".join(why) + f"; this run has {', '.join(dict.fromkeys(map(family_of, run)))}"
         skip = pytest.param(*(None,) * len(argnames), marks=pytest.mark.skip(reason=reason))
-        metafunc.parametrize(argnames, [skip], indirect=["backend"], ids=["no_backend"])
+        indirect = ["backend", "route"] if "route" in argnames else ["backend"]
+        metafunc.parametrize(argnames, [skip], indirect=indirect, ids=["no_backend"])
         return
     ids = ["-".join(c) for c in cases]
-    metafunc.parametrize(argnames, cases, indirect=["backend"], ids=ids)
+    indirect = ["backend", "route"] if "route" in argnames else ["backend"]
+    metafunc.parametrize(argnames, cases, indirect=indirect, ids=ids)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -192,6 +204,45 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 @pytest.fixture
 def xp(backend: Backend):
     return backend.xp
+
+
+@pytest.fixture
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The route a test runs on (``_helpers.ROUTES``), reached through the router itself.
+
+    Its router settings hold for the test (the cache forgets what it decided before);
+    every call made with its arguments must be routed there, else the test skips.
+    """
+    from _helpers import ROUTES
+    from portable_attn._lib import _cache
+    from portable_attn._lib import _route as router
+
+    case = ROUTES[request.param]
+    for name, value in case.settings.items():
+        if name.startswith("LIBRARIES."):
+            _, library, field = name.split(".")
+            row = router.LIBRARIES[library]
+            monkeypatch.setitem(
+                router.LIBRARIES, library, type(row)(**{**row.__dict__, field: value})
+            )
+        else:
+            monkeypatch.setattr(router, name, value)
+    decide = router.route
+
+    def routed(call, block_size, implementation, **kw):
+        decided = decide(call, block_size, implementation, **kw)
+        asked = (block_size, implementation) == (
+            case.kw.get("block_size"),
+            case.kw.get("implementation"),
+        )
+        if asked and type(decided.path).__name__ != "Empty" and not case.takes(decided.path):
+            pytest.skip(f"the {case.name} route does not take this call: {decided.path!r}")
+        return decided
+
+    monkeypatch.setattr(router, "route", routed)
+    _cache.forget()
+    yield case
+    _cache.forget()
 
 
 def _same_decision(fresh, kept) -> bool:

@@ -7,24 +7,22 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import PATHS, check, qkv
+from _helpers import check, qkv
 from portable_attn import get_alibi_slopes, scaled_dot_product_attention
 
 problem = partial(qkv, batch=(3,), lq=7, lk=9, dk=6, dv=6)
 
 
 class TestAlibiSlopesArgument:
-    @pytest.mark.parametrize("block_size", PATHS)
     @pytest.mark.parametrize("per_batch", [False, True])
-    def test_matches_oracle(self, backend, block_size, per_batch):
+    def test_matches_oracle(self, backend, route, per_batch):
         q, k, v = problem()
         slopes = get_alibi_slopes(4)
         if per_batch:
             slopes = np.stack([slopes, slopes * 2, slopes / 2])
-        check(backend, q, k, v, block_size=block_size, alibi_slopes=slopes, is_causal=True)
+        check(backend, q, k, v, route=route, alibi_slopes=slopes, is_causal=True)
 
-    @pytest.mark.parametrize("block_size", PATHS)
-    def test_with_lengths(self, backend, block_size):
+    def test_with_lengths(self, backend, route):
         q, k, v = problem()
         kw = {
             "alibi_slopes": get_alibi_slopes(4),
@@ -32,7 +30,7 @@ class TestAlibiSlopesArgument:
             "q_lengths": np.array([7, 2, 5]),
             "is_causal": True,
         }
-        check(backend, q, k, v, block_size=block_size, **kw)
+        check(backend, q, k, v, route=route, **kw)
 
     def test_bad_slope_shape(self, backend):
         q, k, v = problem(backend=backend)

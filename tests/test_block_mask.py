@@ -67,7 +67,6 @@ MASK_MODS = {
     "nothing": nothing,
     "late_rows": late_rows,
 }
-PATHS = {"dense": "dense", "tiled": (3, 4), "auto": None}
 
 
 def dense_mask(mask_mod, lq=L, lk=L, batch=B, heads=HQ):
@@ -82,10 +81,9 @@ def problem(backend=None, lq=L, lk=L):
     return qkv(batch=(B,), hq=HQ, hkv=HKV, lq=lq, lk=lk, dk=D, dv=D, backend=backend)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", list(MASK_MODS))
 @pytest.mark.parametrize("given", ["mask_mod", "block_mask"])
-def test_equal_to_the_dense_mask(backend, xp, path, name, given):
+def test_equal_to_the_dense_mask(backend, xp, route, name, given):
     mask_mod = MASK_MODS[name]
     q, k, v = problem()
     dense = dense_mask(mask_mod)
@@ -94,13 +92,12 @@ def test_equal_to_the_dense_mask(backend, xp, path, name, given):
     else:
         kw = {"block_mask": create_block_mask(mask_mod, B, HQ, L, L, block_size=(3, 2))}
     qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
-    out = scaled_dot_product_attention(qb, kb, vb, block_size=PATHS[path], **kw)
+    out = scaled_dot_product_attention(qb, kb, vb, **route.kw, **kw)
     assert_close(backend, out, reference_attention(q, k, v, mask=dense))
     weights = attention_weights(qb, kb, **kw)
     assert_close(backend, weights, reference_weights(q, k, mask=dense))
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(
     "kw",
     [
@@ -114,13 +111,13 @@ def test_equal_to_the_dense_mask(backend, xp, path, name, given):
     ],
     ids=["causal", "window", "lengths", "segments", "mask", "sinks", "softcap-alibi"],
 )
-def test_and_ed_with_every_other_mask(backend, xp, path, kw):
+def test_and_ed_with_every_other_mask(backend, xp, route, kw):
     q, k, v = problem()
     bm = create_block_mask(prefix_lm, None, None, L, L, block_size=4)
     dense = dense_mask(prefix_lm)
     qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
     on = {n: backend.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
-    out = scaled_dot_product_attention(qb, kb, vb, block_size=PATHS[path], block_mask=bm, **on)
+    out = scaled_dot_product_attention(qb, kb, vb, **route.kw, block_mask=bm, **on)
     mask = dense if "mask" not in kw else np.logical_and(dense, kw["mask"])
     rest = {n: a for n, a in kw.items() if n != "mask"}
     assert_close(backend, out, reference_attention(q, k, v, mask=mask, **rest))
@@ -340,8 +337,7 @@ def test_loop_visits_only_shown_pairs(backend, xp, monkeypatch):
 
 
 @pytest.mark.autodiff
-@pytest.mark.parametrize("path", ["dense", "tiled", "auto"])
-def test_gradients_equal_the_dense_mask(backend, xp, path):
+def test_gradients_equal_the_dense_mask(backend, xp, route):
     q, k, v = problem(backend)
     mask_mod = MASK_MODS["combined"]
     bm = create_block_mask(mask_mod, None, HQ, L, L, block_size=(3, 2))
@@ -349,7 +345,7 @@ def test_gradients_equal_the_dense_mask(backend, xp, path):
 
     def loss(**kw):
         def f(q, k, v):
-            out = scaled_dot_product_attention(q, k, v, block_size=PATHS[path], **kw)
+            out = scaled_dot_product_attention(q, k, v, **route.kw, **kw)
             return xp.sum(out**2)
 
         return f

@@ -7,15 +7,14 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import PATHS, check, qkv, run
+from _helpers import check, qkv, run
 from portable_attn import scaled_dot_product_attention
 
 problem = partial(qkv, batch=(3,), lq=7, lk=9, dk=6, dv=6)
 
 
 class TestDropout:
-    @pytest.mark.parametrize("block_size", PATHS)
-    def test_matches_oracle(self, backend, block_size):
+    def test_matches_oracle(self, backend, route):
         q, k, v = problem()
         keep = np.random.default_rng(3).random((3, 4, 7, 9)) > 0.25
         check(
@@ -23,7 +22,7 @@ class TestDropout:
             q,
             k,
             v,
-            block_size=block_size,
+            route=route,
             dropout_p=0.25,
             dropout_mask=keep,
             is_causal=True,

@@ -14,7 +14,6 @@ from _helpers import assert_close, qkv
 from portable_attn import attention_weights, scaled_dot_product_attention
 from portable_attn.testing import central_differences, reference_attention
 
-PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 5, "lk": 7, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
 
 
@@ -23,9 +22,8 @@ def scalar(backend, value, dtype="float64"):
     return backend.asarray(np.asarray(value, dtype=dtype))
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("with_cap", [False, True], ids=["scale", "scale+softcap"])
-def test_array_equals_number(backend, xp, path, with_cap):
+def test_array_equals_number(backend, xp, route, with_cap):
     q, k, v = qkv(backend=backend, **problem)
     cap = 1.5 if with_cap else None
     out = scaled_dot_product_attention(
@@ -35,7 +33,7 @@ def test_array_equals_number(backend, xp, path, with_cap):
         scale=scalar(backend, 0.3),
         softcap=None if cap is None else scalar(backend, cap),
         is_causal=True,
-        block_size=PATHS[path],
+        **route.kw,
     )
     q_np, k_np, v_np = (backend.to_numpy(a) for a in (q, k, v))
     expected = reference_attention(q_np, k_np, v_np, scale=0.3, softcap=cap, is_causal=True)
@@ -94,20 +92,10 @@ def test_scale_from_another_library(backend, xp):
         scaled_dot_product_attention(q, k, v, scale=np.asarray(0.3))
 
 
-# the native kernels take no softcap: scale alone there
-GRADIENT_CASES = [
-    (p, c) for p in (*PATHS, "native") for c in (False, True) if p != "native" or not c
-]
-
-
 @pytest.mark.autodiff
-@pytest.mark.parametrize(
-    ("path", "with_cap"),
-    GRADIENT_CASES,
-    ids=[f"{p}-{'scale+softcap' if c else 'scale'}" for p, c in GRADIENT_CASES],
-)
-def test_gradients_reach_scale_and_softcap(backend, xp, path, with_cap):
-    kw = {"implementation": "native"} if path == "native" else {"block_size": PATHS[path]}
+@pytest.mark.parametrize("with_cap", [False, True], ids=["scale", "scale+softcap"])
+def test_gradients_reach_scale_and_softcap(backend, xp, route, with_cap):
+    kw = route.kw  # the native kernels take no softcap: those routes skip it
     mask = backend.asarray(np.random.default_rng(3).random((5, 7)) < 0.8)
     q, k, v = qkv(backend=backend, **{**problem, "dv": 4})  # JAX's kernel needs Dv == Dk
     cot = backend.asarray(np.random.default_rng(4).standard_normal((2, 4, 5, 4)))
@@ -126,7 +114,7 @@ def test_gradients_reach_scale_and_softcap(backend, xp, path, with_cap):
 
     numeric = central_differences(loss_np, [backend.to_numpy(a) for a in args])
     atol = 1e-6
-    if path == "native" and backend.family == "jax":
+    if route.name == "native" and backend.family == "jax":
         # its softmax is float32 even for float64, too coarse for central differences:
         # compare with the portable path's gradients instead
         kw = {"implementation": "portable"}
@@ -138,28 +126,26 @@ def test_gradients_reach_scale_and_softcap(backend, xp, path, with_cap):
 
 
 @pytest.mark.backends("torch", reason="torch autograd into a leaf tensor")
-@pytest.mark.parametrize("path", ["tiled", "auto"])
-def test_torch_leaf_temperature(backend, path):
+def test_torch_leaf_temperature(backend, route):
     import torch
 
     q, k, v = qkv(backend=backend, **problem)
     temperature = scalar(backend, 0.3).requires_grad_(True)  # a leaf on the backend's device
-    out = scaled_dot_product_attention(q, k, v, scale=temperature, block_size=PATHS[path])
+    out = scaled_dot_product_attention(q, k, v, scale=temperature, **route.kw)
     out.sum().backward()
     assert temperature.grad is not None
     assert torch.isfinite(temperature.grad)
 
 
 @pytest.mark.backends("jax", reason="jax.jit makes every argument a tracer")
-@pytest.mark.parametrize("path", list(PATHS))
-def test_traced_scale_under_jit(backend, path):
+def test_traced_scale_under_jit(backend, route):
     import jax
 
     q, k, v = qkv(backend=backend, **problem)
 
     def f(q, scale, softcap):
         return scaled_dot_product_attention(
-            q, k, v, scale=scale, softcap=softcap, is_causal=True, block_size=PATHS[path]
+            q, k, v, scale=scale, softcap=softcap, is_causal=True, **route.kw
         )
 
     jitted = jax.jit(f)(q, 0.3, 1.5)  # plain floats become tracers
@@ -187,8 +173,7 @@ def test_torch_compile_with_a_learned_scale(backend):
 
 
 @pytest.mark.backends("torch", reason="torch.func.vmap over a learned temperature")
-@pytest.mark.parametrize("path", list(PATHS))
-def test_torch_vmap_over_the_temperature(backend, path):
+def test_torch_vmap_over_the_temperature(backend, route):
     import torch
     from torch.func import vmap
 
@@ -196,9 +181,7 @@ def test_torch_vmap_over_the_temperature(backend, path):
     temperatures = backend.asarray(np.array([0.3, 0.5, 0.9]))
 
     def f(t):
-        return scaled_dot_product_attention(
-            q, k, v, scale=t, softcap=t * 4, block_size=PATHS[path]
-        )
+        return scaled_dot_product_attention(q, k, v, scale=t, softcap=t * 4, **route.kw)
 
     batched = vmap(f)(temperatures)
     for i in range(3):

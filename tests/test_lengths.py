@@ -7,39 +7,37 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import PATHS, assert_close, check, qkv, run
+from _helpers import assert_close, check, qkv, run
 from portable_attn import scaled_dot_product_attention, testing
 
 problem = partial(qkv, batch=(3,), lq=7, lk=9, dk=6, dv=6)  # one length per sequence of 3
 
 
 class TestLengths:
-    @pytest.mark.parametrize("block_size", PATHS)
     @pytest.mark.parametrize(
         "which", ["both", "q_only", "kv_only"], ids=["both", "q_lengths", "kv_lengths"]
     )
-    def test_padding_and_causal_alignment(self, backend, block_size, which):
+    def test_padding_and_causal_alignment(self, backend, route, which):
         q, k, v = problem()
         kw = {"is_causal": True}
         if which in ("both", "q_only"):
             kw["q_lengths"] = np.array([7, 3, 1])
         if which in ("both", "kv_only"):
             kw["kv_lengths"] = np.array([9, 5, 2])
-        out, _ = check(backend, q, k, v, block_size=block_size, **kw)
+        out, _ = check(backend, q, k, v, route=route, **kw)
         if "q_lengths" in kw:
             out = backend.to_numpy(out)
             assert np.all(out[1, :, 3:] == 0)
             assert np.all(out[2, :, 1:] == 0)
 
-    @pytest.mark.parametrize("block_size", PATHS)
-    def test_window_aligned_on_valid_lengths(self, backend, block_size):
+    def test_window_aligned_on_valid_lengths(self, backend, route):
         q, k, v = problem()
         kw = {
             "window": (2, 0),
             "q_lengths": np.array([4, 7, 2]),
             "kv_lengths": np.array([6, 9, 9]),
         }
-        check(backend, q, k, v, block_size=block_size, **kw)
+        check(backend, q, k, v, route=route, **kw)
 
     def test_padded_sequence_equals_the_unpadded_one(self, backend):
         q, k, v = problem(batch=(1,), lq=4, lk=6)
@@ -52,9 +50,8 @@ class TestLengths:
         np.testing.assert_allclose(padded[:, :, :4], backend.to_numpy(short), atol=1e-13)
         assert np.all(padded[:, :, 4:] == 0)
 
-    @pytest.mark.parametrize("block_size", PATHS)
     @pytest.mark.parametrize("lengths", [[5, 2, 6], [0, 3, 4], [9, 9, 9], [0, 3, 9]], ids=str)
-    def test_host_lengths_cut_the_keys_none_sees(self, backend, block_size, lengths):
+    def test_host_lengths_cut_the_keys_none_sees(self, backend, route, lengths):
         # Where lengths are read on the host (NumPy, torch CPU) the keys past the largest
         # length are computed by no path (policy rule 0): NaN there cannot reach the
         # output. Elsewhere they are masked, as before; the results agree with the oracle.
@@ -64,7 +61,7 @@ class TestLengths:
 
         q, k, v = problem()
         kw = {"kv_lengths": np.array(lengths), "is_causal": True}
-        check(backend, q, k, v, block_size=block_size, **kw)
+        check(backend, q, k, v, route=route, **kw)
         lens = backend.asarray(np.array(lengths))
         call = prepare(*(backend.asarray(a) for a in (q, k, v)), kv_lengths=lens)
         cut = max(1, max(lengths))
@@ -78,7 +75,7 @@ class TestLengths:
                 *(backend.asarray(a) for a in (q, k_nan, v_nan)),
                 kv_lengths=lens,
                 is_causal=True,
-                block_size=block_size,
+                **route.kw,
             )
             assert_close(backend, out, testing.reference_attention(q, k, v, **kw))
 

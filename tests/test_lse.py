@@ -15,7 +15,6 @@ from _helpers import assert_close, qkv, randn
 from portable_attn import merge_attention, scaled_dot_product_attention
 from portable_attn.testing import central_differences, reference_attention, reference_lse
 
-PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 5, "lk": 9, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
 MASK = np.ones((5, 9), dtype=bool)
 MASK[1] = False  # a row with no visible key
@@ -31,19 +30,17 @@ def assert_lse(backend, actual, expected, dtype="float64"):
     np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sink", "sinks"])
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True, "softcap": 2.0}], ids=["plain", "causal"])
-def test_lse_against_oracle(backend, xp, path, with_sinks, kw):
+def test_lse_against_oracle(backend, xp, route, with_sinks, kw):
     q, k, v = qkv(**problem)
     extra = {"mask": MASK, **kw, **({"sinks": SINKS} if with_sinks else {})}
     args = [backend.asarray(a) for a in (q, k, v)]
     on_b = {n: backend.asarray(a) if isinstance(a, np.ndarray) else a for n, a in extra.items()}
-    out, lse = scaled_dot_product_attention(*args, block_size=PATHS[path], return_lse=True, **on_b)
-    plain = scaled_dot_product_attention(*args, block_size=PATHS[path], **on_b)
+    out, lse = scaled_dot_product_attention(*args, **route.kw, return_lse=True, **on_b)
+    plain = scaled_dot_product_attention(*args, **route.kw, **on_b)
     assert_close(backend, out, reference_attention(q, k, v, **extra))
-    if path != "auto":  # torch's default takes SDPA without the lse, the portable path with it
-        assert np.array_equal(backend.to_numpy(out), backend.to_numpy(plain))  # unchanged
+    assert np.array_equal(backend.to_numpy(out), backend.to_numpy(plain))  # unchanged
     assert_close(backend, out, backend.to_numpy(plain))
     expected = reference_lse(q, k, **extra)
     assert_lse(backend, lse, expected)
@@ -77,8 +74,7 @@ def test_return_lse_must_be_a_flag(backend, xp):
 
 
 @pytest.mark.autodiff
-@pytest.mark.parametrize("path", list(PATHS))
-def test_lse_cotangent_flows_back(backend, xp, path):
+def test_lse_cotangent_flows_back(backend, xp, route):
     q, k, v = qkv(backend=backend, **problem)
     mask = backend.asarray(MASK)
     cot = backend.asarray(randn(2, 4, 5, 3, seed=4))
@@ -86,7 +82,7 @@ def test_lse_cotangent_flows_back(backend, xp, path):
 
     def loss(q, k, v, sinks):
         out, lse = scaled_dot_product_attention(
-            q, k, v, mask=mask, sinks=sinks, block_size=PATHS[path], return_lse=True
+            q, k, v, mask=mask, sinks=sinks, **route.kw, return_lse=True
         )
         return xp.sum(out * cot) + xp.sum(lse * lse_cot)
 
@@ -111,7 +107,7 @@ def _parts(backend, q, k, v, bounds, *, mask=None, sinks=None, path="dense", **k
             part_kw["sinks"] = backend.asarray(sinks)
         out, lse = scaled_dot_product_attention(
             *(backend.asarray(a) for a in (q, k[..., start:stop, :], v[..., start:stop, :])),
-            block_size=PATHS[path],
+            block_size={"dense": "dense", "tiled": (2, 3)}[path],
             return_lse=True,
             **part_kw,
         )

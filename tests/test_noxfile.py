@@ -173,6 +173,7 @@ def test_lower_bounds_of_the_declared_requirements(noxfile):
             "numpy==1.26",
             "threadpoolctl==3.1",
             "pytest==8",
+            "pytest-xdist==3.5",
             "hypothesis==6.100",
             "array-api-strict==2.4",
         ]

@@ -19,7 +19,7 @@ import re
 import numpy as np
 import pytest
 
-from _helpers import PATHS, assert_close, randn
+from _helpers import assert_close, randn
 from portable_attn import (
     apply_rope,
     attention_weights,
@@ -201,16 +201,13 @@ def _same_ids(q_ids, kv_ids):
     return np.array([[a == b for b in kv_ids] for a in q_ids])
 
 
-@pytest.mark.parametrize("path", [0, 1], ids=["dense", "tiled"])
 @pytest.mark.parametrize("pair", ID_PAIRS, ids=[f"{p[0]}-{p[2]}" for p in ID_PAIRS])
-def test_segment_ids_of_two_dtypes_compare_by_value(backend, pair, path):
+def test_segment_ids_of_two_dtypes_compare_by_value(backend, pair, route):
     q_dtype, q_ids, kv_dtype, kv_ids = pair
     a = backend.asarray(np.array([q_ids], dtype=q_dtype))
     b = backend.asarray(np.array([kv_ids], dtype=kv_dtype))
     q, k, v = (backend.asarray(x) for x in (SEG_Q, SEG_K, SEG_V))
-    out = scaled_dot_product_attention(
-        q, k, v, q_segment_ids=a, kv_segment_ids=b, block_size=PATHS[path]
-    )
+    out = scaled_dot_product_attention(q, k, v, q_segment_ids=a, kv_segment_ids=b, **route.kw)
     allowed = _same_ids(q_ids, kv_ids)
     assert_close(backend, out, reference_attention(SEG_Q, SEG_K, SEG_V, mask=allowed))
     w = attention_weights(q, k, q_segment_ids=a, kv_segment_ids=b)

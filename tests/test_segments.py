@@ -19,7 +19,6 @@ from portable_attn._lib._call import prepare
 from portable_attn._lib._tiled import block_ranges
 from portable_attn.testing import reference_attention
 
-PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 6, "lk": 9, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
 Q_IDS = np.array([[0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 5]])  # id 5: no key of its segment
 KV_IDS = np.array([[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 2, 2, 2]])
@@ -29,20 +28,15 @@ def explicit_mask(q_ids, kv_ids):
     return (q_ids[..., :, None] == kv_ids[..., None, :])[..., None, :, :]  # (B, 1, Lq, Lk)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(
     "kw",
     [{}, {"is_causal": True}, {"window": (2, 0)}, {"kv_lengths": np.array([9, 5])}],
     ids=["plain", "causal", "window", "lengths"],
 )
-def test_equal_to_the_explicit_mask(backend, xp, path, kw):
+def test_equal_to_the_explicit_mask(backend, xp, route, kw):
     q, k, v = qkv(**problem)
-    out, _ = check(
-        backend, q, k, v, block_size=PATHS[path], q_segment_ids=Q_IDS, kv_segment_ids=KV_IDS, **kw
-    )
-    masked, _ = check(
-        backend, q, k, v, block_size=PATHS[path], mask=explicit_mask(Q_IDS, KV_IDS), **kw
-    )
+    out, _ = check(backend, q, k, v, route=route, q_segment_ids=Q_IDS, kv_segment_ids=KV_IDS, **kw)
+    masked, _ = check(backend, q, k, v, route=route, mask=explicit_mask(Q_IDS, KV_IDS), **kw)
     assert_close(backend, out, backend.to_numpy(masked))
     # the query of segment 5 sees no key: zeros
     assert np.all(backend.to_numpy(out)[1, :, 5, :] == 0.0)

@@ -14,7 +14,6 @@ from _helpers import assert_close, check, qkv, randn
 from portable_attn import attention_weights, scaled_dot_product_attention
 from portable_attn.testing import central_differences
 
-PATHS = {"dense": "dense", "tiled": (2, 3), "auto": None}
 problem = {"batch": (2,), "lq": 5, "lk": 7, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2
 
 
@@ -22,7 +21,6 @@ def sinks_of(shape=(4,), seed=9):
     return randn(*shape, seed=seed)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(
     "kw",
     [
@@ -33,9 +31,9 @@ def sinks_of(shape=(4,), seed=9):
     ],
     ids=["plain", "causal+softcap", "window", "lengths"],
 )
-def test_against_oracle(backend, xp, path, kw):
+def test_against_oracle(backend, xp, route, kw):
     q, k, v = qkv(**problem)
-    _, w = check(backend, q, k, v, block_size=PATHS[path], sinks=sinks_of(), **kw)
+    _, w = check(backend, q, k, v, route=route, sinks=sinks_of(), **kw)
     row_sums = backend.to_numpy(xp.sum(w, axis=-1))
     assert np.all(row_sums < 1.0)
 
@@ -46,12 +44,11 @@ def test_broadcast_shapes(backend, xp, shape):
     check(backend, q, k, v, block_size=(2, 3), sinks=sinks_of(shape))
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_rows_with_no_visible_key_are_zero(backend, xp, path):
+def test_rows_with_no_visible_key_are_zero(backend, xp, route):
     q, k, v = qkv(**problem)
     mask = np.ones((5, 7), dtype=bool)
     mask[[1, 3]] = False
-    out, w = check(backend, q, k, v, block_size=PATHS[path], mask=mask, sinks=sinks_of())
+    out, w = check(backend, q, k, v, route=route, mask=mask, sinks=sinks_of())
     assert np.all(backend.to_numpy(out)[..., [1, 3], :] == 0.0)
     assert np.all(backend.to_numpy(w)[..., [1, 3], :] == 0.0)
 
@@ -63,8 +60,7 @@ def test_a_huge_sink_takes_all_the_weight(backend, xp):
 
 
 @pytest.mark.autodiff
-@pytest.mark.parametrize("path", list(PATHS))
-def test_gradients_reach_the_sinks(backend, xp, path):
+def test_gradients_reach_the_sinks(backend, xp, route):
     q, k, v = qkv(backend=backend, **problem)
     mask = np.ones((5, 7), dtype=bool)
     mask[2] = False  # a row with no visible key
@@ -73,7 +69,7 @@ def test_gradients_reach_the_sinks(backend, xp, path):
 
     def loss(q, k, v, sinks):
         out = scaled_dot_product_attention(
-            q, k, v, sinks=sinks, mask=mask_b, is_causal=True, block_size=PATHS[path]
+            q, k, v, sinks=sinks, mask=mask_b, is_causal=True, **route.kw
         )
         return xp.sum(out * cot)
 
@@ -136,8 +132,7 @@ def test_a_bool_sink_is_a_type_error_without_a_float8_hint(backend, xp):
 
 
 @pytest.mark.backends("torch", reason="torch.func.vmap over the sinks, tiled path")
-@pytest.mark.parametrize("path", list(PATHS))
-def test_torch_vmap_over_sinks(backend, path):
+def test_torch_vmap_over_sinks(backend, route):
     import torch
     from torch.func import grad, vmap
 
@@ -145,7 +140,7 @@ def test_torch_vmap_over_sinks(backend, path):
     many = backend.asarray(randn(3, 4, seed=2))
 
     def f(s):
-        return scaled_dot_product_attention(q, k, v, sinks=s, block_size=PATHS[path])
+        return scaled_dot_product_attention(q, k, v, sinks=s, **route.kw)
 
     batched = vmap(f)(many)
     for i in range(3):

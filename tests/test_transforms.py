@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import PATHS, assert_close, qkv
+from _helpers import assert_close, qkv
 from portable_attn import attention_weights, get_alibi_slopes, scaled_dot_product_attention
 
 small = partial(qkv, lq=3, lk=6, dk=5, dv=3)  # GQA: Hq=4, Hkv=2; Lq=3 < Lk=6
@@ -41,8 +41,7 @@ class TestJax:
         eager = scaled_dot_product_attention(q, k, v, is_causal=True)
         assert_close(backend, vmapped(q, k, v), eager, atol=1e-13, rtol=0)
 
-    @pytest.mark.parametrize("block_size", PATHS)
-    def test_all_model_arguments_under_jit(self, backend, block_size):
+    def test_all_model_arguments_under_jit(self, backend, route):
         import jax
 
         q, k, v = qkv(batch=(3,), lq=7, lk=9, dk=6, dv=6, backend=backend)
@@ -61,7 +60,7 @@ class TestJax:
                 is_causal=True,
                 dropout_p=0.3,
                 dropout_mask=keep,
-                block_size=block_size,
+                **route.kw,
                 score_mod=lambda s, b, h, i, j: s + 0.1 * h,
             )
 

@@ -223,14 +223,18 @@ def scaled_dot_product_attention(
     (2, 8, 5, 32)
     """
     check_given("value", value)
-    model: dict[str, Any] = {  # the arguments that build the model beside Q, K, V, mask
+    given: dict[str, Any] = {  # every argument of the call but Q, K, V and the path choices
+        "mask": mask,
         "bias": bias,
+        "is_causal": is_causal,
+        "scale": scale,
         "window": window,
         "softcap": softcap,
         "q_lengths": q_lengths,
         "kv_lengths": kv_lengths,
         "alibi_slopes": alibi_slopes,
         "score_mod": score_mod,
+        "dropout_p": dropout_p,
         "dropout_mask": dropout_mask,
         "sinks": sinks,
         "q_segment_ids": q_segment_ids,
@@ -247,18 +251,9 @@ def scaled_dot_product_attention(
     signature = _cache.signature(arrays, options)
 
     def derive() -> tuple[_cache.Entry, Any]:  # a miss: every check, the plan, the route
-        call = prepare(
-            query,
-            key,
-            value,
-            mask=mask,
-            is_causal=is_causal,
-            scale=scale,
-            dropout_p=dropout_p,
-            **model,
-        )
+        call = prepare(query, key, value, **given)
         with_lse = check_is_flag("return_lse", return_lse)
-        kept = arguments if signature is not None else None  # not kept: nothing to keep
+        kept = arguments if signature is not None else None  # no signature: nothing kept
         entry, route = decide(call, block_size, implementation, with_lse, kept)
         return entry, (call, route)
 
@@ -268,17 +263,7 @@ def scaled_dot_product_attention(
     elif entry.kept is not None and entry.route is not None and not entry.route.compiled:
         return entry.kept(query, key, value, mask)  # SDPA with the caller's arrays
     else:  # a hit: the arrays gathered (the static checks passed for this signature)
-        call = prepare(
-            query,
-            key,
-            value,
-            mask=mask,
-            is_causal=is_causal,
-            scale=scale,
-            dropout_p=dropout_p,
-            static=(entry.xp, entry.plan),
-            **model,
-        )
+        call = prepare(query, key, value, static=(entry.xp, entry.plan), **given)
         route = entry.route
         if route is None:  # the router reads host values of this call
             route = router.route(call, block_size, implementation, return_lse=return_lse)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from ._lib._compat import namespace_or_numpy
-from ._lib._masks import structure_allowed
+from ._lib._masks import Band
 from ._lib._validation import check_count
 
 __all__ = ["causal_mask"]
@@ -60,12 +60,4 @@ def causal_mask(
     check_count("num_keys", num_keys, minimum=0)
     xp = namespace_or_numpy(xp)
     offset = num_keys - num_queries if align == "bottom-right" else 0
-    return structure_allowed(
-        xp,
-        (0, num_queries),
-        (0, num_keys),
-        offset=offset,
-        is_causal=True,
-        window=None,
-        device=device,
-    )
+    return Band.of(True, None).allowed(xp, (0, num_queries), (0, num_keys), offset, device)

@@ -189,11 +189,6 @@ class HostStates:
         """Return these states (their own block size; `block` is a hint for lazy ones)."""
         return self
 
-    def visible_fraction(self) -> float:
-        """Return the fraction of blocks some (batch, head) computes."""
-        np_xp = numpy_namespace()
-        return float(np_xp.mean(np_xp.astype(self.some, np_xp.float64)))
-
 
 class LazyHostStates:
     """:class:`HostStates` of a ``mask_mod`` given without a block mask, built when first asked.

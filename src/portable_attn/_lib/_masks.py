@@ -20,11 +20,9 @@ from ._compat import on_device
 __all__ = [
     "Alignment",
     "Band",
-    "SegmentBlocks",
     "arange",
     "padding_allowed",
     "segment_allowed",
-    "structure_allowed",
 ]
 
 Range = tuple[int, int]
@@ -170,20 +168,6 @@ class Band:
 _UNBOUNDED = Band()
 
 
-def structure_allowed(
-    xp: Any,
-    q_range: tuple[int, int],
-    k_range: tuple[int, int],
-    *,
-    offset: Any,
-    is_causal: bool,
-    window: tuple[int | None, int | None] | None,
-    device: Any = None,
-) -> Any | None:
-    """:meth:`Band.allowed` of ``Band.of(is_causal, window)`` (for :func:`causal_mask`)."""
-    return Band.of(is_causal, window).allowed(xp, q_range, k_range, offset, device)
-
-
 def padding_allowed(
     xp: Any,
     q_range: tuple[int, int],
@@ -219,51 +203,3 @@ def segment_allowed(
     q_ids = q_segments[..., q_range[0] : q_range[1], :]  # (*batch, 1, bq, 1)
     kv_ids = kv_segments[..., k_range[0] : k_range[1]]  # (*batch, 1, 1, bk)
     return q_ids == kv_ids
-
-
-class SegmentBlocks:
-    """Which (query block, key block) pairs share no segment, from concrete host ids.
-
-    Built only for host arrays (NumPy) whose values can be read eagerly; under
-    ``jax.jit`` nothing is skipped by value. A pair is skipped when, in every
-    sequence of the batch, the id range of the query block and that of the key
-    block do not overlap (exact for packed, sorted ids; never wrong for others:
-    a pair that merely shares no id but overlaps in range is computed and masked).
-
-    Parameters
-    ----------
-    xp : namespace
-    q_ids, kv_ids : integer arrays, shape (N, Lq) and (N, Lk)
-        The ids, the batch broadcast and flattened to N sequences.
-    """
-
-    def __init__(self, xp: Any, q_ids: Any, kv_ids: Any) -> None:
-        self._xp = xp
-        self._q_ids, self._kv_ids = q_ids, kv_ids
-        self._ranges: dict[tuple[bool, int, int], tuple[Any, Any]] = {}
-
-    def _bounds(self, query: bool, r: tuple[int, int]) -> tuple[Any, Any]:
-        key = (query, *r)
-        found = self._ranges.get(key)
-        if found is None:
-            ids = (self._q_ids if query else self._kv_ids)[:, r[0] : r[1]]
-            found = (self._xp.min(ids, axis=1), self._xp.max(ids, axis=1))  # (N,) each
-            self._ranges[key] = found
-        return found
-
-    def disjoint(self, q_range: tuple[int, int], k_range: tuple[int, int]) -> bool:
-        """Whether no query of `q_range` shares a segment with a key of `k_range`."""
-        if q_range[0] >= q_range[1] or k_range[0] >= k_range[1]:
-            return False
-        q_lo, q_hi = self._bounds(True, q_range)
-        k_lo, k_hi = self._bounds(False, k_range)
-        xp = self._xp
-        return bool(xp.all(xp.logical_or(q_hi < k_lo, k_hi < q_lo)))
-
-    def one_segment(self, q_range: tuple[int, int], k_range: tuple[int, int]) -> bool:
-        """Whether every query and key of the pair is in one and the same segment."""
-        q_lo, q_hi = self._bounds(True, q_range)
-        k_lo, k_hi = self._bounds(False, k_range)
-        xp = self._xp
-        same = xp.logical_and(xp.logical_and(q_lo == q_hi, k_lo == k_hi), q_lo == k_lo)
-        return bool(xp.all(same))

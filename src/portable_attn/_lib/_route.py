@@ -47,7 +47,8 @@ The rules, in the order :func:`route` applies them:
    inputs in their own dtype where :data:`NATIVE_HALF_ROUTES` measured that faster
    (:func:`native_upcasts`), the dense path takes FlashAttention's form where
    :data:`PORTABLE_HALF_FLASH` did (:func:`dense_flash_form`).
-7. An eager JAX call runs its path as one compiled program (``Route.compiled``).
+7. A JAX call runs its path as one compiled program (``Route.compiled``), eagerly and
+   under ``grad`` and ``vmap`` (under ``jit``, one call inside the caller's program).
 
 A router setting changed at run time takes effect after :func:`portable_attn._lib._cache.forget`.
 """
@@ -402,11 +403,13 @@ def route(
         call = first_keys(call, keys)
     path = _path(call, lib, sizes, implementation, return_lse)
     user_functions = call.terms.score_mod is not None or call.terms.mask_mod is not None
+    # eager, and under grad and vmap too (an eager jax.grad of the path would compile each
+    # operation of its backward on its own: 378 programs for one gradient in the suite);
+    # under jit the program is one call inside the caller's
     compiled = (
         lib.compiles_eager
         and not isinstance(path, Empty)
         and not user_functions  # a program would keep what they close over
-        and not _traced(call)
     )
     return Route(path, keys, compiled, _keeps_dtype(path))
 
@@ -424,12 +427,6 @@ def reads_values(call: AttentionCall) -> bool:
         x is not None and reads_host_values(x)
         for x in (terms.q_lengths, terms.kv_lengths, terms.q_segments)
     )
-
-
-def _traced(call: AttentionCall) -> bool:
-    from ._compat import is_traced
-
-    return is_traced(call.query)
 
 
 def _keeps_dtype(path: Path) -> bool:

@@ -165,7 +165,7 @@ def _sliced(
         for axis, (start, stop) in ranges.items():
             d = axis_of(name, x, axis)
             if d is not None:
-                x = x[(slice(None),) * d + (slice(start, stop),)]
+                x = x[(slice(None),) * d + (slice(start, stop), ...)]
         parts[name] = x
     return skeleton.unflatten(parts, **sizes)
 
