@@ -56,28 +56,31 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
     """Return the cache key of a call of these `arrays` and scalar `options`, or None.
 
     `arrays` start with the query; None entries are arguments not given. `options`
-    are the scalar arguments in a fixed order (a pair's entries keyed with their
-    types: ``(1, 2) == (True, 2)``). None: not kept -- an argument that is not an
-    array (the checks will say), a learned `scale` or `softcap` (an array in the
-    plan), a call under ``torch.compile``, or an unhashable part.
+    are the scalar arguments in a fixed order, ``scale`` second and ``softcap``
+    fourth (a pair's entries keyed with their types: ``(1, 2) == (True, 2)``). None:
+    not kept -- an argument that is not an array (the checks will say), a learned
+    `scale` or `softcap` (an array in the plan), a call under ``torch.compile``, or an
+    unhashable part.
     """
     query = arrays[0]
-    if is_compiling(query):
+    scale, softcap = options[1], options[3]  # a learned scale or cap: this call's value
+    if hasattr(scale, "shape") or hasattr(softcap, "shape") or is_compiling(query):
         return None
     try:
-        pinned = _route.library(query).pins_devices
-        parts: list[Any] = [None if pinned else device(query)]
-        for x in arrays:
-            if x is None:
-                parts.append(None)
-            elif pinned:  # torch, CuPy: a .device attribute (and torch's layout)
-                parts.append((type(x), x.shape, x.dtype, x.device, getattr(x, "layout", None)))
-            else:
-                parts.append((type(x), x.shape, x.dtype))
-        for o in options:
-            if hasattr(o, "shape"):  # a learned scale or softcap: this call's value
-                return None
-            parts.append((type(o), o, tuple(map(type, o)) if type(o) is tuple else None))
+        if _route.library(query).pins_devices:  # torch, CuPy: .device (and torch's layout)
+            parts: list[Any] = [
+                None
+                if x is None
+                else (type(x), x.shape, x.dtype, x.device, x.layout)
+                if hasattr(x, "layout")
+                else (type(x), x.shape, x.dtype, x.device)
+                for x in arrays
+            ]
+        else:
+            parts = [None if x is None else (type(x), x.shape, x.dtype) for x in arrays]
+            parts.append(device(query))
+        # each option with its type, and a pair's entries' types: (1, 2) == (True, 2)
+        parts += [(type(o), o, tuple(map(type, o)) if type(o) is tuple else None) for o in options]
         key = tuple(parts)
         hash(key)
     except Exception:  # not an array, or unhashable: the checks will say what it is

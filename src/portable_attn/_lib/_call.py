@@ -49,7 +49,7 @@ from ._compat import (
 )
 from ._fields import FIELDS
 from ._masks import arange
-from ._scores import AttentionPlan, ScoreTerms, empty_result
+from ._scores import PLAIN_TERMS, AttentionPlan, ScoreTerms, empty_result
 
 __all__ = [
     "ATTENTION_KEYWORDS",
@@ -108,10 +108,9 @@ class AttentionCall:
         float64 inputs are returned as they are, so calling it twice costs nothing.
         """
         dt, xp = self.plan.compute_dtype, self.xp
+        arrays = {"query": self.query, "key": self.key, "value": self.value, "bias": self.bias}
         changes = {
-            name: xp.astype(x, dt)
-            for name in ("query", "key", "value", "bias")
-            if (x := getattr(self, name)) is not None and x.dtype != dt
+            name: xp.astype(x, dt) for name, x in arrays.items() if x is not None and x.dtype != dt
         }
         return dataclasses.replace(self, **changes) if changes else self
 
@@ -225,24 +224,24 @@ def prepare(
     TypeError, ValueError
         As documented for :func:`portable_attn.scaled_dot_product_attention`.
     """
-    arrays = {
-        "query": query,
-        "key": key,
-        "value": value,
-        "mask": mask,
-        "bias": bias,
-        "q_lengths": q_lengths,
-        "kv_lengths": kv_lengths,
-        "alibi_slopes": alibi_slopes,
-        "dropout_mask": dropout_mask,
-        "sinks": sinks,
-        "q_segment_ids": q_segment_ids,
-        "kv_segment_ids": kv_segment_ids,
-        # a learned temperature or cap: a 0-d array joins the namespace and device checks
-        "scale": v.array_or_none(scale),
-        "softcap": v.array_or_none(softcap),
-    }
     if static is None:
+        arrays = {
+            "query": query,
+            "key": key,
+            "value": value,
+            "mask": mask,
+            "bias": bias,
+            "q_lengths": q_lengths,
+            "kv_lengths": kv_lengths,
+            "alibi_slopes": alibi_slopes,
+            "dropout_mask": dropout_mask,
+            "sinks": sinks,
+            "q_segment_ids": q_segment_ids,
+            "kv_segment_ids": kv_segment_ids,
+            # a learned temperature or cap: a 0-d array joins the namespace and device checks
+            "scale": v.array_or_none(scale),
+            "softcap": v.array_or_none(softcap),
+        }
         static = _checked_static(
             arrays, is_causal=is_causal, scale=scale, window=window, softcap=softcap
         )
@@ -296,9 +295,6 @@ def signed_lengths(xp: Any, x: Array) -> Array:
 
 # ---------------------------------------------------------------------------
 # the static facts
-
-#: ScoreTerms holding no array: when no model-building argument is given
-_PLAIN_TERMS = ScoreTerms()
 
 
 def _checked_static(arrays: dict[str, Array | None], **options: Any) -> tuple[Any, AttentionPlan]:
@@ -432,7 +428,7 @@ def _score_terms(
         mask_mod,
         block_mask,
     ):  # the common call: none of them given
-        return plan, (_PLAIN_TERMS if mask is None else ScoreTerms(mask=mask))
+        return plan, (PLAIN_TERMS if mask is None else ScoreTerms(mask=mask))
     logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
     lengths = {}
     length_values = None

@@ -16,6 +16,7 @@ import warnings
 from typing import Any
 
 import array_api_compat
+import numpy as np
 from array_api_compat import device as _compat_device
 from array_api_compat import is_array_api_obj, size
 
@@ -54,12 +55,15 @@ _LIBRARY_BY_TYPE: dict[type, str] = {}
 #: Array types whose ``.device`` attribute is what ``array_api_compat.device`` returns:
 #: read directly, since the per-call checks ask for every argument's device (torch).
 _DEVICE_ATTRIBUTE: set[type] = set()
+_NDARRAY = np.ndarray
 
 
 def device(x: Any) -> Any:
     """Return the device of `x` (``array_api_compat.device``; torch: ``.device`` directly)."""
     if type(x) in _DEVICE_ATTRIBUTE:
         return x.device
+    if type(x) is _NDARRAY:  # NumPy: always the host
+        return "cpu"
     if library_name(x) == "torch":
         import torch
 

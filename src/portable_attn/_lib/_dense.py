@@ -112,9 +112,7 @@ def dense_attention(
     float32, and only the probabilities are rounded to the input dtype for ``P V``.
     Without it, half inputs are cast to float32 first.
     """
-    matmul = matmul_float32(call.query) if flash else None
-    if matmul is None:
-        call = call.in_compute_dtype()
+    matmul = matmul_float32(call.query) if flash else None  # else: in the compute dtype
     fold = fold and matmul is None and not weights_first  # those sum P themselves
     xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
     terms, plan = call.terms, call.plan
@@ -141,7 +139,7 @@ def dense_attention(
     else:
         out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
         out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
-        out = out * terms.dropout_scale
+        out = out if terms.dropout_keep is None else out * terms.dropout_scale
     if not weights_first:
         out = _normalise(xp, out, row_sum, e.may_be_empty)
     if not with_lse:

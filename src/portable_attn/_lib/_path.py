@@ -79,6 +79,8 @@ class Native:
     the kernel (False where no row can be empty or the kernel zeroes them itself).
     `min_keys`: a kernel call over fewer keys gets an explicit boolean mask (the
     unmasked kernel loses a NaN of a query there).
+    `per_sequence`: one kernel call per sequence over its own valid keys (host-read
+    `kv_lengths` that differ): no padding mask, no padded key computed or read.
     """
 
     kernel: Literal["sdpa", "jax_nn"] = "sdpa"
@@ -86,6 +88,7 @@ class Native:
     tiles: int | None = None
     guard: bool = True
     min_keys: int = 0
+    per_sequence: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ._compat import on_device
 from ._masks import Alignment, Band, arange, padding_allowed, segment_allowed
 
 __all__ = [
+    "PLAIN_TERMS",
     "AttentionPlan",
     "ScoreTerms",
     "alibi_distance",
@@ -142,6 +143,10 @@ class ScoreTerms:
         )
 
 
+#: the terms of a call given none of the model-building arguments (``_call.prepare``)
+PLAIN_TERMS = ScoreTerms()
+
+
 def heads_to_rows(xp: Any, x: Any, num_kv_heads: int) -> Any:
     """Reshape (..., Hq, L, D) to (..., Hkv, G*L, D): the query heads of a group stacked.
 
@@ -244,6 +249,8 @@ def allowed_block(
     structured part (the band, the lengths, the segment ids, the ``mask_mod``): for
     a block that :func:`~._blocks.host_pair_states` says they show in full.
     """
+    if terms is PLAIN_TERMS and not plan.band.restricts:
+        return None  # the plain call: nothing to mask
     parts = [slice_block(terms.mask, q_range, k_range)]  # (..., Hq|1, bq|1, bk|1)
     if structured:
         if plan.band.restricts:  # (bq, bk) or (*batch, 1, bq, bk)
@@ -381,6 +388,8 @@ def rows_may_be_empty(bias: Any | None, terms: ScoreTerms, plan: AttentionPlan) 
     band alone leaves a row without keys (``Lq > Lk`` with causal, say). Lengths
     read on the host (:func:`_lengths_show_every_row`) answer it by value.
     """
+    if bias is None and terms is PLAIN_TERMS and not plan.band.restricts:
+        return False  # the plain call: nothing hides anything
     if _lengths_show_every_row(bias, terms, plan):
         return False
     offset = None if plan.has_lengths else plan.offset

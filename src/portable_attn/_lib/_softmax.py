@@ -8,7 +8,9 @@ that 0 to one half, which leaves the row at exactly zero. The
 raised branch is a finite constant, so gradients stay finite too. NaN or ``+inf``
 in the logits are not special-cased: they propagate as in plain math.
 
-Both guards are a ``clip`` to a constant (a ``maximum``), not ``where(x == -inf, 0, x)``: XLA
+Both guards are a ``maximum`` with a constant (a ``full_like``: a Python scalar there
+would make torch's array-API layer ask ``torch.result_type``, which ``torch.compile``
+cannot trace), not ``where(x == -inf, 0, x)``: XLA
 CPU (jax 0.10) fuses the max, ``exp``, row sum and ``P @ V`` of the dense path into
 one kernel only without a compare-and-select between them. Under ``jax.jit``, on
 Flax's padded batch (B=2, L=512, H=8, D=64) the ``where`` guards ran 1.9-2.0x the
@@ -98,7 +100,7 @@ def finite_shift(xp: Any, row_max: Any) -> Any:
     The lowest finite value of the dtype: ``exp(-inf - shift)`` is then exactly 0,
     and every finite maximum is unchanged. NaN stays NaN.
     """
-    return xp.clip(row_max, min=float(xp.finfo(row_max.dtype).min))
+    return xp.maximum(row_max, xp.full_like(row_max, float(xp.finfo(row_max.dtype).min)))
 
 
 def safe_denominator(xp: Any, row_sum: Any) -> Any:
@@ -111,4 +113,4 @@ def safe_denominator(xp: Any, row_sum: Any) -> Any:
     gradients of an empty row stay finite, and no sum can tie with it (a tie would
     split the gradient). NaN stays NaN.
     """
-    return xp.clip(row_sum, min=0.5)
+    return xp.maximum(row_sum, xp.full_like(row_sum, 0.5))

@@ -30,6 +30,8 @@ import numpy as np
 
 from .._lib._blocks import FULL, host_pair_states
 from .._lib._call import AttentionCall
+from .._lib._compat import to_host
+from .._lib._fields import axis_of, field
 from .._lib._masks import arange
 from .._lib._path import Native
 from .._lib._scores import (
@@ -169,6 +171,21 @@ def _kernel_args(call: AttentionCall, path: Native) -> _KernelArgs:
     return _KernelArgs(q, k, v, allowed, bias, kernel_causal, plan, visible)
 
 
+def _sequence(call: AttentionCall, b: int, n: int) -> AttentionCall:
+    """Sequence `b` of a call of one batch axis, its first `n` keys (at least one) only."""
+    n = max(1, n)
+    arrays, skeleton = call.flatten()
+    parts = {}
+    for name, x in arrays.items():
+        lead = x.ndim - len(field(name).axes)  # its batch axes: one, or none (broadcast)
+        x = x[b : b + 1, ...] if lead > 0 and x.shape[0] > 1 else x
+        d = axis_of(name, x, "lk")
+        parts[name] = x if d is None else x[(slice(None),) * d + (slice(0, n), ...)]
+    part = skeleton.unflatten(parts, batch=(1,), kv_len=n)
+    terms = dataclasses.replace(part.terms, kv_length_values=frozenset({n}))
+    return dataclasses.replace(part, terms=terms)
+
+
 def _on(plan: AttentionPlan) -> dict[str, Any]:
     return {} if plan.device is None else {"device": plan.device}
 
@@ -180,6 +197,11 @@ def native_attention(call: AttentionCall, path: Native) -> Any:
     route keeps it (the kernel then accumulates in float32 itself). The kernels
     return no log-sum-exp (the router never sends ``return_lse`` here).
     """
+    if path.per_sequence:  # one call per sequence, over its own keys
+        whole = dataclasses.replace(path, per_sequence=False)
+        lengths = np.asarray(to_host(call.terms.kv_lengths)).reshape(-1).tolist()
+        outs = [native_attention(_sequence(call, b, n), whole) for b, n in enumerate(lengths)]
+        return call.xp.concat(outs, axis=0)
     a = _kernel_args(call, path)
     kernel = _torch if path.kernel == "sdpa" else _jax
     out = kernel(call.xp, a.query, a.key, a.value, a.allowed, a.bias, a.plan, a.causal)
