@@ -2,17 +2,18 @@
 
     python benchmarks/per_call.py     # writes benchmarks/results/per-call-torch.json
 
-Evidence for ``portable_attn/_direct.py`` (issue 25). B=1, H=8, D=64, bfloat16,
-L = 1024, the last quarter of the keys masked (padding), in one fresh process:
+Evidence for the cache's kept kernel call (``portable_attn/_lib/_cache.py``). B=1, H=8,
+D=64, bfloat16, L = 1024, the last quarter of the keys masked (padding), in one fresh
+process:
 
-- ``route_python_us``: the full route of the default call (``prepare``, the path, the
-  native route's masks) with the kernel replaced by a function returning its output,
+- ``route_python_us``: the full route of the default call (nothing kept: every check,
+  the plan, the route, the native route's masks) with the kernel replaced by a
+  function returning its output,
   timed back to back (``hot``) and each call right after an untimed SDPA call of the
   same inputs (``after_kernel``: the kernel leaves that Python's code and data out of
   the caches), medians of 201 calls;
 - ``vs_sdpa``: the default call (a repeated call: the kept kernel call alone), the
-  same call by the full route (no kernel call kept; the signature's checks and path
-  still cached, as for any repeated call), and SDPA in bfloat16, each sample after
+  same call by the full route (nothing kept), and SDPA in bfloat16, each sample after
   the same untimed projection ``X W`` in bfloat16, interleaved; medians and the
   median per-round ratio to SDPA.
 """
@@ -37,7 +38,8 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from portable_attn import _direct, scaled_dot_product_attention
+    from portable_attn import scaled_dot_product_attention
+    from portable_attn._lib import _cache
     from portable_attn._paths import _native
 
     gen = torch.Generator().manual_seed(0)
@@ -50,7 +52,7 @@ def main() -> int:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def full_route():
-        _direct.forget()  # nothing kept: the checks, the plan, the path, the masks
+        _cache.forget()  # nothing kept: the checks, the plan, the route, the masks
         return scaled_dot_product_attention(q, k, v, mask=mask)
 
     out = {**report.git_state(), "B": B, "H": H, "L": L, "D": D, "dtype": "bfloat16"}
