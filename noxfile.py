@@ -333,6 +333,28 @@ tests_min_deps_jax.__doc__ = (
 )
 
 
+@nox.session(python=False, default=False)
+def quick(session: nox.Session) -> None:
+    """About a minute: the core tests on every backend installed here, in this environment.
+
+    No virtualenv and nothing installed: ``pip install ".[test]" nox`` first. Runs
+    ``tests/test_attention.py`` (every path, mask, dtype and empty row against the
+    float64 oracle) on each family ``portable_attn.testing`` finds importable.
+    """
+    found = session.run(
+        "python",
+        "-c",
+        "from portable_attn.testing import FAMILIES, family_installed; "
+        "print(','.join(f for f in FAMILIES if family_installed(f)))",
+        silent=True,
+    )
+    families = str(found).strip().splitlines()[-1]
+    session.run(
+        "python", "-m", "pytest", *WORKERS, "-q", "--backend", families,
+        "tests/test_attention.py", *session.posargs,
+    )  # fmt: skip
+
+
 @nox.session(python=ML_PYTHON)
 def docs(session: nox.Session) -> None:
     """Build the documentation; every example is executed, warnings are errors."""

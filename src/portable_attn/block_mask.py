@@ -123,8 +123,9 @@ def create_block_mask(
     if (batch is None or heads is None) and q_len and kv_len:
         _check_broadcast_axes(xp, mask_mod, batch, heads, block, q_len, kv_len, device)
     workers = available_workers() if _route.library(batch_index).threads else 1
+    rule = v.guarded_rule("mask_mod", mask_mod)
     states = build_states(
-        xp, mask_mod, batch_index, h, q_len, kv_len, block, device, check, tile_map(workers)
+        xp, rule, batch_index, h, q_len, kv_len, block, device, check, tile_map(workers)
     )
     return BlockMask(states, mask_mod, q_len, kv_len, block)
 
@@ -156,15 +157,19 @@ def _check_broadcast_axes(
         result = xp.broadcast_to(result, (nb, nh, q_idx.shape[0], kv_idx.shape[1]))
     except Exception:  # a rule that fails here: the build raises its errors, checked
         return
-    for name, given, axis in (("batch", batch, 0), ("heads", heads, 1)):
+    for name, given, axis, what in (
+        ("batch", batch, 0, "sequences"),
+        ("heads", heads, 1, "query heads"),
+    ):
+        if given is not None:
+            continue
         first = xp.take(result, xp.asarray([0], **kw), axis=axis)
         second = xp.take(result, xp.asarray([1], **kw), axis=axis)
-        if given is None and not bool(xp.all(first == second)):
-            index = "batch index" if name == "batch" else "head index"
+        if not bool(xp.all(first == second)):
             msg = (
-                f"`mask_mod` depends on the {index} (on the first block, index 0 and 1 "
+                f"`mask_mod` depends on its {name} index (on the first block, index 0 and 1 "
                 f"differ) but `{name}` is None, which builds one block mask for index 0 "
-                f"alone: pass {name}=<the number of {'sequences' if name == 'batch' else 'heads'}>"
+                f"alone: pass {name}=<the number of {what}>"
             )
             raise ValueError(msg)
 

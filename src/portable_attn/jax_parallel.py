@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._lib._call import prepare
-from ._lib._compat import as_jax, device, library_name
+from ._lib._compat import as_jax, device, jax_placeable, library_name
 from ._lib._fields import field
 from ._lib._merge import merge_partials
 from ._lib._route import route
@@ -107,7 +107,7 @@ def sequence_parallel_attention(
     given = {"query": query, "key": key, "value": value}
     for name, x in given.items():
         check_given(name, x)
-        if as_jax(x) is None:  # host NumPy arrays are placed by JAX
+        if not jax_placeable(x):  # host NumPy arrays are placed by JAX
             msg = (
                 f"sequence_parallel_attention needs JAX (or NumPy) arrays, but `{name}` is a "
                 f"{library_name(x)} array; use scaled_dot_product_attention for it"
@@ -119,9 +119,7 @@ def sequence_parallel_attention(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    def on_jax(x: Array | None) -> Array | None:  # host NumPy arrays become JAX arrays
-        converted = None if x is None else as_jax(x)
-        return x if converted is None else converted
+    on_jax = as_jax  # host NumPy arrays become JAX arrays
 
     call = prepare(  # every check, on the whole arrays
         *(on_jax(x) for x in (query, key, value)),

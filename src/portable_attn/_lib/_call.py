@@ -546,8 +546,10 @@ def _mask_mod_terms(
         mask_mod = block_mask.mask_mod
     target = (*plan.batch, plan.num_q_heads)
 
+    rule_of = v.guarded_rule("mask_mod", mask_mod)
+
     def checked(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
-        result = mask_mod(batch, head, q_idx, kv_idx)
+        result = rule_of(batch, head, q_idx, kv_idx)
         v.check_mask_mod_result(xp, result, (*target, q_idx.shape[0], kv_idx.shape[1]))
         return result
 
@@ -589,8 +591,10 @@ def _at_least_2d(xp: Any, x: Array) -> Array:
 def _checked_score_mod(xp: Any, score_mod: Callable[..., Array]) -> Callable[..., Array]:
     """`score_mod`, with its result checked (static metadata only, so jit-safe)."""
 
+    rule = v.guarded_rule("score_mod", score_mod)
+
     def checked(scores: Array, *index: Array) -> Array:
-        result = score_mod(scores, *index)
+        result = rule(scores, *index)
         v.check_score_mod_result(xp, result, scores)
         return result
 

@@ -34,6 +34,7 @@ __all__ = [
     "is_array_api_obj",
     "is_compiling",
     "is_traced",
+    "jax_placeable",
     "library_name",
     "matmul_float32",
     "namespace_or_numpy",
@@ -123,13 +124,15 @@ def is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def jax_placeable(x: Any) -> bool:
+    """Whether JAX can take `x` as it is: a JAX array, or a NumPy array on the host."""
+    return library_name(x) in ("jax", "numpy")
+
+
 def as_jax(x: Any) -> Any:
-    """`x` as a JAX array where JAX can take it (a JAX or a NumPy array), else None."""
-    name = library_name(x)
-    if name == "jax":
+    """`x` (:func:`jax_placeable`) as a JAX array; None stays None."""
+    if x is None or library_name(x) == "jax":
         return x
-    if name != "numpy":
-        return None
     import jax.numpy as jnp
 
     return jnp.asarray(x)

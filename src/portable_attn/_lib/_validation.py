@@ -40,6 +40,8 @@ __all__ = [
     "check_merge_shapes",
     "check_native_route",
     "check_positive_scalar",
+    "guarded_rule",
+    "check_rule_library",
     "check_same_device",
     "check_scalar_option",
     "check_score_mod",
@@ -113,11 +115,14 @@ def _check_rank(name: str, x: Any) -> None:
         raise ValueError(msg)
 
 
-def _check_same(axis: int, name_a: str, a: Shape, name_b: str, b: Shape, what: str) -> None:
+def _check_same(
+    axis: int, name_a: str, a: Shape, name_b: str, b: Shape, what: str, hint: str = ""
+) -> None:
     if a[axis] != b[axis]:
         msg = (
             f"`{name_a}` and `{name_b}` must have the same size on axis {axis} "
-            f"({_AXIS_NAMES[axis]}, {what}), but got {name_a} shape {a} and {name_b} shape {b}"
+            f"({_AXIS_NAMES[axis]}, {what}), but got {name_a} shape {a} and {name_b} "
+            f"shape {b}{hint}"
         )
         raise ValueError(msg)
 
@@ -180,6 +185,12 @@ def check_broadcastable_to(name: str, x: Any, target: Shape, target_desc: str) -
             f"`{name}` with shape {shape} is not broadcastable to the {target_desc} shape "
             f"{target} (first mismatch on axis {bad})"
         )
+        if len(shape) == 2 and len(target) >= 4 and shape == (target[0], target[-1]):
+            msg += (
+                f"; a (batch, keys) padding mask, as Hugging Face passes one? give it its "
+                f"head and query axes, `{name}[:, None, None, :]`, or pass the valid "
+                "lengths as `kv_lengths=`"
+            )
         raise ValueError(msg)
 
 
@@ -295,8 +306,8 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
     if value is not None:
         _check_rank("value", value)
         v = _shape(value) if value.ndim > 2 else (1, *_shape(value))
-        _check_same(-2, "key", _shape(key), "value", _shape(value), "Lk")
-        _check_same(-3, "key", k, "value", v, "Hkv")
+        _check_same(-2, "key", _shape(key), "value", _shape(value), "Lk", _LAYOUT)
+        _check_same(-3, "key", k, "value", v, "Hkv", _LAYOUT)
     if q[-1] == 0:
         msg = (
             "`query` and `key` must have at least one feature on axis -1 (Dk), but got "
@@ -308,10 +319,18 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
         msg = (
             f"the number of `query` heads must be a multiple of the number of `key`/`value` "
             f"heads (axis -3): got Hq={hq} from query shape {_shape(query)} and Hkv={hkv} "
-            f"from key shape {_shape(key)}"
+            f"from key shape {_shape(key)}{_LAYOUT}"
         )
         raise ValueError(msg)
     return q, k, v
+
+
+#: the hint of a shape error that a (B, L, H, D) layout would give
+_LAYOUT = (
+    "; the library takes (B..., H, L, D): arrays laid out (B, L, H, D), as flash-attn and "
+    "Hugging Face projections give them, need `x.transpose(1, 2)` (torch) or "
+    "`jnp.swapaxes(x, 1, 2)` first"
+)
 
 
 def check_is_causal(is_causal: Any) -> bool:
@@ -472,6 +491,7 @@ def check_mask_mod_result(xp: Any, result: Any, target: Shape) -> None:
             f"but returned {type(result).__name__} {result!r}"
         )
         raise TypeError(msg)
+    check_rule_library("mask_mod", xp, result)
     if result.dtype != xp.bool:
         msg = (
             f"`mask_mod` must return a boolean array (True = may attend), but returned "
@@ -479,6 +499,54 @@ def check_mask_mod_result(xp: Any, result: Any, target: Shape) -> None:
         )
         raise TypeError(msg)
     check_broadcastable_to("the result of `mask_mod`", result, tuple(target), "the block")
+
+
+def guarded_rule(name: str, rule: Any) -> Any:
+    """`rule` (a `mask_mod` or `score_mod`) raising a clear TypeError for Python logic on arrays.
+
+    ``q_idx >= kv_idx and ...`` or ``if ...`` asks for the truth value of an index array:
+    NumPy, torch and JAX each refuse it in their own words.
+    """
+
+    def called(*args: Any) -> Any:
+        try:
+            return rule(*args)
+        except Exception as error:
+            text = f"{type(error).__name__}: {error}"
+            if "ambiguous" not in text and "TracerBool" not in text:
+                raise
+            index = "(batch, head, q_idx, kv_idx)" if name == "mask_mod" else "(scores, ...)"
+            msg = (
+                f"`{name}` used Python `and`, `or`, `not` or `if` on its arguments {index}, "
+                "which are arrays (q_idx (bq, 1), kv_idx (1, bk): one block of positions at "
+                "a time): write it with `&`, `|`, `~` and `xp.where` instead"
+            )
+            raise TypeError(msg) from error
+
+    return called
+
+
+def check_rule_library(name: str, xp: Any, result: Any) -> None:
+    """Raise where a rule (`mask_mod`, `score_mod`) returned an array of another library.
+
+    Its index arrays are `xp`'s: a rule that closes over arrays of another library
+    (built for torch, evaluated with NumPy's indices) returns theirs.
+    """
+    import array_api_compat
+
+    try:
+        found = array_api_compat.array_namespace(result)
+    except TypeError:
+        return  # not an array at all: the caller's message says so
+    if found is not xp:
+        msg = (
+            f"`{name}` returned an array of {getattr(found, '__name__', found)}, but it is "
+            f"evaluated with {getattr(xp, '__name__', xp)} index arrays: the rule was written "
+            "for another library (it closes over that library's arrays). Build the block "
+            "mask with that library's namespace (`create_block_mask(..., xp=torch)`), or "
+            "close over arrays of the call's library"
+        )
+        raise TypeError(msg)
 
 
 def check_block_pair(name: str, value: Any, default: int) -> tuple[int, int]:
