@@ -24,6 +24,8 @@ from ._paths._native import direct_kernel
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
 Array = Any
+#: the arguments of the public functions that are not :func:`prepare`'s keywords
+_NOT_MODEL = ("query", "key", "value", "block_size", "implementation", "return_lse")
 
 
 def scaled_dot_product_attention(
@@ -223,25 +225,8 @@ def scaled_dot_product_attention(
     (2, 8, 5, 32)
     """
     check_given("value", value)
-    given: dict[str, Any] = {  # every argument of the call but Q, K, V and the path choices
-        "mask": mask,
-        "bias": bias,
-        "is_causal": is_causal,
-        "scale": scale,
-        "window": window,
-        "softcap": softcap,
-        "q_lengths": q_lengths,
-        "kv_lengths": kv_lengths,
-        "alibi_slopes": alibi_slopes,
-        "score_mod": score_mod,
-        "dropout_p": dropout_p,
-        "dropout_mask": dropout_mask,
-        "sinks": sinks,
-        "q_segment_ids": q_segment_ids,
-        "kv_segment_ids": kv_segment_ids,
-        "mask_mod": mask_mod,
-        "block_mask": block_mask,
-    }
+    # every argument of the call but Q, K, V and the path choices, by name
+    given = {name: x for name, x in locals().items() if name not in _NOT_MODEL}
     arrays: tuple[Any, ...] = (query, key, value, mask, bias, q_lengths, kv_lengths)
     arrays += (alibi_slopes, dropout_mask, sinks, q_segment_ids, kv_segment_ids)
     options: tuple[Any, ...] = (is_causal, scale, window, softcap, block_size, implementation)
@@ -381,28 +366,8 @@ def attention_weights(
            [0., 1., 0.],
            [0., 0., 1.]])
     """
-    call = prepare(
-        query,
-        key,
-        None,
-        mask=mask,
-        bias=bias,
-        is_causal=is_causal,
-        scale=scale,
-        window=window,
-        softcap=softcap,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        alibi_slopes=alibi_slopes,
-        score_mod=score_mod,
-        dropout_p=dropout_p,
-        dropout_mask=dropout_mask,
-        sinks=sinks,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-    )
+    given = {name: x for name, x in locals().items() if name not in _NOT_MODEL}
+    call = prepare(query, key, None, **given)
     if call.is_empty:
         return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))
     return call.finish(dense_weights(call))

@@ -246,22 +246,8 @@ def prepare(
             arrays, is_causal=is_causal, scale=scale, window=window, softcap=softcap
         )
     xp, plan = static
-    plan, terms = _score_terms(
-        xp,
-        plan,
-        mask,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        alibi_slopes=alibi_slopes,
-        score_mod=score_mod,
-        dropout_p=dropout_p,
-        dropout_mask=dropout_mask,
-        sinks=sinks,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-    )
+    model = {name: value for name, value in locals().items() if name in _MODEL}
+    plan, terms = _score_terms(xp, plan, mask, model)
     # Q, K, V and the bias keep their dtype: the path casts them where it needs to
     return AttentionCall(
         xp=xp,
@@ -396,39 +382,35 @@ def no_dropout_and_none_of(dropout_p: Any, *arguments: Any) -> bool:
     return all(x is None for x in arguments)
 
 
+#: the model-building arguments of :func:`prepare` that become score terms
+_MODEL = (
+    "q_lengths",
+    "kv_lengths",
+    "alibi_slopes",
+    "score_mod",
+    "dropout_p",
+    "dropout_mask",
+    "sinks",
+    "q_segment_ids",
+    "kv_segment_ids",
+    "mask_mod",
+    "block_mask",
+)
+
+
 def _score_terms(
-    xp: Any,
-    plan: AttentionPlan,
-    mask: Array | None,
-    *,
-    q_lengths: Array | None,
-    kv_lengths: Array | None,
-    alibi_slopes: Array | None,
-    score_mod: Callable[..., Array] | None,
-    dropout_p: float,
-    dropout_mask: Array | None,
-    sinks: Array | None,
-    q_segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-    mask_mod: Callable[..., Array] | None = None,
-    block_mask: Any = None,
+    xp: Any, plan: AttentionPlan, mask: Array | None, model: dict[str, Any]
 ) -> tuple[AttentionPlan, ScoreTerms]:
-    """Validate the model-building arguments and gather them as score terms."""
+    """Validate the model-building arguments (`model`, by name) and gather the score terms."""
     mask = None if mask is None else _at_least_2d(xp, mask)
-    if no_dropout_and_none_of(
-        dropout_p,
-        q_lengths,
-        kv_lengths,
-        alibi_slopes,
-        score_mod,
-        dropout_mask,
-        sinks,
-        q_segment_ids,
-        kv_segment_ids,
-        mask_mod,
-        block_mask,
-    ):  # the common call: none of them given
+    dropout_p = model.pop("dropout_p")
+    if no_dropout_and_none_of(dropout_p, *model.values()):  # the common call: none given
         return plan, (PLAIN_TERMS if mask is None else ScoreTerms(mask=mask))
+    q_lengths, kv_lengths = model["q_lengths"], model["kv_lengths"]
+    alibi_slopes, score_mod = model["alibi_slopes"], model["score_mod"]
+    dropout_mask, sinks = model["dropout_mask"], model["sinks"]
+    q_segment_ids, kv_segment_ids = model["q_segment_ids"], model["kv_segment_ids"]
+    mask_mod, block_mask = model["mask_mod"], model["block_mask"]
     logits_shape = (*plan.batch, plan.num_q_heads, plan.q_len, plan.kv_len)
     lengths = {}
     length_values = None
@@ -590,7 +572,6 @@ def _at_least_2d(xp: Any, x: Array) -> Array:
 
 def _checked_score_mod(xp: Any, score_mod: Callable[..., Array]) -> Callable[..., Array]:
     """`score_mod`, with its result checked (static metadata only, so jit-safe)."""
-
     rule = v.guarded_rule("score_mod", score_mod)
 
     def checked(scores: Array, *index: Array) -> Array:

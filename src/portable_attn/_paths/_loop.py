@@ -25,7 +25,8 @@ same kernel runs inside JAX's structured loops instead:
   their ``Lq``/``Lk`` axes; the padded keys are hidden by the mask (whatever the
   lengths say), the padded query rows are cut off the result;
 - a term of every row that belongs to no key (the sink logit, ``once_per_row`` in
-  :data:`~portable_attn._lib._fields.FIELDS`) is merged once, at the end;
+  :data:`~portable_attn._lib._fields.FIELDS`) starts each query block's carry, as it
+  starts the Python walk's online softmax (it is in no block);
 - the backward is a loop too (a ``jax.custom_vjp``): ``lax.scan`` over the key
   blocks, accumulating dK and dV per key block in the carry and dQ (and the bias
   gradient) into one padded buffer, over the query blocks that see the key block;
@@ -45,7 +46,6 @@ from .._lib._blocks import FULL, PARTIAL, traced_pair_states
 from .._lib._call import AttentionCall
 from .._lib._compat import stop_gradient
 from .._lib._fields import Role, axis_of, field
-from .._lib._merge import merge_partials
 from .._lib._path import Tiled
 from .._lib._tiled import (
     Keys,
@@ -164,7 +164,7 @@ def _block(
     q_start, kv_start = i * grid.bq, j * grid.bk
     blocks = {}
     for name, x in padded.items():
-        if field(name).once_per_row is not None:  # merged once per row, after the loop
+        if field(name).once_per_row is not None:  # starts each query block's carry
             continue
         x = _cut(x, _dim(name, x, "lq"), q_start, grid.bq)
         blocks[name] = _cut(x, _dim(name, x, "lk"), kv_start, grid.bk)
@@ -204,20 +204,6 @@ def _unblock(x: Array, length: int) -> Array:
     return x[..., :length, :]
 
 
-def _merge2(xp: Any, a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
-    """Merge two partial results (out, lse) of the same rows exactly.
-
-    Stacks the two (..., bq, Dv) partials: small beside a (..., bq, bk) block of scores.
-    """
-    return merge_partials(
-        xp,
-        xp.stack([a[0], b[0]]),
-        xp.stack([a[1], b[1]]),
-        max_over=lambda x: xp.max(x, axis=0),
-        sum_over=lambda x: xp.sum(x, axis=0),
-    )
-
-
 # ---------------------------------------------------------------------------
 # forward and backward
 
@@ -248,8 +234,13 @@ def _forward(
 
         return lax.cond(states[i, j] == FULL, run(True), run(False), carry)
 
+    whole = skeleton.unflatten(arrays)  # its sinks start every row's softmax
+
     def query_block(i: Any) -> Any:
-        init = walk(_block(skeleton, padded, grid, i, 0)).carry_start(grid.bq)
+        if whole.terms.sinks is None:
+            init = walk(_block(skeleton, padded, grid, i, 0)).carry_start(grid.bq)
+        else:
+            init = walk(whole).start(grid.bq)[:3]
         count, index = _visits(states[i] != 0)
         if not differentiable:  # a loop over the visible key blocks
             state = lax.fori_loop(0, count, lambda t, c: pair(i, index(t), c), init)
@@ -264,12 +255,7 @@ def _forward(
         return walk(_block(skeleton, padded, grid, i, 0)).finish(RowState(*state), grid.bq)
 
     outs, lses = lax.map(query_block, jnp.arange(grid.nq))
-    out, lse = _unblock(outs, grid.lq), _unblock(lses, grid.lq)
-    for name, x in arrays.items():  # a logit of every row with a zero value: the sink
-        if field(name).once_per_row is not None:
-            sink = (jnp.zeros_like(out), jnp.broadcast_to(x, lse.shape))
-            out, lse = _merge2(jnp, (out, lse), sink)
-    return out, lse
+    return _unblock(outs, grid.lq), _unblock(lses, grid.lq)
 
 
 def _backward(

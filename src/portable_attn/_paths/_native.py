@@ -32,7 +32,6 @@ from .._lib._blocks import FULL, host_pair_states
 from .._lib._call import AttentionCall
 from .._lib._compat import to_host
 from .._lib._fields import axis_of, field
-from .._lib._masks import arange
 from .._lib._path import Native
 from .._lib._scores import (
     AttentionPlan,
@@ -63,30 +62,6 @@ def _visible_rows(xp: Any, allowed: Any | None, bias: Any | None) -> Any:
         finite = bias > -xp.inf
         ok = finite if ok is None else xp.logical_and(ok, finite)
     return xp.any(ok, axis=-1, keepdims=True)  # (..., Lq|1, 1)
-
-
-def _visible_rows_of_key_mask(xp: Any, terms: Any, plan: AttentionPlan) -> Any | None:
-    """Visible rows from a key-only mask (..., 1, Lk) and the band's right edge alone.
-
-    With no bias, no lengths and no left window edge, query ``i`` (aligned at
-    ``i' = i + Lk - Lq``) sees the keys ``j <= i' + right`` that the mask allows, so
-    it sees one iff the mask's first allowed key is at most ``i' + right``: decided
-    from (..., 1, 1) and (Lq, 1) arrays instead of an ``any`` over (..., Lq, Lk).
-    None when this shortcut does not apply.
-    """
-    mask = terms.mask
-    left = plan.band.left
-    if mask is None or mask.shape[-2] != 1 or plan.has_lengths or left is not None:
-        return None
-    if terms.q_segments is not None or terms.mask_mod is not None:  # rows differ
-        return None
-    right = plan.band.right
-    any_key = xp.any(mask, axis=-1, keepdims=True)  # (..., 1, 1)
-    if right is None:
-        return any_key
-    first = xp.argmax(xp.astype(mask, xp.int8), axis=-1, keepdims=True)  # (..., 1, 1)
-    last_seen = arange(xp, 0, plan.q_len, plan.device)[:, None] + (plan.offset + right)
-    return xp.logical_and(any_key, first <= last_seen)  # (..., Lq, 1)
 
 
 def _kernel_form(call: AttentionCall) -> tuple[bool, bool]:
@@ -154,10 +129,7 @@ def _kernel_args(call: AttentionCall, path: Native) -> _KernelArgs:
     allowed = allowed_block(xp, terms, masked, whole_q, whole_k)
     visible = None
     if path.guard and rows_may_be_empty(bias, terms, plan):
-        if bias is None:
-            visible = _visible_rows_of_key_mask(xp, terms, plan)
-        if visible is None:
-            visible = _visible_rows(xp, allowed, bias)
+        visible = _visible_rows(xp, allowed, bias)
     if visible is not None:  # give empty rows something finite to chew on, zero them later
         if allowed is not None:
             allowed = xp.logical_or(allowed, xp.logical_not(visible))
