@@ -14,6 +14,7 @@ import pytest
 from _helpers import qkv
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib import _cache, _call, _route
+from portable_attn._lib._compat import device_kind
 
 
 @pytest.fixture
@@ -157,9 +158,14 @@ def test_a_repeated_torch_call_is_the_kernel_call_alone(backend, monkeypatch):
     ],
     ids=["causal Lq<Lk", "window", "bias", "block_size", "return_lse", "few keys"],
 )
-def test_calls_the_kernel_does_not_take_as_they_are_keep_no_kernel_call(backend, shape, kw):
+def test_calls_the_kernel_does_not_take_as_they_are_keep_no_kernel_call(
+    backend, monkeypatch, shape, kw
+):
     kw = {n: backend.asarray(np.zeros((20, 24))) if a == "zeros" else a for n, a in kw.items()}
-    scaled_dot_product_attention(*_arrays(backend, **shape), **kw)
+    arrays = _arrays(backend, **shape)
+    kind = ("torch", device_kind(arrays[0]))  # CPU's minimum, on every device
+    monkeypatch.setitem(_route.NATIVE_MIN_KEYS, kind, _route.NATIVE_MIN_KEYS[("torch", "cpu")])
+    scaled_dot_product_attention(*arrays, **kw)
     (entry,) = _cache._ENTRIES.values()
     assert entry.kept is None
 

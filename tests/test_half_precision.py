@@ -14,7 +14,7 @@ import pytest
 
 from _helpers import half_precision_bound, qkv, randn, representable
 from portable_attn import scaled_dot_product_attention
-from portable_attn._lib import _route
+from portable_attn._lib import _cache, _route
 from portable_attn._lib._compat import device_kind
 from portable_attn._lib._cpu import has_float16_arithmetic
 from portable_attn._lib._route import NATIVE_HALF_ROUTES
@@ -196,6 +196,9 @@ class TestJaxForms:
 
         monkeypatch.setattr(jnp, "matmul", recording)
         _, _, (q, k, v), _ = _half_problem(backend, dtype, "plain")
+        # the form on every device (the table says where it is the default)
+        monkeypatch.setitem(_route.PORTABLE_HALF_FLASH, ("jax", device_kind(q)), True)
+        _cache.forget()
         scaled_dot_product_attention(q, k, v, block_size="dense")
         half, f32 = backend.dtype(dtype), jnp.float32
         assert seen == [(half, half, f32), (half, half, f32)], seen

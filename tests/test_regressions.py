@@ -132,6 +132,7 @@ _OWN_MODULES = {
     "jax": "jax.numpy",
     "array_api_strict": "array_api_strict",
     "dask": "dask.array",
+    "cupy": "cupy",
 }
 
 
@@ -178,14 +179,19 @@ class TestFloat64SinksUnderJitWithX64:
         import jax
         import jax.numpy as jnp
 
-        with jax.enable_x64(True):
-            sinks = jnp.asarray(np.array([0.5, -1.0, 0.0, 2.0]))  # float64
+        was = jax.config.read("jax_enable_x64")  # jax.enable_x64() is newer than 0.4.34
+        jax.config.update("jax_enable_x64", True)
+        try:
+            sinks = jnp.asarray(np.array([0.5, -1.0, 0.0, 2.0]))
+            assert sinks.dtype == jnp.float64
             q, k, v = (jnp.asarray(a, jnp.float32) for a in qkv())
             out = jax.jit(lambda q, k, v: scaled_dot_product_attention(q, k, v, sinks=sinks))(
                 q, k, v
             )
-            expected = reference_attention(*qkv(), sinks=np.array([0.5, -1.0, 0.0, 2.0]))
-            np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6)
+        finally:
+            jax.config.update("jax_enable_x64", was)
+        expected = reference_attention(*qkv(), sinks=np.array([0.5, -1.0, 0.0, 2.0]))
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6)
 
 
 @pytest.mark.backends("torch", reason="torch's tracers")

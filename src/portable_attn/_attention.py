@@ -24,8 +24,6 @@ from ._paths._native import direct_kernel
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
 Array = Any
-#: the arguments of the public functions that are not :func:`prepare`'s keywords
-_NOT_MODEL = ("query", "key", "value", "block_size", "implementation", "return_lse")
 
 
 def scaled_dot_product_attention(
@@ -102,7 +100,7 @@ def scaled_dot_product_attention(
         call (torch), and for Dask arrays chunked along ``Lq`` or ``Lk`` one
         tile per (query chunk, key chunk) pair, so no task holds more than one
         chunk pair of scores. The rules and their measured thresholds are in
-        one place, ``portable_attn._lib._policy``.
+        one place, ``portable_attn._lib._route``.
         ``"dense"``: always the dense path.
         An int (or a pair ``(block_q, block_k)``): the tiled path, exact online
         softmax over query and key blocks of this size; memory O(Lq + Lk) per
@@ -175,7 +173,7 @@ def scaled_dot_product_attention(
         fused kernels, run once per query tile over its visible keys where
         block skipping hides most tiles: windows, packed documents, a
         `mask_mod` or `block_mask`); the portable path otherwise (rules in
-        ``portable_attn._lib._policy``).
+        ``portable_attn._lib._route``).
     return_lse : bool, default False
         Also return the row log-sum-exp ``log(exp(sink_h) + Σ_j exp(s_ij))`` over
         the visible keys (the sink term only with `sinks`), for
@@ -225,8 +223,27 @@ def scaled_dot_product_attention(
     (2, 8, 5, 32)
     """
     check_given("value", value)
-    # every argument of the call but Q, K, V and the path choices, by name
-    given = {name: x for name, x in locals().items() if name not in _NOT_MODEL}
+    given: dict[str, Any] = (
+        dict(  # prepare's keywords by name (torch.compile cannot trace locals())
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            q_lengths=q_lengths,
+            kv_lengths=kv_lengths,
+            alibi_slopes=alibi_slopes,
+            score_mod=score_mod,
+            dropout_p=dropout_p,
+            dropout_mask=dropout_mask,
+            sinks=sinks,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            mask_mod=mask_mod,
+            block_mask=block_mask,
+        )
+    )
     arrays: tuple[Any, ...] = (query, key, value, mask, bias, q_lengths, kv_lengths)
     arrays += (alibi_slopes, dropout_mask, sinks, q_segment_ids, kv_segment_ids)
     options: tuple[Any, ...] = (is_causal, scale, window, softcap, block_size, implementation)
@@ -366,7 +383,27 @@ def attention_weights(
            [0., 1., 0.],
            [0., 0., 1.]])
     """
-    given = {name: x for name, x in locals().items() if name not in _NOT_MODEL}
+    given: dict[str, Any] = (
+        dict(  # prepare's keywords by name (torch.compile cannot trace locals())
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            q_lengths=q_lengths,
+            kv_lengths=kv_lengths,
+            alibi_slopes=alibi_slopes,
+            score_mod=score_mod,
+            dropout_p=dropout_p,
+            dropout_mask=dropout_mask,
+            sinks=sinks,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            mask_mod=mask_mod,
+            block_mask=block_mask,
+        )
+    )
     call = prepare(query, key, None, **given)
     if call.is_empty:
         return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))

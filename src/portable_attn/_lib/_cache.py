@@ -67,13 +67,13 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
     if hasattr(scale, "shape") or hasattr(softcap, "shape") or is_compiling(query):
         return None
     try:
-        if _route.library(query).pins_devices:  # torch, CuPy: .device (and torch's layout)
+        if _route.library(query).pins_devices:  # torch (.device, .layout), CuPy (.device.id)
             parts: list[Any] = [
                 None
                 if x is None
                 else (type(x), x.shape, x.dtype, x.device, x.layout)
                 if hasattr(x, "layout")
-                else (type(x), x.shape, x.dtype, x.device)
+                else (type(x), x.shape, x.dtype, x.device.id)  # CuPy's Device: unhashable
                 for x in arrays
             ]
         else:

@@ -246,7 +246,19 @@ def prepare(
             arrays, is_causal=is_causal, scale=scale, window=window, softcap=softcap
         )
     xp, plan = static
-    model = {name: value for name, value in locals().items() if name in _MODEL}
+    model = {  # by name, not locals(): torch.compile (torch <= 2.11) cannot trace that
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+        "alibi_slopes": alibi_slopes,
+        "score_mod": score_mod,
+        "dropout_p": dropout_p,
+        "dropout_mask": dropout_mask,
+        "sinks": sinks,
+        "q_segment_ids": q_segment_ids,
+        "kv_segment_ids": kv_segment_ids,
+        "mask_mod": mask_mod,
+        "block_mask": block_mask,
+    }
     plan, terms = _score_terms(xp, plan, mask, model)
     # Q, K, V and the bias keep their dtype: the path casts them where it needs to
     return AttentionCall(
@@ -380,22 +392,6 @@ def no_dropout_and_none_of(dropout_p: Any, *arguments: Any) -> bool:
     if type(dropout_p) not in (float, int) or dropout_p != 0:
         return False
     return all(x is None for x in arguments)
-
-
-#: the model-building arguments of :func:`prepare` that become score terms
-_MODEL = (
-    "q_lengths",
-    "kv_lengths",
-    "alibi_slopes",
-    "score_mod",
-    "dropout_p",
-    "dropout_mask",
-    "sinks",
-    "q_segment_ids",
-    "kv_segment_ids",
-    "mask_mod",
-    "block_mask",
-)
 
 
 def _score_terms(

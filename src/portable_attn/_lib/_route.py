@@ -42,7 +42,7 @@ The rules, in the order :func:`route` applies them:
    libraries :data:`EAGER_TILES`.
 5. Eager libraries take the row sums from ``P @ [V | 1]`` where that pays
    (:func:`fold_row_sums`); XLA divides the weights before ``P @ V``
-   (:func:`dense_weights_first`).
+   (``Library.fuses_softmax``; benchmarks/results/xla-forms.json).
 6. Half precision accumulates in float32 on every path; a native kernel takes half
    inputs in their own dtype where :data:`NATIVE_HALF_ROUTES` measured that faster
    (:func:`native_upcasts`), the dense path takes FlashAttention's form where
@@ -343,8 +343,9 @@ FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
 #: FlashAttention's form (half products accumulated in float32, float32 softmax,
 #: probabilities cast back for ``P @ V``), False and unlisted cast Q, K and V to
 #: float32 first. JAX CPU bfloat16 under ``jit`` (dense, L = 1024): faster, with an
-#: error within the contract (benchmarks/results/half-jax.json). GPUs: not measured.
-PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True}
+#: error within the contract (benchmarks/results/half-jax.json). JAX on an H200
+#: (benchmarks/results/gpu.json): 1.20-1.41x faster at L = 4096, 0.94-1.08x at 1024.
+PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True, ("jax", "gpu"): True}
 
 # ---------------------------------------------------------------------------
 # Dask and the caches

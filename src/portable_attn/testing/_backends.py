@@ -466,7 +466,9 @@ def make_backend(kind: str, *, exact: bool = True) -> Backend:
     if family == "torch":
         import torch
 
-        dev = torch.device("cuda" if kind == "torch:cuda" else "cpu")
+        dev = torch.device("cpu")
+        if kind == "torch:cuda":  # where arrays land: cuda:0 ("cuda" compares unequal to it)
+            dev = torch.device("cuda", torch.cuda.current_device())
         return Backend(kind, array_api_compat.array_namespace(torch.zeros(1)), dev, version)
     if family == "jax":
         import jax
