@@ -4,7 +4,7 @@
     python benchmarks/half.py jax      # writes benchmarks/results/half-jax.json
 
 Evidence for ``NATIVE_HALF_ROUTES`` and ``PORTABLE_HALF_FLASH`` in
-``portable_attn/_lib/_policy.py`` (issue 25). B=1, H=8, D=64; each (dtype, length) in a
+``portable_attn/_lib/_route.py`` (issue 25). B=1, H=8, D=64; each (dtype, length) in a
 fresh process (the allocator of a process that already made large calls hides the
 cost of the float32 copies); interleaved rounds, medians and per-round ratios.
 
@@ -67,18 +67,18 @@ def _torch_inputs(dtype: str, length: int, case: str):
 def torch_child(dtype: str, length: int) -> dict:
     import torch
     import torch.nn.functional as F
-    from portable_attn._lib._policy import choose_path
 
     from portable_attn import scaled_dot_product_attention
     from portable_attn._lib._call import prepare
     from portable_attn._lib._path import Native
+    from portable_attn._lib._route import route
     from portable_attn._paths import run
 
     rows = []
     for case in ("plain", "causal", "padding"):
         q, k, v, kw, peer = _torch_inputs(dtype, length, case)
         call = prepare(q, k, v, **kw)
-        default = choose_path(call, None, None)
+        default = route(call, None, None).path
 
         def sdpa(q=q, k=k, v=v, peer=peer):
             assert q.dtype == k.dtype == v.dtype == getattr(torch, dtype)  # the peer's dtype
@@ -177,11 +177,11 @@ def _finished(call, path, run):
 def jax_child(length: int) -> dict:
     import jax
     import jax.numpy as jnp
-    from portable_attn._lib._policy import choose_path
 
     from portable_attn import scaled_dot_product_attention
     from portable_attn._lib._call import prepare
     from portable_attn._lib._path import Dense
+    from portable_attn._lib._route import route
     from portable_attn._paths import run
 
     rng = np.random.default_rng(0)
@@ -224,7 +224,7 @@ def jax_child(length: int) -> dict:
         row = {
             "L": length,
             "case": case,
-            "default_path": repr(choose_path(prepare(q, k, v, is_causal=causal), None, None)),
+            "default_path": repr(route(prepare(q, k, v, is_causal=causal), None, None).path),
             "ms": {n: 1e3 * t for n, t in res.medians.items()},
             "ratio_vs_jax_nn": {
                 n: statistics.median(res.ratios(n, "jax_nn")) for n in fns if n != "jax_nn"

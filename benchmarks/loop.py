@@ -69,8 +69,8 @@ def run_case(impl: str, mode: str, length: int, causal: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import portable_attn._lib._policy as policy
 
+    import portable_attn._lib._route as route
     from portable_attn import scaled_dot_product_attention
 
     rng = np.random.default_rng(0)
@@ -79,7 +79,7 @@ def run_case(impl: str, mode: str, length: int, causal: bool) -> dict:
     )
     assert q.dtype == jnp.float32
     if impl == "unrolled":  # the Python loop, in the tiles the old policy gave traced libraries
-        policy.traces_python_loops = lambda x: False
+        route.LOOP_MIN_SCORE_BYTES = 2**62  # never the traced loop
         block = max(256, 128 * math.ceil(length / 2048))
 
         def attend(q, k, v):
@@ -93,7 +93,7 @@ def run_case(impl: str, mode: str, length: int, causal: bool) -> dict:
             return t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=causal))
     else:  # "loop": the traced loop at every length; "default": the default call
         if impl == "loop":
-            policy.LOOP_MIN_SCORE_BYTES = 0
+            route.LOOP_MIN_SCORE_BYTES = 0
 
         def attend(q, k, v):
             return scaled_dot_product_attention(q, k, v, is_causal=causal)

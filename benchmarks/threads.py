@@ -2,7 +2,7 @@
 
     python benchmarks/threads.py        # writes benchmarks/results/threads.json
 
-Evidence for ``THREADS_MIN_SCORE_BYTES`` in ``portable_attn/_lib/_policy.py``: the
+Evidence for ``THREADS_MIN_SCORE_BYTES`` in ``portable_attn/_lib/_route.py``: the
 tiled path (blocks 128 x 256) computed by ``threaded_attention`` with one worker per
 core (BLAS limited to one thread each) and with one worker, interleaved, float32,
 B=1, H=8, D=64, plain and causal, per-round ratios. Never run it next to other work.

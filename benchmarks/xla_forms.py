@@ -4,8 +4,8 @@
     python benchmarks/xla_forms.py --quick  # a smoke run (few repeats; not for publishing)
 
 Evidence for the empty-row guards of ``portable_attn/_lib/_softmax.py`` (a clip to a
-constant, not ``where(x == -inf, 0, x)``) and for ``dense_weights_first`` in
-``portable_attn/_lib/_policy.py`` (divide the weights, not the output, by the row
+constant, not ``where(x == -inf, 0, x)``) and for the dense path's ``weights_first`` in
+``portable_attn/_lib/_route.py`` (XLA divides the weights, not the output, by the row
 sums). The library's own dense path (``block_size="dense"``) is traced four times,
 each form swapped in while ``jax.jit`` traces it:
 
@@ -60,21 +60,24 @@ UNGUARDED = ("none", "weights")
 @contextmanager
 def _form(guards: str, division: str) -> Iterator[None]:
     """Trace the dense path with these guards and this division (restored after)."""
-    from portable_attn._lib import _dense, _policy, _softmax
+    from portable_attn._lib import _cache, _dense, _route, _softmax
+    from portable_attn._lib._path import Dense
 
-    saved = (_softmax.finite_shift, _softmax.safe_denominator, _policy.dense_weights_first)
+    saved = (_softmax.finite_shift, _softmax.safe_denominator, _route._dense)
     if guards == "where":
         _softmax.finite_shift = lambda xp, m: xp.where(m == -xp.inf, 0.0, m)
         _softmax.safe_denominator = lambda xp, s: xp.where(s == 0.0, 1.0, s)
     elif guards == "none":
         _softmax.finite_shift = lambda xp, m: m
         _softmax.safe_denominator = lambda xp, s: s
-    _policy.dense_weights_first = lambda call: division == "weights"
+    _route._dense = lambda call, lib, fold: Dense(fold, False, division == "weights")
+    _cache.forget()
     _dense.safe_denominator = _softmax.safe_denominator
     try:
         yield
     finally:
-        _softmax.finite_shift, _softmax.safe_denominator, _policy.dense_weights_first = saved
+        _softmax.finite_shift, _softmax.safe_denominator, _route._dense = saved
+        _cache.forget()
         _dense.safe_denominator = saved[1]
 
 

@@ -144,7 +144,7 @@ def first_keys(call: AttentionCall, kv_len: int) -> AttentionCall:
     """Return `call` with only its first `kv_len` keys: still a whole call, not a part.
 
     For calls whose `kv_lengths` hide every key from `kv_len` on (the policy's
-    :func:`~portable_attn._lib._policy.kept_keys`): their rows are aligned by the
+    :func:`~portable_attn._lib._route.kept_keys`): their rows are aligned by the
     lengths, which the cut leaves as they are. Every array field with a key axis is
     sliced (views); gradients of the keys cut off are zeros.
     """
