@@ -70,7 +70,7 @@ def torch_child(dtype: str, length: int) -> dict:
 
     from portable_attn import scaled_dot_product_attention
     from portable_attn._lib._call import prepare
-    from portable_attn._lib._path import Native
+    from portable_attn._lib._path import Native, Route
     from portable_attn._lib._route import route
     from portable_attn._paths import run
 
@@ -86,8 +86,8 @@ def torch_child(dtype: str, length: int) -> dict:
 
         fns = {
             "default": lambda q=q, k=k, v=v, kw=kw: scaled_dot_product_attention(q, k, v, **kw),
-            "native_own_dtype": lambda c=call: c.finish(run(c, Native(upcast=False))[0]),
-            "native_float32": lambda c=call: c.finish(run(c, Native(upcast=True))[0]),
+            "native_own_dtype": lambda c=call: c.finish(run(c, Route(Native(upcast=False)))[0]),
+            "native_float32": lambda c=call: c.finish(run(c, Route(Native(upcast=True)))[0]),
             "sdpa": sdpa,
         }
         gen = torch.Generator().manual_seed(1)
@@ -171,7 +171,9 @@ def _swap_heads(x):
 
 
 def _finished(call, path, run):
-    return call.finish(run(call, path)[0])  # in the inputs' dtype, as the public call
+    from portable_attn._lib._path import Route
+
+    return call.finish(run(call, Route(path))[0])  # in the inputs' dtype, as the public call
 
 
 def jax_child(length: int) -> dict:
@@ -205,7 +207,7 @@ def jax_child(length: int) -> dict:
             for name, flash in (("dense_flash_form", True), ("dense_float32", False)):
                 fns[name] = jax.jit(
                     lambda q, k, v, c=causal, f=flash: _finished(
-                        prepare(q, k, v, is_causal=c), Dense(flash=f), run
+                        prepare(q, k, v, is_causal=c), Dense(flash=f, weights_first=not f), run
                     )
                 )
         timed = {n: (lambda f=f: f(q, k, v)) for n, f in fns.items()}
