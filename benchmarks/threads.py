@@ -37,10 +37,10 @@ def main() -> int:
             call = prepare(q, k, v, is_causal=causal)
             fns = {
                 "threads": lambda c=call: threaded_attention(
-                    c, Tiled(128, 256, fold_row_sums(c), workers)
+                    c, Tiled(128, 256, fold_row_sums(c), walk="buffered", workers=workers)
                 ),
                 "one thread": lambda c=call: threaded_attention(
-                    c, Tiled(128, 256, fold_row_sums(c), 1)
+                    c, Tiled(128, 256, fold_row_sums(c), walk="buffered", workers=1)
                 ),
             }
             res = interleaved_seconds(fns, repeats=7 if length < 4096 else 5)
