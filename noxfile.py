@@ -390,8 +390,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/causal.py")
     session.install("-c", pin, DASK_SPEC)
     session.run("python", "benchmarks/scale.py", *session.posargs)
-    # last, so that it is what the session ends with: every backend's case table and the plot
-    session.run("python", "benchmarks/report.py", "--plot")
+    # last: the README's and the docs' tables and plots from the JSON just written
+    session.run("python", "benchmarks/report.py", "--docs")
 
 
 @nox.session(python=ML_PYTHON)

@@ -50,7 +50,8 @@ from _timing import interleaved_seconds
 
 from portable_attn import scaled_dot_product_attention as sdpa
 from portable_attn._lib._call import prepare
-from portable_attn._lib._path import Dense, Native
+from portable_attn._lib._path import Dense, Native, Route
+from portable_attn._lib._route import _keeps_dtype
 from portable_attn._paths import run as run_path
 from portable_attn.testing import make_backend
 
@@ -127,7 +128,7 @@ def _time_case(
 
     def on_path(path: Any, q: Any, k: Any, v: Any) -> Any:  # issue 25's half forms
         call = prepare(q, k, v, is_causal=causal)
-        return call.finish(run_path(call, path)[0])
+        return call.finish(run_path(call, Route(path, keeps_dtype=_keeps_dtype(path)))[0])
 
     ours_j = jax.jit(ours)
     theirs_j = jax.jit(lambda q, k, v: jax_fn(q, k, v, causal))
@@ -216,7 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = torch.cuda.get_device_name()
-    result = {"device": device, "cpu_dry_run": args.cpu, **report.git_state(), **result}
+    date = time.strftime("%Y-%m-%d %H:%M:%S")
+    result = {
+        "device": device,
+        "date": date,
+        "cpu_dry_run": args.cpu,
+        **report.git_state(),
+        **result,
+    }
     out = args.out or RESULTS / ("gpu-cpu-dry-run.json" if args.cpu else "gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -12,6 +12,7 @@
 #                             installed needs no download
 #   PORTABLE_ATTN_{TORCH,JAX,CUPY}_SPEC   pip specs for what is missing (defaults below)
 #   PORTABLE_ATTN_GPU_TEST_TIMEOUT / PORTABLE_ATTN_GPU_TIMING_BUDGET   seconds (300 / 180)
+#   PORTABLE_ATTN_GPU_WORKERS   test processes sharing the GPU (8; pytest-xdist)
 # The timing script's CPU dry run (no GPU needed): python benchmarks/gpu.py --cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +48,12 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 # 1. the GPU kinds of the suite (their ids name the device: torch:cuda, jax:gpu, cupy)
 tests_rc=0
-timeout "${PORTABLE_ATTN_GPU_TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider \
-    --backend torch,jax,cupy -k "cuda or gpu or cupy" \
+# one GPU shared by several test processes: JAX takes memory as it needs it
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+workers=()
+"$PY" -c "import xdist" 2>/dev/null && workers=(-n "${PORTABLE_ATTN_GPU_WORKERS:-8}")
+timeout "${PORTABLE_ATTN_GPU_TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark \
+    "${workers[@]}" --backend torch,jax,cupy -k "cuda or gpu or cupy" \
     --junitxml "$OUT_DIR/gpu-tests.xml" || tests_rc=$?
 "$PY" - "$OUT_DIR" "$tests_rc" <<'PY'
 import json, sys

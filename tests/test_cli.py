@@ -200,17 +200,31 @@ def test_check_of_only_unavailable_backends_says_which_and_why(cupy_without_gpu,
     assert f"no backend could be checked: {cupy_without_gpu}" in captured.err
 
 
-def test_check_of_only_missing_backends_says_which(monkeypatch, capsys):
+@pytest.fixture
+def clone_install(monkeypatch):
+    """Hints as for a package installed from the clone it is run in, on a machine with
+    or without an NVIDIA GPU (``clone_install(gpu=...)``)."""
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check, "_requirement", lambda extra: f'".[{extra}]"' if extra else '"."')
+
+    def gpu(present: bool) -> None:
+        monkeypatch.setattr(_check, "has_nvidia_gpu", lambda: present)
+
+    gpu(False)
+    return gpu
+
+
+def test_check_of_only_missing_backends_says_which(monkeypatch, capsys, clone_install):
     from portable_attn import _check
 
     monkeypatch.setattr(_check, "family_installed", lambda f: False)
-    assert main(["check", "--backend", "torch,dask"]) == 1
+    assert main(["check", "--backend", "jax,dask"]) == 1
     captured = capsys.readouterr()
     assert (
-        "not installed: torch (pip install 'portable-attn[torch]')\n"
-        "not installed: dask (pip install 'portable-attn[dask]')"
+        'not installed: jax (pip install ".[jax]")\nnot installed: dask (pip install ".[dask]")'
     ) in captured.out
-    assert "no backend could be checked: torch is not installed; dask is not installed" in (
+    assert "no backend could be checked: jax is not installed; dask is not installed" in (
         captured.err
     )
     assert "backend  version" not in captured.out  # no empty table
@@ -246,15 +260,101 @@ def test_explain_says_a_backend_is_not_installed(monkeypatch):
     ("family", "extra"),
     [("dask", "dask"), ("array_api_strict", "strict"), ("torch", "torch"), ("cupy", "cupy")],
 )
-def test_a_missing_backend_names_the_extra_to_install(family, extra, monkeypatch, capsys):
+def test_a_missing_backend_names_the_extra_to_install(
+    family, extra, monkeypatch, capsys, clone_install
+):
     from portable_attn import _check
 
+    clone_install(True)  # with a GPU: the extra alone, CUDA builds included
     monkeypatch.setattr(_check, "family_installed", lambda f: False)
-    hint = f"pip install 'portable-attn[{extra}]'"
+    hint = f'pip install ".[{extra}]"'
     assert main(["check", "--backend", family]) == 1
     assert f"not installed: {family} ({hint})" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=re.escape(f"{family!r} is not installed: {hint}")):
         main(["explain", "--backend", family])
+
+
+def test_without_a_gpu_torch_comes_from_the_cpu_index_first(monkeypatch, capsys, clone_install):
+    """pip's default torch on Linux is the CUDA build: GBs a CPU machine cannot use."""
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check, "family_installed", lambda f: False)
+    assert main(["check", "--backend", "torch"]) == 1
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("not inst"))
+    assert line == (
+        "not installed: torch (pip install --timeout 10 --retries 1 torch "
+        '--index-url https://download.pytorch.org/whl/cpu, then pip install ".[torch]")'
+    )
+
+
+def test_without_a_gpu_check_gives_no_cupy_hint(monkeypatch, capsys, clone_install):
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check, "run_checks", lambda only, **kw: ([], ["cupy", "dask"]))
+    main(["check"])
+    out = capsys.readouterr().out
+    assert 'not installed: dask (pip install ".[dask]")' in out
+    assert "cupy" not in out
+    clone_install(True)
+    main(["check"])
+    assert 'not installed: cupy (pip install ".[cupy]")' in capsys.readouterr().out
+
+
+def test_cupy_asked_for_without_a_gpu_says_it_needs_one(monkeypatch, capsys, clone_install):
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check, "family_installed", lambda f: False)
+    assert main(["check", "--backend", "cupy"]) == 1
+    assert (
+        "not installed: cupy (it needs an NVIDIA GPU, and nvidia-smi found none; "
+        'with one: pip install ".[cupy]")'
+    ) in capsys.readouterr().out
+
+
+def test_no_nvidia_smi_means_no_gpu(monkeypatch):
+    from portable_attn import _check
+
+    monkeypatch.setattr(_check.shutil, "which", lambda name: None)
+    assert _check.has_nvidia_gpu() is False
+
+
+class _Dist:
+    def __init__(self, files: dict[str, str]):
+        self.files = files
+
+    def read_text(self, name: str) -> str | None:
+        return self.files.get(name)
+
+
+@pytest.mark.parametrize(
+    ("files", "cwd_is_clone", "expected"),
+    [
+        (
+            {"direct_url.json": '{"url": "file:///c", "dir_info": {"editable": true}}'},
+            True,
+            '-e ".[torch]"',
+        ),
+        ({"direct_url.json": '{"url": "file:///c", "dir_info": {}}'}, True, '".[torch]"'),
+        ({"direct_url.json": '{"url": "file:///c", "dir_info": {}}'}, False, '"/c[torch]"'),
+        ({"INSTALLER": "pip"}, True, '"portable-attn[torch]"'),  # from an index or a wheel
+        (None, True, '".[torch]"'),  # not installed: run from the clone's source tree
+    ],
+)
+def test_the_hint_installs_the_way_the_package_was_installed(
+    files, cwd_is_clone, expected, monkeypatch
+):
+    import importlib.metadata
+
+    from portable_attn import _check
+
+    def distribution(name):
+        if files is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return _Dist(files)
+
+    monkeypatch.setattr(_check.importlib.metadata, "distribution", distribution)
+    monkeypatch.setattr(_check, "_same_folder", lambda a, b: cwd_is_clone)
+    assert _check._requirement("torch") == expected
 
 
 def test_every_extra_named_is_one_of_pyproject():
@@ -307,3 +407,14 @@ def test_check_prints_each_row_as_its_backend_finishes(backend, monkeypatch, cap
         assert row.index(" cpu ") == header.index(" device ")
         assert row.rstrip().endswith("ok")
         assert row.rindex(" ok") == header.rindex(" status")
+
+
+def test_an_adapter_extra_that_installs_torch_gets_the_cpu_build_first(clone_install):
+    from portable_attn._check import extra_hint
+
+    assert extra_hint("transformers", gpu=False) == (
+        "pip install --timeout 10 --retries 1 torch --index-url "
+        'https://download.pytorch.org/whl/cpu, then pip install ".[transformers]"'
+    )
+    assert extra_hint("transformers", gpu=True) == 'pip install ".[transformers]"'
+    assert extra_hint("flax", gpu=False) == 'pip install ".[flax]"'

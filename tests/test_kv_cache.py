@@ -124,6 +124,51 @@ class TestKVCache:
         )
 
 
+class TestRepr:
+    """A cache prints as one short line: sizes, dtype and lengths, never the arrays."""
+
+    def test_repr_names_the_sizes_and_lengths(self, backend, xp):
+        cache = empty_cache(backend, xp, capacity=4096, hkv=2, d=64, dv=32)
+        cache = kv_cache_append(
+            cache, *(xp.ones_like(x[..., :3, :]) for x in (cache.keys, cache.values))
+        )
+        text = repr(cache)
+        assert len(text) < 200, text
+        assert text.startswith(f"KVCache({backend.family} float64")
+        for part in (
+            "batch_shape=(2,)",
+            "num_kv_heads=2",
+            "capacity=4096",
+            "head_dim=64",
+            "value_dim=32",
+        ):
+            assert part in text
+        lazy = backend.family == "dask"  # reading would compute the graph
+        assert text.endswith("lengths=lazy)" if lazy else "lengths=[3, 3])"), text
+
+    @pytest.mark.kinds("numpy", reason="the summary is computed on the host")
+    def test_many_sequences_show_the_range_of_lengths(self, backend, xp):
+        cache = empty_cache(backend, xp, batch=(4, 5))
+        assert repr(cache).endswith("lengths=0 in all 20 sequences)")
+        cache = KVCache(cache.keys, cache.values, np.arange(20, dtype=np.int32).reshape(4, 5))
+        assert repr(cache).endswith("lengths=0-19 over 20 sequences)")
+        assert str(cache) == repr(cache)
+
+    @pytest.mark.backends("jax", reason="jax.jit only")
+    def test_traced_lengths_are_not_read(self, backend, xp):
+        import jax
+
+        seen = []
+
+        @jax.jit
+        def step(cache):
+            seen.append(repr(cache))
+            return cache.lengths
+
+        step(empty_cache(backend, xp))
+        assert seen[0].endswith("lengths=traced)")
+
+
 class TestDecoderBlock:
     """RoPE + GQA + causal attention through a KV cache, token by token."""
 

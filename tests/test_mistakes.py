@@ -90,5 +90,7 @@ class TestXpIsANamespace:
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
 
     def test_a_string_is_refused_by_name(self):
-        with pytest.raises(TypeError, match=r"pass the module itself \(xp=torch, not xp='torch'\)"):
+        with pytest.raises(
+            TypeError, match=r"pass the module itself \(xp=torch, not xp='torch'\)"
+        ):
             causal_mask(3, 4, xp="torch")

@@ -11,9 +11,16 @@ always the portable implementation.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import numpy as np
 
@@ -38,7 +45,10 @@ __all__ = [
     "Target",
     "Unavailable",
     "available_targets",
+    "extra_hint",
+    "has_nvidia_gpu",
     "install_hint",
+    "installed_from",
     "run_checks",
     "survey",
 ]
@@ -57,10 +67,127 @@ EXTRAS = {
 }
 
 
-def install_hint(family: str) -> str:
-    """Return how to install `family`, e.g. ``"pip install 'portable-attn[dask]'"``."""
+#: PyTorch's index of CPU-only builds (no CUDA libraries), as the README installs it
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: pip's flags that make an unreachable index fail in seconds, not after minutes of retries
+FAIL_FAST = "--timeout 10 --retries 1"
+#: families that run only on an NVIDIA GPU: no install hint on a machine without one
+NEEDS_NVIDIA_GPU = frozenset({"cupy"})
+
+
+def has_nvidia_gpu() -> bool:
+    """Whether ``nvidia-smi -L`` lists a GPU (False where it is missing or fails)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        probe = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return probe.returncode == 0 and "GPU" in probe.stdout
+
+
+def installed_from() -> tuple[str | None, bool]:
+    """Where this package was installed from: (the folder of a local clone, editable).
+
+    Read from the distribution's ``direct_url.json`` (PEP 610), which pip writes for
+    ``pip install .`` and ``pip install -e .``. ``(None, False)`` for an install from an
+    index or a wheel; the folder is None too when the package runs from a source tree
+    without being installed (``PYTHONPATH=src``), where the caller assumes a clone.
+    """
+    try:
+        dist = importlib.metadata.distribution("portable-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return None, False
+    text = dist.read_text("direct_url.json")
+    if not text:
+        return None, False
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return None, False
+    url = urlparse(str(info.get("url", "")))
+    if url.scheme != "file" or "dir_info" not in info:
+        return None, False
+    return unquote(url.path), bool(info["dir_info"].get("editable"))
+
+
+def _requirement(extra: str | None) -> str:
+    """Return the pip argument that installs this package with `extra` as it was installed.
+
+    From a clone: ``".[torch]"`` in the clone's folder (``-e ".[torch]"`` when the
+    install was editable), the clone's path from anywhere else; from an index or a
+    wheel: ``"portable-attn[torch]"``. The package is not on an index, so a source tree
+    that was never installed gets the clone form.
+    """
+    try:
+        dist: importlib.metadata.Distribution | None = importlib.metadata.distribution(
+            "portable-attn"
+        )
+    except importlib.metadata.PackageNotFoundError:
+        dist = None  # run from a source tree (PYTHONPATH=src): a clone
+    suffix = f"[{extra}]" if extra else ""
+    if dist is not None and dist.read_text("direct_url.json") is None:
+        return f'"portable-attn{suffix}"'  # from an index or a wheel
+    folder, editable = installed_from()
+    where = "." if folder is None or _same_folder(folder, os.getcwd()) else folder
+    return ("-e " if editable else "") + f'"{where}{suffix}"'
+
+
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+#: the extras of pyproject.toml that install torch
+TORCH_EXTRAS = frozenset({"torch", "transformers"})
+
+
+def extra_hint(extra: str | None, *, gpu: bool | None = None) -> str:
+    """Return the command that installs this package's `extra`, e.g. ``pip install ".[jax]"``.
+
+    Parameters
+    ----------
+    extra : str or None
+        An extra of pyproject.toml (None: the package alone).
+    gpu : bool, optional
+        Whether the machine has an NVIDIA GPU (default: ask :func:`has_nvidia_gpu`).
+        Without one, an extra that installs torch is preceded by torch from PyTorch's
+        CPU index (pip's default torch on Linux is the CUDA build, GBs of libraries),
+        failing fast where that index cannot be reached.
+    """
+    command = f"pip install {_requirement(extra)}"
+    if extra in TORCH_EXTRAS and not (has_nvidia_gpu() if gpu is None else gpu):
+        return f"pip install {FAIL_FAST} torch --index-url {TORCH_CPU_INDEX}, then {command}"
+    return command
+
+
+def install_hint(family: str, *, gpu: bool | None = None) -> str:
+    """Return how to install `family`, e.g. ``'pip install ".[dask]"'`` in a clone.
+
+    Parameters
+    ----------
+    family : str
+        A backend family, a key of :data:`EXTRAS`.
+    gpu : bool, optional
+        Whether the machine has an NVIDIA GPU (default: ask :func:`has_nvidia_gpu`).
+        Without one, torch comes from PyTorch's CPU index first (:func:`extra_hint`),
+        and CuPy says that it needs a GPU.
+
+    Returns
+    -------
+    str
+        The command (two for torch without a GPU), or why none applies.
+    """
+    if gpu is None:
+        gpu = has_nvidia_gpu()
     extra = EXTRAS.get(family)
-    return f"pip install 'portable-attn[{extra}]'" if extra else "pip install portable-attn"
+    if family in NEEDS_NVIDIA_GPU and not gpu:
+        command = f"pip install {_requirement(extra)}"
+        return f"it needs an NVIDIA GPU, and nvidia-smi found none; with one: {command}"
+    return extra_hint(extra, gpu=gpu)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class _Table:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from ._check import TOLERANCE, install_hint, run_checks
+    from ._check import NEEDS_NVIDIA_GPU, TOLERANCE, has_nvidia_gpu, install_hint, run_checks
 
     only = args.backend or None
     print(f"portable_attn {__version__}: max abs error against a float64 NumPy oracle")
@@ -137,8 +137,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     if results:
         print("ms/call: median, float32 causal attention, B=1 H=8 L=256 D=64")
+    gpu = has_nvidia_gpu() if missing else False
     for name in missing:
-        print(f"not installed: {name} ({install_hint(name)})")
+        if name in NEEDS_NVIDIA_GPU and not gpu and not only:
+            continue  # a GPU library on a machine without a GPU: nothing to install
+        print(f"not installed: {name} ({install_hint(name, gpu=gpu)})")
     failed = [r for r in results if not r.ok]
     for r in failed:
         for f in r.failures:

@@ -17,9 +17,11 @@ from ._lib._compat import (
     array_namespace,
     device,
     has_concrete_values,
+    library_name,
     namespace_or_numpy,
     on_device,
     register_pytree,
+    to_host,
 )
 from ._lib._masks import arange
 from ._lib._validation import check_count
@@ -49,6 +51,44 @@ class KVCache:
     def capacity(self) -> int:
         """The number of token slots, ``keys.shape[-2]``."""
         return int(self.keys.shape[-2])
+
+    def __repr__(self) -> str:
+        """Return the library, dtype, sizes and lengths: never the arrays themselves.
+
+        ``KVCache(numpy float32, batch_shape=(2,), num_kv_heads=2, capacity=16,
+        head_dim=64, lengths=[3, 5])``; more than 8 sequences give the lengths' range,
+        traced (under ``jax.jit``) or lazy (Dask) lengths are not read.
+        """
+        keys, values, lengths = self.keys, self.values, self.lengths
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (keys, values, lengths)):
+            return (
+                f"KVCache(keys={keys!r}, values={values!r}, lengths={lengths!r})"  # pytree specs
+            )
+        lib = library_name(keys)
+        dtype = str(keys.dtype).rsplit(".", 1)[-1]  # torch.float32, array_api_strict.float32
+        dev = device(keys)  # None while traced
+        shown = dev is not None and "cpu" not in str(dev).lower()
+        head = f"{lib} {dtype}" + (f" on {dev}" if shown else "")
+        sizes = (
+            f"batch_shape={tuple(keys.shape[:-3])}, num_kv_heads={keys.shape[-3]}, "
+            f"capacity={keys.shape[-2]}, head_dim={keys.shape[-1]}"
+        )
+        if values.shape[-1] != keys.shape[-1]:
+            sizes += f", value_dim={values.shape[-1]}"
+        return f"KVCache({head}, {sizes}, lengths={_lengths_summary(lengths)})"
+
+
+def _lengths_summary(lengths: Any) -> str:
+    """``[3, 5]``, ``"1-7 over 16 sequences"``, or ``"traced"`` / ``"lazy"`` (not read)."""
+    if not has_concrete_values(lengths):
+        return "lazy" if library_name(lengths) == "dask" else "traced"
+    values = [int(n) for n in to_host(lengths).reshape(-1).tolist()]
+    low, high = min(values, default=0), max(values, default=0)
+    if len(values) <= 8:
+        return str(values)
+    if low == high:
+        return f"{low} in all {len(values)} sequences"
+    return f"{low}-{high} over {len(values)} sequences"
 
 
 # a JAX pytree, so it passes through jax.jit, vmap and grad (whenever JAX is imported)

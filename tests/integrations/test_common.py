@@ -34,7 +34,7 @@ import portable_attn.integrations.{extra} as m
 try:
     {use}
 except ImportError as e:
-    assert 'portable-attn[{extra}]' in str(e), e
+    assert '[{extra}]"' in str(e) and "pip install" in str(e), e
     print("ok")
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

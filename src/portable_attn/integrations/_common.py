@@ -29,15 +29,18 @@ def require(module: str, extra: str) -> ModuleType:
     Raises
     ------
     ImportError
-        `module` is not installed (or fails to import); the message names
-        ``pip install "portable-attn[<extra>]"`` and the original error.
+        `module` is not installed (or fails to import); the message names the
+        command that installs `extra` (``pip install ".[<extra>]"`` in a clone) and
+        the original error.
     """
     try:
         return importlib.import_module(module)
     except ImportError as error:
+        from .._check import extra_hint  # the command for a clone or an index, CPU torch first
+
         msg = (
             f"portable_attn.integrations.{extra} needs {module!r}, which could not be "
-            f'imported ({error}); install it with: pip install "portable-attn[{extra}]"'
+            f"imported ({error}); install it with: {extra_hint(extra)}"
         )
         raise ImportError(msg) from error
 

@@ -1,0 +1,112 @@
+"""The docs' examples run as printed, each on its own, and say what the library says.
+
+- every ```python block of ``docs/common_mistakes.md`` runs alone in a fresh
+  namespace; one followed by a ```text block ``SomeError: message`` must raise
+  exactly that, so the page quotes the messages the library gives;
+- every code cell of ``docs/block_masks.md`` runs alone (pasted into a fresh
+  session, not after the cells above it);
+- every page of ``docs/`` is in the site's table of contents.
+
+Each block runs in the session of the backend it imports (``import torch`` -> the
+torch session; a block that imports none is NumPy's), as in ``test_readme.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+(torch|jax|cupy|dask|array_api_strict)\b", re.M)
+# a fenced block: its language (python, text, {code-cell} ipython3) and its body
+_FENCE = re.compile(r"^```(?P<lang>[^\n]*)\n(?P<body>.*?)^```$", re.M | re.S)
+_ERROR = re.compile(r"^(?P<type>[A-Z]\w*(?:Error|Exception)): (?P<message>.*)\Z", re.S)
+
+
+def _family(code: str) -> str:
+    families = _IMPORT.findall(code)
+    return families[0] if families else "numpy"
+
+
+def _blocks(page: str, lang: str) -> list[tuple[int, str, str | None]]:
+    """(line, code, expected error or None) of each block of `lang` on `page`.
+
+    The expected error is the body of a ```text block that follows the block
+    directly and reads ``SomeError: message``.
+    """
+    text = (DOCS / page).read_text(encoding="utf-8")
+    fences = list(_FENCE.finditer(text))
+    out = []
+    for m, after in zip(fences, [*fences[1:], None], strict=True):
+        if m["lang"].strip() != lang:
+            continue
+        line = text.count("\n", 0, m.start()) + 2  # the first line of code
+        expected = None
+        between = "" if after is None else text[m.end() : after.start()]
+        if after is not None and after["lang"].strip() == "text" and not between.strip():
+            expected = after["body"].strip()
+        out.append((line, "\n" * (line - 1) + m["body"], expected))
+    return out
+
+
+def _params(page: str, lang: str) -> list:
+    return [
+        pytest.param(
+            code,
+            expected,
+            page,
+            id=f"line{line}-{_family(code)}",
+            marks=pytest.mark.backends(
+                _family(code), reason=f"the example imports {_family(code)}"
+            ),
+        )
+        for line, code, expected in _blocks(page, lang)
+    ]
+
+
+def _run(code: str, page: str) -> dict:
+    namespace = {"__name__": "__docs__"}
+    exec(compile(code, str(DOCS / page), "exec"), namespace)  # tracebacks: the page's lines
+    return namespace
+
+
+MISTAKES = _params("common_mistakes.md", "python")
+
+
+def test_the_mistakes_page_has_its_examples():
+    blocks = _blocks("common_mistakes.md", "python")
+    assert len(blocks) >= 8
+    assert sum(expected is not None for _, _, expected in blocks) >= 6
+
+
+@pytest.mark.parametrize(("code", "expected", "page"), MISTAKES)
+def test_a_mistake_gets_the_message_the_page_quotes(code, expected, page):
+    if expected is None:
+        _run(code, page)
+        return
+    m = _ERROR.match(expected)
+    assert m, f"the text block after the example is not `SomeError: message`: {expected!r}"
+    with pytest.raises(Exception) as info:  # noqa: PT011  (the type is checked below)
+        _run(code, page)
+    assert type(info.value).__name__ == m["type"]
+    assert str(info.value) == m["message"]
+
+
+@pytest.mark.parametrize(
+    ("code", "expected", "page"), _params("block_masks.md", "{code-cell} ipython3")
+)
+def test_a_block_mask_example_runs_when_pasted_alone(code, expected, page):
+    assert "IPython" not in code
+    assert "benchmarks" not in code  # no helpers of the repository
+    _run(code, page)
+
+
+def test_every_page_is_in_the_table_of_contents():
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    toc = index[index.index("```{toctree}") :]
+    listed = {line.strip() for line in toc.splitlines()}
+    pages = {p.stem for p in DOCS.glob("*.md")} - {"index"}
+    assert pages <= listed, sorted(pages - listed)
