@@ -30,7 +30,6 @@ from ._compat import (
     array_namespace,
     device,
     has_concrete_values,
-    library_name,
     numpy_namespace,
     on_device,
     register_pytree,
@@ -352,4 +351,4 @@ register_pytree(
 
 def _readable(states: Any) -> bool:
     """Whether the states' values can be read now (Dask's are computed: they are small)."""
-    return library_name(states) == "dask" or has_concrete_values(states)
+    return _route.library(states).task_graphs or has_concrete_values(states)
