@@ -817,7 +817,7 @@ def targets_block(results: Path) -> str:
                 f"| {r['L']} | {ms['after large calls']:.2f} ms | "
                 f"{ms['after a small call']:.2f} ms | {r['large_over_small']:.3f} |"
             )
-        lines += ["", "Dense or tiled (the rows behind `BUFFERED_DENSE_LIMIT_BYTES`):", ""]
+        lines += ["", "Dense or tiled (the rows behind NumPy's `dense_limit`):", ""]
         lines += ["| L | default | dense | tiled 256 x 256 |", "|---|---|---|---|"]
         for r in numpy_group["dense_or_tiled"]:
             ms = r["ms"]

@@ -17,7 +17,7 @@ default.
   calls (the float32 textbook and ours at L = 4096, which move glibc's mmap and trim
   thresholds) or after a small one (L = 64), the two kinds of process in alternation;
   and the default against the dense path at L = 64-1024 and for a decoding step (the
-  rows behind ``BUFFERED_DENSE_LIMIT_BYTES`` and ``BUFFERED_BLOCK_SCORES``).
+  rows behind NumPy's ``dense_limit`` and ``BUFFERED_BLOCK_SCORES`` in ``_route.py``).
 - ``dask``: one NumPy process of its own (its default call, driven round by round from
   the benchmark, whose process hosts the clusters' schedulers) against ``LocalCluster(n_workers=2,
   threads_per_worker=1)`` and ``n_workers=1`` (nothing else set), B=16, H=8, L=1024,
