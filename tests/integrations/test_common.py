@@ -13,7 +13,8 @@ from portable_attn.integrations._common import require, top_left_causal
 
 
 def test_require_names_the_extra():
-    with pytest.raises(ImportError, match=r'pip install "portable-attn\[keras\]"'):
+    # as the package was installed: "portable-attn[keras]", ".[keras]" or a clone's path
+    with pytest.raises(ImportError, match=r'install it with: pip install (-e )?"[^"]*\[keras\]"'):
         require("surely_not_an_installed_module", "keras")
 
 
