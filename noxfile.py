@@ -337,12 +337,13 @@ tests_min_deps_jax.__doc__ = (
 def quick(session: nox.Session) -> None:
     """About a minute: the core tests on every backend installed here, in this environment.
 
-    No virtualenv and nothing installed: ``pip install ".[test]" nox`` first. Runs
+    No virtualenv and nothing installed: ``pip install ".[test]" nox`` first; the tests
+    run in the interpreter nox itself runs in (that environment, activated or not). Runs
     ``tests/test_attention.py`` (every path, mask, dtype and empty row against the
     float64 oracle) on each family ``portable_attn.testing`` finds importable.
     """
     found = session.run(
-        "python",
+        sys.executable,
         "-c",
         "from portable_attn.testing import FAMILIES, family_installed; "
         "print(','.join(f for f in FAMILIES if family_installed(f)))",
@@ -350,7 +351,7 @@ def quick(session: nox.Session) -> None:
     )
     families = str(found).strip().splitlines()[-1]
     session.run(
-        "python", "-m", "pytest", *WORKERS, "-q", "--backend", families,
+        sys.executable, "-m", "pytest", *WORKERS, "-q", "--backend", families,
         "tests/test_attention.py", *session.posargs,
     )  # fmt: skip
 
