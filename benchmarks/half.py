@@ -70,7 +70,7 @@ def torch_child(dtype: str, length: int) -> dict:
 
     from portable_attn import scaled_dot_product_attention
     from portable_attn._lib._call import prepare
-    from portable_attn._lib._path import Native, Route
+    from portable_attn._lib._path import Native
     from portable_attn._lib._route import route
     from portable_attn._paths import run
 
@@ -86,8 +86,8 @@ def torch_child(dtype: str, length: int) -> dict:
 
         fns = {
             "default": lambda q=q, k=k, v=v, kw=kw: scaled_dot_product_attention(q, k, v, **kw),
-            "native_own_dtype": lambda c=call: c.finish(run(c, Route(Native(upcast=False)))[0]),
-            "native_float32": lambda c=call: c.finish(run(c, Route(Native(upcast=True)))[0]),
+            "native_own_dtype": lambda c=call: c.finish(run(c, _route(Native(upcast=False)))[0]),
+            "native_float32": lambda c=call: c.finish(run(c, _route(Native(upcast=True)))[0]),
             "sdpa": sdpa,
         }
         gen = torch.Generator().manual_seed(1)
@@ -170,10 +170,16 @@ def _swap_heads(x):
     return x.swapaxes(1, 2)  # (B, H, L, D) <-> (B, L, H, D), jax.nn's layout
 
 
-def _finished(call, path, run):
+def _route(path):
+    """`path` as the router would give it: half inputs kept where the path takes them."""
     from portable_attn._lib._path import Route
+    from portable_attn._lib._route import _keeps_dtype
 
-    return call.finish(run(call, Route(path))[0])  # in the inputs' dtype, as the public call
+    return Route(path, keeps_dtype=_keeps_dtype(path))
+
+
+def _finished(call, path, run):
+    return call.finish(run(call, _route(path))[0])  # in the inputs' dtype, as the public call
 
 
 def jax_child(length: int) -> dict:
