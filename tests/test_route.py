@@ -119,6 +119,22 @@ class TestDefaultRoute:
         lq4 = Native() if _fused(backend) else _portable(backend, lq=4)
         assert _path(backend, is_causal=True, shape={"lq": 4}) == lq4
 
+    def test_ragged_host_lengths_run_the_kernel_once_per_sequence(self, backend):
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.standard_normal((3, 2, n, 4)) for n in (1, 9, 9))
+        lengths = np.array([3, 9, 6])
+        args = [backend.asarray(a) for a in (q, k, v)]
+        kw = {"is_causal": True, "kv_lengths": backend.asarray(lengths)}
+        path = choose_path(prepare(*args, **kw), None, None)
+        read = reads_host_values(kw["kv_lengths"])  # differing lengths read on the host
+        assert isinstance(path, Native) is _fused(backend)
+        assert getattr(path, "per_sequence", False) is (_fused(backend) and read)
+        equal = {**kw, "kv_lengths": backend.asarray(np.array([6, 6, 6]))}
+        assert not getattr(choose_path(prepare(*args, **equal), None, None), "per_sequence", 0)
+        out = scaled_dot_product_attention(*args, **kw)
+        expected = reference_attention(q, k, v, is_causal=True, kv_lengths=lengths)
+        np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=1e-5, atol=1e-6)
+
     def test_too_few_keys_for_the_kernel_stay_portable(self, backend, monkeypatch):
         monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {("torch", "cpu"): 16})
         few, enough = {"lq": 4, "lk": 15}, {"lq": 4, "lk": 16}
