@@ -303,11 +303,15 @@ def score_index(
     """Return the index arrays of ``score_mod`` for a block: batch, head, q_idx, kv_idx.
 
     `batch` (*batch, 1, 1, 1) the flat batch index, `head` (Hq, 1, 1), `q_idx` (bq, 1)
-    and `kv_idx` (1, bk) absolute positions.
+    and `kv_idx` (1, bk) absolute positions: a part of a call (a block of the traced
+    loop, a Dask chunk pair) adds its starts (:class:`Alignment`), so ``score_mod``
+    itself is never wrapped.
     """
     head = arange(xp, 0, plan.num_q_heads, plan.device)[:, None, None]  # (Hq, 1, 1)
     q_idx = arange(xp, q_range[0], q_range[1], plan.device)[:, None]  # (bq, 1)
     kv_idx = arange(xp, k_range[0], k_range[1], plan.device)[None, :]  # (1, bk)
+    if plan.align is not None:
+        q_idx, kv_idx = q_idx + plan.align.q_start, kv_idx + plan.align.kv_start
     return terms.batch_index, head, q_idx, kv_idx
 
 
@@ -319,6 +323,8 @@ def scores_block(
     plan: AttentionPlan,
     q_range: Range,
     k_range: Range,
+    *,
+    modified: bool = False,
 ) -> Any:
     """``score_mod(capped) + bias + ALiBi`` for one block, before masking.
 
@@ -328,9 +334,11 @@ def scores_block(
         Soft-capped logits from :func:`logits_block`.
     bias : array broadcastable to (..., Hq, Lq, Lk), or None
         The full bias; sliced to the block here.
+    modified : bool, default False
+        `capped` has been through ``score_mod`` already (the backward's VJP of it).
     """
     scores = capped
-    if terms.score_mod is not None:
+    if terms.score_mod is not None and not modified:
         scores = terms.score_mod(scores, *score_index(xp, terms, plan, q_range, k_range))
     bias_blk = slice_block(bias, q_range, k_range)
     if bias_blk is not None:

@@ -21,7 +21,7 @@ backward with torch and JAX live in ``portable_attn._paths._autodiff``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 from ._blocks import FULL, host_pair_states
@@ -53,6 +53,7 @@ __all__ = [
     "OnlineSoftmax",
     "Ops",
     "RowState",
+    "ScoreVjp",
     "block_ranges",
     "block_scores",
     "sum_to_shape",
@@ -62,6 +63,12 @@ __all__ = [
 ]
 
 Range = tuple[int, int]
+
+#: ``score_vjp(scores, batch, head, q_idx, kv_idx) -> (modified, pullback)``: a block's
+#: ``score_mod`` and its VJP, ``pullback(d_modified) -> (d_scores, d_params)``, where
+#: ``d_params`` are the gradients of the arrays the ``score_mod`` closes over (a tuple,
+#: the same length for every block); given by ``_paths/_autodiff.py``
+ScoreVjp = Callable[..., tuple[Any, Callable[[Any], tuple[Any, tuple[Any, ...]]]]]
 
 
 def block_ranges(length: int, size: Blocks) -> list[Range]:
@@ -360,15 +367,25 @@ def _block_scores(
     q_range: Range,
     k_range: Range,
     full: bool,
-) -> tuple[Any, Any, Any]:
-    """Return (logits, capped logits, scores with hidden entries -inf) for the backward."""
+    score_vjp: ScoreVjp | None,
+) -> tuple[Any, Any, Any, Any]:
+    """Return (logits, capped logits, scores with hidden entries -inf, pullback) for the backward.
+
+    `pullback` is that of ``score_mod`` on this block (`score_vjp`), or None.
+    """
     raw = raw_logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk): scale · Q Kᵀ
     capped = capped_logits(xp, raw, plan)
-    scores = scores_block(xp, capped, bias, terms, plan, q_range, k_range)
+    pullback = None
+    modified = capped
+    if score_vjp is not None and terms.score_mod is not None:
+        modified, pullback = score_vjp(capped, *score_index(xp, terms, plan, q_range, k_range))
+    scores = scores_block(
+        xp, modified, bias, terms, plan, q_range, k_range, modified=pullback is not None
+    )
     allowed = visible_entries(xp, terms, plan, q_range, k_range, full)
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
-    return raw, capped, scores
+    return raw, capped, scores, pullback
 
 
 def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) -> Any:
@@ -491,6 +508,7 @@ def tiled_backward(
     need: Collection[str] = (),
     dlse: Any | None = None,
     states: Any = None,
+    score_vjp: ScoreVjp | None = None,
 ) -> dict[str, Any]:
     """Gradients of the tiled attention by field name, each shaped like its input.
 
@@ -503,6 +521,12 @@ def tiled_backward(
     log-sum-exp, when it is an output: ``d lse_i / d s_ij = p_ij``, so it enters as
     ``D_i - dlse_i`` below. `states` are the pair states (``states[i][j]``) when the
     caller knows them (a block of the traced loop); by default :func:`host_pair_states`.
+
+    `score_vjp` differentiates ``score_mod`` block by block (:data:`ScoreVjp`, given
+    by the library's autodiff adapter): the scores' gradient passes through it, and
+    the gradients of the arrays it closes over (its parameters) are summed over the
+    visited blocks in a fixed order, returned as ``"score_params"`` (a tuple).
+    Without it a ``score_mod`` is taken as a constant function of nothing learned.
     """
     xp, q, k, v = call.xp, call.query, call.key, call.value
     bias: Any = call.bias
@@ -529,6 +553,7 @@ def tiled_backward(
     dv_sums: list[Any] = [None] * len(k_blocks)
     dq_parts, dbias_rows = [], []
     dslopes = dsoftcap = None
+    dparams: list[Any] | None = None
     q_blocks = block_ranges(plan.q_len, block_q)
     if states is None:
         states = host_pair_states(call, q_blocks, k_blocks)
@@ -550,8 +575,17 @@ def tiled_backward(
             if states[i][j] != FULL:  # keys past the lengths: zero, whatever they hold
                 k_blk = without_hidden_keys(xp, k_blk, terms, plan, k_range)
                 v_blk = without_hidden_keys(xp, v_blk, terms, plan, k_range)
-            raw, capped, s = _block_scores(
-                xp, q_rows, k_blk, bias, terms, plan, q_range, k_range, states[i][j] == FULL
+            raw, capped, s, pullback = _block_scores(
+                xp,
+                q_rows,
+                k_blk,
+                bias,
+                terms,
+                plan,
+                q_range,
+                k_range,
+                states[i][j] == FULL,
+                score_vjp,
             )
             p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
             p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)
@@ -574,6 +608,9 @@ def tiled_backward(
                     tuple(slopes.shape),
                 )
                 dslopes = d if dslopes is None else dslopes + d
+            if pullback is not None:  # through score_mod: to its input and its parameters
+                ds, d_params = pullback(ds)
+                dparams = list(d_params) if dparams is None else _sums(dparams, d_params)
             if plan.softcap is not None:  # through c·tanh(x/c): d/dx = 1 - t², t = tanh(x/c)
                 t = capped / plan.softcap
                 if need_softcap_grad:  # d/dc = t - (x/c)(1 - t²)
@@ -607,7 +644,13 @@ def tiled_backward(
         dsoftcap = xp.zeros_like(plan.softcap)
     grads = {"query": dq, "key": dk, "value": dv, "bias": dbias, "alibi_slopes": dslopes}
     grads |= {"scale": dscale, "softcap": dsoftcap, "sinks": dsinks}
+    if dparams is not None:
+        grads["score_params"] = tuple(dparams)
     return {name: g for name, g in grads.items() if g is not None}
+
+
+def _sums(totals: list[Any], parts: Any) -> list[Any]:
+    return [t + p for t, p in zip(totals, parts, strict=True)]
 
 
 def _kv_grad(xp: Any, sums: list[Any], x: Any, k_blocks: list[Range], plan: AttentionPlan) -> Any:

@@ -11,36 +11,63 @@ The arrays of the call travel through the autodiff functions as the call's
 :meth:`~portable_attn._lib._call.AttentionCall.flatten` gives them, by name:
 the differentiable fields (:data:`~portable_attn._lib._fields.FIELDS`) get
 their gradients, the others None. No field is named here.
+
+A ``score_mod`` may close over arrays that learn (a relative-position table, a
+per-head temperature). Their gradients come from the same backward: each block's
+``score_mod`` is differentiated there (:data:`~portable_attn._lib._tiled.ScoreVjp`)
+and the arrays' gradients are summed block by block, in the walk's fixed order.
+The arrays are found by running the function, not by reading its closure:
+
+- torch: the tensors that require a gradient and that an operation of the
+  ``score_mod`` reads, other than its arguments and what it made itself, seen by a
+  ``TorchFunctionMode`` on a one-entry probe (:func:`torch_params`); they become
+  inputs of the autograd function, which returns their gradients;
+- JAX: the traced values it closes over (under ``jit``, ``grad``, ``vmap``), which
+  :func:`jax_params` finds as the tracers among the constants of its jaxpr, traced
+  once per block shape; they become explicit arguments of the ``custom_vjp`` (as
+  ``jax.closure_convert`` does, without its cache, which would keep the function).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._lib._call import AttentionCall
 from .._lib._fields import field
 from .._lib._path import Tiled
-from .._lib._tiled import tiled_backward, tiled_forward
+from .._lib._scores import score_index
+from .._lib._tiled import ScoreVjp, block_ranges, tiled_backward, tiled_forward
 
-__all__ = ["recomputing_attention"]
+__all__ = ["JaxScoreMod", "recomputing_attention", "torch_params", "torch_score_vjp"]
 
 
 def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
     """Tiled attention output (..., Hq, Lq, Dv) and row log-sum-exp (..., Hq, Lq, 1).
 
     Differentiated by the O(L)-memory backward registered with ``path.backward``'s
-    library (torch autograd, ``jax.grad``); the lse's cotangent flows back too.
+    library (torch autograd, ``jax.grad``); the lse's cotangent flows back too, and
+    so do the gradients of the arrays a ``score_mod`` closes over.
     """
     arrays, skeleton = call.flatten()
     if path.backward == "jax":
-        return _jax_function(skeleton, path)(arrays)
+        blocks = [
+            (qe - qs, ke - ks)
+            for qs, qe in block_ranges(call.plan.q_len, path.block_q)
+            for ks, ke in block_ranges(call.plan.kv_len, path.block_k)
+        ]
+        mod = JaxScoreMod.of(call, blocks)
+        return _jax_function(skeleton, path, mod)(arrays, mod.params if mod else ())
     import torch
 
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values())):
+    params = torch_params(call) if torch.is_grad_enabled() else ()
+    tensors = (*arrays.values(), *params)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
         return _forward(call, path)  # nothing to record
     names = tuple(arrays)
-    return _torch_function().apply(skeleton, path, names, *arrays.values())
+    return _torch_function().apply(skeleton, path, names, *tensors)
 
 
 def _forward(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
@@ -53,17 +80,166 @@ def _backward(
     saved: tuple[Any, Any],
     grads: tuple[Any, Any],
     need: tuple[str, ...],
+    score_vjp: ScoreVjp | None = None,
 ) -> dict[str, Any]:
     """Run the portable backward; `grads` are the cotangents of (out, lse)."""
     out, lse = saved
     dout, dlse = grads
     if dout is None:  # only the lse was used
         dout = call.xp.zeros_like(out)
-    return tiled_backward(call, out, lse, dout, path.block_q, path.block_k, need=need, dlse=dlse)
+    return tiled_backward(
+        call,
+        out,
+        lse,
+        dout,
+        path.block_q,
+        path.block_k,
+        need=need,
+        dlse=dlse,
+        score_vjp=score_vjp,
+    )
 
 
 def _differentiable(names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n in names if field(n).differentiable)
+
+
+# ---------------------------------------------------------------------------
+# a score_mod's learned arrays
+
+
+def torch_params(call: AttentionCall) -> tuple[Any, ...]:
+    """Return the tensors requiring a gradient that `call`'s ``score_mod`` reads, in order of use.
+
+    Found by running it once on a (..., Hq, 1, 1) probe under a ``TorchFunctionMode``
+    that records the tensor arguments of every operation: those that require a
+    gradient and were not made inside the probe are what it closes over (a
+    parameter, a table computed from one), however it reaches them (a closure, a
+    module attribute, a global).
+    """
+    score_mod = call.terms.score_mod
+    if score_mod is None:
+        return ()
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    made: dict[int, Any] = {}  # kept alive, so that no id is reused during the probe
+    found: dict[int, Any] = {}
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            for x in tree_leaves((args, kwargs)):
+                if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in made:
+                    found.setdefault(id(x), x)
+            result = func(*args, **kwargs)
+            for x in tree_leaves(result):
+                if isinstance(x, torch.Tensor):
+                    made[id(x)] = x
+            return result
+
+    plan = call.plan
+    probe = call.zeros(1, 1)  # (..., Hq, 1, 1)
+    index = score_index(call.xp, call.terms, plan, (0, 1), (0, 1))
+    made.update((id(x), x) for x in (probe, *index) if x is not None)
+    with torch.enable_grad(), Reads():
+        score_mod(probe, *index)
+    return tuple(found.values())
+
+
+def torch_score_vjp(score_mod: Callable[..., Any], params: tuple[Any, ...]) -> ScoreVjp:
+    """Return a block's ``score_mod`` and its VJP by ``torch.autograd.grad`` (:data:`ScoreVjp`)."""
+    import torch
+
+    def score_vjp(scores: Any, *index: Any) -> tuple[Any, Any]:
+        with torch.enable_grad():
+            leaf = scores.detach().requires_grad_()
+            modified = score_mod(leaf, *index)
+
+        def pullback(d_modified: Any) -> tuple[Any, tuple[Any, ...]]:
+            inputs = (leaf, *params)
+            grads: tuple[Any, ...] = (None,) * len(inputs)
+            if modified.requires_grad:
+                grads = torch.autograd.grad(modified, inputs, d_modified, allow_unused=True)
+            pairs = zip(inputs, grads, strict=True)
+            full = [torch.zeros_like(x) if g is None else g for x, g in pairs]
+            return full[0], tuple(full[1:])
+
+        return modified.detach(), pullback
+
+    return score_vjp
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxScoreMod:
+    """A JAX ``score_mod`` with the traced arrays it closes over as explicit parameters.
+
+    Traced once per block shape (``jax.make_jaxpr``); the tracers among each jaxpr's
+    constants are the parameters (`params`, the same for every shape), the other
+    constants stay. :meth:`bind` gives the ``score_mod`` of other values of them (a
+    ``custom_vjp``'s own arguments), :meth:`vjp` its per-block VJP.
+    """
+
+    #: (bq, bk) -> (jaxpr, constants, ((constant index, parameter index), ...))
+    forms: dict[tuple[int, int], tuple[Any, list[Any], tuple[tuple[int, int], ...]]]
+    params: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, call: AttentionCall, blocks: Iterable[tuple[int, int]]) -> JaxScoreMod | None:
+        """Trace `call`'s ``score_mod`` for each (bq, bk) of `blocks`; None without one."""
+        score_mod = call.terms.score_mod
+        if score_mod is None:
+            return None
+        import jax
+
+        params: list[Any] = []
+        where: dict[int, int] = {}
+        forms = {}
+        for bq, bk in dict.fromkeys(blocks):
+            index = score_index(call.xp, call.terms, call.plan, (0, bq), (0, bk))
+            closed = jax.make_jaxpr(score_mod)(call.zeros(bq, bk), *index)
+            slots = []
+            for i, c in enumerate(closed.consts):
+                if isinstance(c, jax.core.Tracer):
+                    if id(c) not in where:
+                        where[id(c)] = len(params)
+                        params.append(c)
+                    slots.append((i, where[id(c)]))
+            forms[(bq, bk)] = (closed.jaxpr, list(closed.consts), tuple(slots))
+        return cls(forms, tuple(params))
+
+    def bind(self, params: tuple[Any, ...]) -> Callable[..., Any]:
+        """Return the ``score_mod`` with `params` in place of the traced arrays it closes over."""
+        import jax
+
+        def score_mod(scores: Any, *index: Any) -> Any:
+            jaxpr, consts, slots = self.forms[tuple(scores.shape[-2:])]
+            consts = list(consts)
+            for i, p in slots:
+                consts[i] = params[p]
+            return jax.core.eval_jaxpr(jaxpr, consts, scores, *index)[0]
+
+        return score_mod
+
+    def vjp(self, params: tuple[Any, ...]) -> ScoreVjp:
+        """Return a block's ``score_mod`` of `params` and its VJP by ``jax.vjp``."""
+        import jax
+
+        def score_vjp(scores: Any, *index: Any) -> tuple[Any, Any]:
+            def modify(s: Any, p: tuple[Any, ...]) -> Any:
+                return self.bind(p)(s, *index)
+
+            return jax.vjp(modify, scores, params)
+
+        return score_vjp
+
+    def into(self, call: AttentionCall, params: tuple[Any, ...]) -> AttentionCall:
+        """`call` with the ``score_mod`` of `params` (:meth:`bind`)."""
+        terms = dataclasses.replace(call.terms, score_mod=self.bind(params))
+        return dataclasses.replace(call, terms=terms)
 
 
 @functools.cache
@@ -72,53 +248,63 @@ def _torch_function() -> Any:
 
     class TiledAttention(torch.autograd.Function):
         # forward / setup_context / backward are written separately and the vmap rule
-        # is generated, so torch.func.grad, jacrev and vmap can transform it too
+        # is generated, so torch.func.grad, jacrev and vmap can transform it too.
+        # Inputs: the call's arrays by `names`, then the score_mod's parameters.
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(skeleton: Any, path: Any, names: Any, *arrays: Any) -> Any:
-            call = skeleton.unflatten(dict(zip(names, arrays, strict=True)))
+        def forward(skeleton: Any, path: Any, names: Any, *tensors: Any) -> Any:
+            call = skeleton.unflatten(dict(zip(names, tensors, strict=False)))
             return _forward(call, path)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            skeleton, path, names, *arrays = inputs
+            skeleton, path, names, *tensors = inputs
             ctx.set_materialize_grads(False)  # an unused output's cotangent stays None
-            ctx.save_for_backward(*arrays, *output)
+            ctx.save_for_backward(*tensors[: len(names)], *output)
             ctx.skeleton, ctx.path, ctx.names = skeleton, path, names
+            ctx.params = tuple(tensors[len(names) :])  # read by the score_mod's own closure
 
         @staticmethod
         def backward(ctx: Any, dout: Any, dlse: Any) -> Any:
             *arrays, out, lse = ctx.saved_tensors
-            names = ctx.names
+            names, params = ctx.names, ctx.params
             if dout is None and dlse is None:
-                return (None,) * (3 + len(names))
-            wanted = ctx.needs_input_grad[3:]
+                return (None,) * (3 + len(names) + len(params))
+            wanted = ctx.needs_input_grad[3 : 3 + len(names)]
             need = _differentiable(tuple(n for n, w in zip(names, wanted, strict=True) if w))
             call = ctx.skeleton.unflatten(dict(zip(names, arrays, strict=True)))
-            g = _backward(call, ctx.path, (out, lse), (dout, dlse), need)
-            return (None, None, None, *(g.get(n) for n in names))
+            score_vjp = None
+            if call.terms.score_mod is not None:
+                score_vjp = torch_score_vjp(call.terms.score_mod, params)
+            g = _backward(call, ctx.path, (out, lse), (dout, dlse), need, score_vjp)
+            d_params = g.get("score_params", (None,) * len(params))
+            return (None, None, None, *(g.get(n) for n in names), *d_params)
 
     return TiledAttention
 
 
-def _jax_function(skeleton: AttentionCall, path: Tiled) -> Any:
+def _jax_function(skeleton: AttentionCall, path: Tiled, mod: JaxScoreMod | None) -> Any:
     import jax
 
-    @jax.custom_vjp
-    def attend(arrays: dict[str, Any]) -> Any:
-        return _forward(skeleton.unflatten(arrays), path)
+    def call_of(arrays: dict[str, Any], params: tuple[Any, ...]) -> AttentionCall:
+        call = skeleton.unflatten(arrays)
+        return call if mod is None else mod.into(call, params)
 
-    def forward(arrays: dict[str, Any]) -> Any:
-        out, lse = _forward(skeleton.unflatten(arrays), path)
-        return (out, lse), (arrays, out, lse)
+    @jax.custom_vjp
+    def attend(arrays: dict[str, Any], params: tuple[Any, ...]) -> Any:
+        return _forward(call_of(arrays, params), path)
+
+    def forward(arrays: dict[str, Any], params: tuple[Any, ...]) -> Any:
+        out, lse = _forward(call_of(arrays, params), path)
+        return (out, lse), (arrays, params, out, lse)
 
     def backward(residuals: Any, cotangents: Any) -> tuple[Any, ...]:
-        arrays, out, lse = residuals
+        arrays, params, out, lse = residuals
         need = _differentiable(tuple(arrays))
-        call = skeleton.unflatten(arrays)
-        g = _backward(call, path, (out, lse), cotangents, need)
-        return ({n: g.get(n) for n in arrays},)
+        score_vjp = None if mod is None else mod.vjp(params)
+        g = _backward(call_of(arrays, params), path, (out, lse), cotangents, need, score_vjp)
+        return {n: g.get(n) for n in arrays}, g.get("score_params", ())
 
     attend.defvjp(forward, backward)
     return attend

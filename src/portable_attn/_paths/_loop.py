@@ -32,9 +32,8 @@ same kernel runs inside JAX's structured loops instead:
   gradient) into one padded buffer, over the query blocks that see the key block;
   each pair runs the portable :func:`~portable_attn._lib._tiled.tiled_backward`.
 
-A ``score_mod`` is differentiated by JAX itself: then every key block is a step
-of a fixed-length loop (``lax.cond`` skips the hidden ones), which reverse-mode
-autodiff can transpose.
+A ``score_mod`` is differentiated per block in that backward too, with the traced
+arrays it closes over as explicit arguments (:class:`~._autodiff.JaxScoreMod`).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from typing import Any
 
 from .._lib._blocks import FULL, PARTIAL, traced_pair_states
 from .._lib._call import AttentionCall
-from .._lib._compat import stop_gradient
 from .._lib._fields import Role, axis_of, field
 from .._lib._path import Tiled
 from .._lib._tiled import (
@@ -52,10 +50,12 @@ from .._lib._tiled import (
     OnlineSoftmax,
     Ops,
     RowState,
+    ScoreVjp,
     block_ranges,
     sum_to_shape,
     tiled_backward,
 )
+from ._autodiff import JaxScoreMod
 from ._partial import place_block
 
 __all__ = ["loop_attention"]
@@ -85,8 +85,8 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
     """Run the tiled path of a JAX call as a traced loop: output (..., Hq, Lq, Dv), lse.
 
     The lse is (..., Hq, Lq, 1), ``-inf`` for a row with no visible key and no sink.
-    Differentiable with ``jax.grad`` (a custom VJP that loops too, or JAX's own
-    autodiff through the loop with a ``score_mod``).
+    Differentiable with ``jax.grad`` (a custom VJP that loops too), also with respect
+    to the traced arrays a ``score_mod`` closes over.
     """
     import jax
 
@@ -103,24 +103,29 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
         valid = jnp.ones((1, plan.kv_len), dtype=jnp.bool_)
         mask = arrays.get("mask")
         arrays["mask"] = valid if mask is None else jnp.logical_and(mask, valid)
-    if path.backward == "autodiff":  # JAX differentiates through a fixed-length loop
-        return _forward(skeleton, grid, arrays, differentiable=True)
+    mod = JaxScoreMod.of(call, [(bq, bk)])
+
+    def with_params(params: tuple[Array, ...]) -> AttentionCall:
+        return skeleton if mod is None else mod.into(skeleton, params)
 
     @jax.custom_vjp
-    def attend(arrays: dict[str, Array]) -> tuple[Array, Array]:
-        return _forward(skeleton, grid, arrays)
+    def attend(arrays: dict[str, Array], params: tuple[Array, ...]) -> tuple[Array, Array]:
+        return _forward(with_params(params), grid, arrays)
 
-    def forward(arrays: dict[str, Array]) -> Any:
-        out, lse = _forward(skeleton, grid, arrays)
-        return (out, lse), (arrays, out, lse)
+    def forward(arrays: dict[str, Array], params: tuple[Array, ...]) -> Any:
+        out, lse = _forward(with_params(params), grid, arrays)
+        return (out, lse), (arrays, params, out, lse)
 
-    def backward(residuals: Any, cotangents: Any) -> tuple[dict[str, Any]]:
-        arrays, out, lse = residuals
+    def backward(residuals: Any, cotangents: Any) -> tuple[Any, ...]:
+        arrays, params, out, lse = residuals
         dout, dlse = cotangents
-        return (_backward(skeleton, grid, arrays, out, lse, dout, dlse),)
+        score_vjp = None if mod is None else mod.vjp(params)
+        skeleton_ = with_params(params)
+        grads = _backward(skeleton_, grid, arrays, out, lse, dout, dlse, score_vjp, params)
+        return grads, grads.pop("score_params", ())
 
     attend.defvjp(forward, backward)
-    return attend(arrays)
+    return attend(arrays, () if mod is None else mod.params)
 
 
 # ---------------------------------------------------------------------------
@@ -209,17 +214,16 @@ def _unblock(x: Array, length: int) -> Array:
 
 
 def _forward(
-    skeleton: AttentionCall, grid: _Grid, arrays: dict[str, Array], *, differentiable: bool = False
+    skeleton: AttentionCall, grid: _Grid, arrays: dict[str, Array]
 ) -> tuple[Array, Array]:
     import jax.numpy as jnp
     from jax import lax
 
     padded = _padded(arrays, grid)
     states = _states(skeleton, arrays, grid)
-    stop = stop_gradient if differentiable else None
 
     def walk(block: AttentionCall) -> OnlineSoftmax:
-        return OnlineSoftmax(block, Ops(jnp), stop_gradient=stop)
+        return OnlineSoftmax(block, Ops(jnp))
 
     def pair(i: Any, j: Any, carry: Any) -> Any:
         def run(full: bool) -> Any:
@@ -241,16 +245,8 @@ def _forward(
             init = walk(_block(skeleton, padded, grid, i, 0)).carry_start(grid.bq)
         else:
             init = walk(whole).start(grid.bq)[:3]
-        count, index = _visits(states[i] != 0)
-        if not differentiable:  # a loop over the visible key blocks
-            state = lax.fori_loop(0, count, lambda t, c: pair(i, index(t), c), init)
-        else:
-
-            def step(t: Any, carry: Any) -> Any:  # a fixed trip count, transposable
-                j = index(jnp.minimum(t, grid.nk - 1))
-                return lax.cond(t < count, lambda c: pair(i, j, c), lambda c: c, carry)
-
-            state = lax.fori_loop(0, grid.nk, step, init)
+        count, index = _visits(states[i] != 0)  # a loop over the visible key blocks
+        state = lax.fori_loop(0, count, lambda t, c: pair(i, index(t), c), init)
         # the dropout scale and the empty-row convention of the whole rows
         return walk(_block(skeleton, padded, grid, i, 0)).finish(RowState(*state), grid.bq)
 
@@ -266,7 +262,15 @@ def _backward(
     lse: Array,
     dout: Array,
     dlse: Array,
+    score_vjp: ScoreVjp | None = None,
+    params: tuple[Array, ...] = (),
 ) -> dict[str, Array]:
+    """Return the gradients of every field by name, and of the ``score_mod``'s `params`.
+
+    `score_vjp` differentiates the ``score_mod`` per block
+    (:meth:`~._autodiff.JaxScoreMod.vjp`); the gradients of `params` come back as
+    ``"score_params"``.
+    """
     import jax.numpy as jnp
     from jax import lax
 
@@ -297,6 +301,7 @@ def _backward(
         "dq": jnp.zeros_like(q_pad),
         "dbias": jnp.zeros_like(padded["bias"]) if has_bias else None,
         **{n: jnp.zeros_like(arrays[n]) for n in summed},
+        "score_params": tuple(jnp.zeros_like(p) for p in params),
     }
     k_pad, v_pad = padded["key"], padded["value"]
     k_blk = (*k_pad.shape[:-2], grid.bk, k_pad.shape[-1])
@@ -317,6 +322,7 @@ def _backward(
                     need=need,
                     dlse=_rows(dlse_p, grid, i),
                     states=[[FULL if full else PARTIAL]],
+                    score_vjp=score_vjp,
                 )
 
             return compute
@@ -331,6 +337,8 @@ def _backward(
                 acc["dbias"] = _add_block(acc["dbias"], g["bias"], grid, i, j)
             for n in summed:
                 acc[n] = acc[n] + g[n]
+            if params:  # in a fixed order: key blocks, then their query blocks
+                acc["score_params"] = _sums(acc["score_params"], g["score_params"])
             return acc, dk + g["key"], dv + g["value"]
 
         zeros = (jnp.zeros(k_blk, k_pad.dtype), jnp.zeros(v_blk, v_pad.dtype))
@@ -349,7 +357,11 @@ def _backward(
         grads["bias"] = dbias[..., : bias.shape[-1]]
     for n in summed:
         grads[n] = carry[n]
-    return {n: grads.get(n) for n in arrays}
+    return {n: grads.get(n) for n in arrays} | {"score_params": carry["score_params"]}
+
+
+def _sums(totals: tuple[Array, ...], parts: tuple[Array, ...]) -> tuple[Array, ...]:
+    return tuple(t + p for t, p in zip(totals, parts, strict=True))
 
 
 def _add_rows(buf: Array, x: Array, start: Any) -> Array:

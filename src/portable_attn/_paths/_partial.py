@@ -99,13 +99,6 @@ def place_block(
     if plan.has_lengths:  # the part's valid lengths: i' = i + kv_len - q_len, shifted
         q_lengths = None if q_lengths is None else q_lengths - q_start
         kv_lengths = None if kv_lengths is None else kv_lengths - kv_start
-    mod = terms.score_mod
-    if mod is not None and not (_is_zero(q_start) and _is_zero(kv_start)):
-        inner = mod
-
-        def mod(scores: Array, batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
-            return inner(scores, batch, head, q_idx + q_start, kv_idx + kv_start)
-
     align = plan.align or Alignment()
     align = Alignment(  # a part of a part (a tile of a Dask chunk) adds up the starts
         q_start=align.q_start + q_start,
@@ -119,7 +112,6 @@ def place_block(
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
         kv_length_values=None,  # those of the whole call, not of the part
-        score_mod=mod,
         mask_mod=_shifted_mask_mod(terms.mask_mod, q_start, kv_start),
     )
     return dataclasses.replace(call, plan=new_plan, terms=new_terms)
