@@ -51,7 +51,8 @@ def scaled_dot_product_attention(
     block_mask: BlockMask | None = None,
     implementation: Literal["portable", "native"] | None = None,
     return_lse: bool = False,
-) -> Array | tuple[Array, Array]:
+    return_max_logit: bool = False,
+) -> Array | tuple[Array, ...]:
     r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
 
     Dimensions: ``B...`` batch (any number, broadcast), ``Hq`` query heads,
@@ -180,6 +181,14 @@ def scaled_dot_product_attention(
         :func:`merge_attention`. The output is the same as without it (bit for
         bit on the same path; no native kernel returns the lse, so torch's
         default moves such a call from SDPA to the portable path).
+    return_max_logit : bool, default False
+        Also return the largest logit of each row, after the output (and after
+        the lse with `return_lse`): the largest final score over the row's
+        visible keys (after `scale`, `softcap`, `score_mod`, `bias` and ALiBi; the
+        sink is not a score), ``-inf`` for a row with no visible key. Computed
+        in the forward pass on every path at no extra memory (the online
+        softmax carries it), with no gradient: what QK-clip (MuonClip) reads
+        every step. Like `return_lse`, it moves a call off SDPA.
 
     Returns
     -------
@@ -190,6 +199,8 @@ def scaled_dot_product_attention(
         Only with ``return_lse=True``: in the compute dtype (float32 for half
         inputs); ``-inf`` for a row with no visible key and no sink (the sink's
         logit with one). Differentiable: its cotangent flows back.
+    max_logit : array, shape (B..., Hq, Lq), or (Lq,) when all inputs are 2-D
+        Only with ``return_max_logit=True``: in the compute dtype; no gradient.
 
     Raises
     ------
@@ -247,7 +258,7 @@ def scaled_dot_product_attention(
     arrays: tuple[Any, ...] = (query, key, value, mask, bias, q_lengths, kv_lengths)
     arrays += (alibi_slopes, dropout_mask, sinks, q_segment_ids, kv_segment_ids)
     options: tuple[Any, ...] = (is_causal, scale, window, softcap, block_size, implementation)
-    options += (return_lse, dropout_p, score_mod is None, mask_mod is None)
+    options += (return_lse, return_max_logit, dropout_p, score_mod is None, mask_mod is None)
     options += (_block_mask_key(block_mask),)
     arguments = (query, key, value, mask)
     signature = _cache.signature(arrays, options)
@@ -255,11 +266,15 @@ def scaled_dot_product_attention(
     def derive() -> tuple[_cache.Entry, Any]:  # a miss: every check, the plan, the route
         call = prepare(query, key, value, **given)
         with_lse = check_is_flag("return_lse", return_lse)
+        if check_is_flag("return_max_logit", return_max_logit):
+            call = call.with_row_max()  # kept in the entry's plan for later hits
         kept = arguments if signature is not None else None  # no signature: nothing kept
-        entry, route = decide(call, block_size, implementation, with_lse, kept)
+        stats = with_lse or call.plan.row_max
+        entry, route = decide(call, block_size, implementation, stats, kept)
         return entry, (call, route)
 
     entry, derived = _cache.entry_for(signature, derive)
+    stats = return_lse or return_max_logit  # the row statistics: [lse | max]
     if derived is not None:
         call, route = derived
     elif entry.kept is not None and entry.route is not None and not entry.route.compiled:
@@ -268,9 +283,14 @@ def scaled_dot_product_attention(
         call = prepare(query, key, value, static=(entry.xp, entry.plan), **given)
         route = entry.route
         if route is None:  # the router reads host values of this call
-            route = router.route(call, block_size, implementation, return_lse=return_lse)
-    out, lse = run(call, route, with_lse=return_lse, kept=entry.kept)
-    return (call.finish(out), call.finish_lse(lse)) if return_lse else call.finish(out)
+            route = router.route(call, block_size, implementation, return_lse=stats)
+    out, lse = run(call, route, with_lse=stats, kept=entry.kept)
+    if not stats:
+        return call.finish(out)
+    results = [call.finish(out)]
+    results += [call.finish_lse(lse)] if return_lse else []
+    results += [call.finish_lse(lse, 1)] if return_max_logit else []
+    return tuple(results)
 
 
 def decide(

@@ -45,6 +45,7 @@ from ._compat import (
     library_name,
     on_device,
     reads_host_values,
+    stop_gradient,
     to_host,
 )
 from ._fields import FIELDS
@@ -172,15 +173,23 @@ class AttentionCall:
             out = self.xp.astype(out, self.plan.result_dtype)
         return out[0, ...] if self.drop_head else out
 
-    def finish_lse(self, lse: Array) -> Array:
-        """Return a row log-sum-exp (..., Hq, Lq, 1) as (..., Hq, Lq), in the compute dtype.
+    def with_row_max(self) -> AttentionCall:
+        """Return this call asking every path for each row's largest score too."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, row_max=True))
 
-        (``torch.autocast`` runs the products in its own dtype: the lse is cast back.)
+    def finish_lse(self, stats: Array, column: int = 0) -> Array:
+        """Return a column of the row statistics (..., Hq, Lq, 1|2) as (..., Hq, Lq).
+
+        Column 0 is the lse, 1 the row max (:func:`~._scores.row_stats`), which has
+        no gradient. In the compute dtype (``torch.autocast`` runs the products in
+        its own dtype: the statistics are cast back).
         """
-        lse = lse[..., 0]
-        if lse.dtype != self.plan.compute_dtype:
-            lse = self.xp.astype(lse, self.plan.compute_dtype)
-        return lse[0, ...] if self.drop_head else lse
+        x = stats[..., column]
+        if column == 1:
+            x = stop_gradient(x)
+        if x.dtype != self.plan.compute_dtype:
+            x = self.xp.astype(x, self.plan.compute_dtype)
+        return x[0, ...] if self.drop_head else x
 
 
 def prepare(

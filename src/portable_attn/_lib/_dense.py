@@ -12,6 +12,7 @@ from ._scores import (
     allowed_block,
     heads_to_rows,
     logits_block,
+    row_stats,
     rows_may_be_empty,
     rows_to_heads,
     scaled_query_rows,
@@ -31,6 +32,7 @@ class _Exp(NamedTuple):
     row_sum: Any | None  # (..., Hq, Lq, 1), the sink's term included; None when folded
     shift: Any  # (..., Hq, Lq, 1)
     may_be_empty: bool
+    top: Any  # (..., Hq, Lq, 1): the largest visible score, -inf for none, no gradient
 
 
 def _exp_logits(
@@ -62,7 +64,7 @@ def _exp_logits(
     # (causal, L = 1024, jax.jit: "none, weights" at 1.00x the guarded form in
     # benchmarks/results/xla-forms.json), so one rule serves every mask.
     may_be_empty = rows_may_be_empty(bias, terms, plan) or allowed is not None
-    exp_logits, sums, shift = masked_exp(
+    exp_logits, sums, shift, top = masked_exp(
         xp,
         scores,
         allowed,
@@ -71,7 +73,7 @@ def _exp_logits(
         sink=terms.sinks,
         stop_gradient=stop_gradient,  # the shift cancels: its gradient is exactly zero
     )
-    return _Exp(exp_logits, sums, shift, may_be_empty or terms.sinks is not None)
+    return _Exp(exp_logits, sums, shift, may_be_empty or terms.sinks is not None, top)
 
 
 def _normalise(xp: Any, x: Any, row_sum: Any, may_be_empty: bool) -> Any:
@@ -104,7 +106,8 @@ def dense_attention(
     row sums come from the same matmul, with a column of ones appended to V
     (``[P V | P 1]``), instead of another pass over the ``(Lq, Lk)`` weights.
     `with_lse` also returns the row log-sum-exp (..., Hq, Lq, 1), ``-inf`` for rows
-    with no visible key.
+    with no visible key (with the plan's ``row_max``, the row statistics
+    (..., Hq, Lq, 2) of :func:`~._scores.row_stats`).
 
     With `flash` (half-precision Q, K, V, decided by the policy), FlashAttention's
     form: ``Q Kᵀ`` and ``P V`` take half operands and accumulate in float32
@@ -145,7 +148,7 @@ def dense_attention(
     if not with_lse:
         return out
     lse = e.shift + xp.log(safe_denominator(xp, row_sum))
-    return out, xp.where(row_sum == 0.0, -xp.inf, lse)
+    return out, row_stats(xp, plan, xp.where(row_sum == 0.0, -xp.inf, lse), e.top)
 
 
 def dense_weights(call: AttentionCall) -> Any:

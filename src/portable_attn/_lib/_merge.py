@@ -36,21 +36,28 @@ def merge_partials(
         Array namespace of `out` and `lse`.
     out : array, shape (P..., ..., Lq, Dv)
         Each part's normalised output (zeros for rows with no key in the part).
-    lse : array, shape (P..., ..., Lq, 1)
-        Each part's row log-sum-exp, ``-inf`` for rows with no key in the part.
+    lse : array, shape (P..., ..., Lq, 1) or (P..., ..., Lq, 2)
+        Each part's row log-sum-exp, ``-inf`` for rows with no key in the part;
+        or its row statistics, the lse then the row max
+        (:func:`~._scores.row_stats`), whose max is taken.
     max_over, sum_over : callable
         Reductions over the parts (``P...``): they must drop the part axes.
 
     Returns
     -------
     out : array, shape (..., Lq, Dv)
-    lse : array, shape (..., Lq, 1)
-        ``-inf`` for rows that see no key in any part.
+    lse : array, shape (..., Lq, 1) or (..., Lq, 2)
+        ``-inf`` for rows that see no key in any part (then the row max, if given).
     """
+    row_max = None
+    if lse.shape[-1] == 2:
+        lse, row_max = lse[..., :1], max_over(lse[..., 1:])
     m = max_over(lse)
     m_safe = finite_shift(xp, m)  # every part empty: weights are exp(-inf) = 0
     w = xp.exp(lse - m_safe)  # (P..., ..., Lq, 1)
     total = sum_over(w)  # (..., Lq, 1)
     merged = sum_over(w * out) / safe_denominator(xp, total)
     lse_all = xp.where(total == 0.0, -xp.inf, m_safe + xp.log(safe_denominator(xp, total)))
+    if row_max is not None:
+        lse_all = xp.concat([lse_all, row_max], axis=-1)
     return merged, lse_all

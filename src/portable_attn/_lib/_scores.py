@@ -33,6 +33,7 @@ __all__ = [
     "query_offset",
     "raw_logits_block",
     "rows_may_be_empty",
+    "row_stats",
     "rows_to_heads",
     "scaled_query_rows",
     "score_index",
@@ -70,6 +71,14 @@ class AttentionPlan:
     #: where these queries and keys sit in the whole sequences (a part of a call);
     #: None: a whole call (a None default, which torch.compile can trace)
     align: Alignment | None = None
+    #: the call returns each row's largest score too (``return_max_logit``): every
+    #: path's row statistics are then ``[lse | max]``, (..., Hq, Lq, 2), not (..., 1)
+    row_max: bool = False
+
+    @property
+    def stats_width(self) -> int:
+        """Columns of the row statistics: the lse, and the row max with :attr:`row_max`."""
+        return 2 if self.row_max else 1
 
     @property
     def groups(self) -> int:
@@ -435,7 +444,9 @@ def empty_result(
         Zeros (``rows`` defaults to the plan's ``Lq``), in the compute dtype.
     lse : array, shape (*batch, Hq, rows, 1)
         ``-inf`` (no term in the softmax), or the sink logit with `sinks`
-        (..., Hq, 1, 1): the sink is then the row's only term.
+        (..., Hq, 1, 1): the sink is then the row's only term. With the plan's
+        ``row_max``, (*batch, Hq, rows, 2): the row max ``-inf`` follows
+        (:func:`row_stats`).
     """
     rows = plan.q_len if rows is None else rows
     shape = (*plan.batch, plan.num_q_heads, rows)
@@ -445,4 +456,17 @@ def empty_result(
         lse = xp.broadcast_to(sinks, (*shape, 1))  # already in the compute dtype
     else:
         lse = xp.full((*shape, 1), -xp.inf, dtype=plan.compute_dtype, **kw)
-    return out, lse
+    return out, row_stats(xp, plan, lse, None)
+
+
+def row_stats(xp: Any, plan: AttentionPlan, lse: Any, row_max: Any | None) -> Any:
+    """Return a block's row statistics: `lse` (..., Hq, bq, 1), then `row_max` if the plan asks.
+
+    `row_max` is the largest visible score of each row (..., Hq, bq, 1), ``-inf``
+    where none is visible; None: no key visible in any row.
+    """
+    if not plan.row_max:
+        return lse
+    if row_max is None:
+        row_max = xp.full(lse.shape, -xp.inf, dtype=lse.dtype, **on_device(plan.device))
+    return xp.concat([lse, xp.broadcast_to(row_max, lse.shape)], axis=-1)

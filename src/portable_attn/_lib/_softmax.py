@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["finite_shift", "masked_exp", "safe_denominator"]
+__all__ = ["finite_shift", "masked_exp", "safe_denominator", "with_sink"]
 
 
 def masked_exp(
@@ -34,8 +34,8 @@ def masked_exp(
     row_sum: bool = True,
     sink: Any | None = None,
     stop_gradient: Callable[[Any], Any] | None = None,
-) -> tuple[Any, Any | None, Any]:
-    """Return the unnormalised weights ``exp(logits - rowmax)``, their row sums, the shift.
+) -> tuple[Any, Any | None, Any, Any]:
+    """Return the unnormalised weights ``exp(logits - rowmax)``, their row sums, shift, max.
 
     Parameters
     ----------
@@ -75,10 +75,14 @@ def masked_exp(
         with no visible key and no sink.
     shift : array, shape (..., Lq, 1)
         ``m``: ``log(row_sum) + m`` is the row's log-sum-exp.
+    top : array, shape (..., Lq, 1)
+        The largest visible logit of each row (the sink left out), ``-inf`` where
+        none is visible; its gradient stopped like the shift's.
     """
     if allowed is not None:
         logits = xp.where(allowed, logits, -xp.inf)  # (..., Lq, Lk)
     row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
+    top = row_max if stop_gradient is None else stop_gradient(row_max)
     if sink is not None:
         row_max = xp.maximum(row_max, sink)
     if stop_gradient is not None:
@@ -87,11 +91,27 @@ def masked_exp(
         row_max = finite_shift(xp, row_max)  # empty rows: exp(-inf) = 0
     exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)
     if not row_sum:
-        return exp_logits, None, row_max
+        return exp_logits, None, row_max, top
     sums = xp.sum(exp_logits, axis=-1, keepdims=True)
     if sink is not None:
         sums = sums + xp.exp(sink - row_max)
-    return exp_logits, sums, row_max
+    return exp_logits, sums, row_max, top
+
+
+def with_sink(xp: Any, out: Any, lse: Any, sink: Any) -> tuple[Any, Any]:
+    """Add a sink logit to normalised rows: ``(out · w, log(exp(lse) + exp(sink)))``.
+
+    `out` (..., Lq, Dv) and `lse` (..., Lq, 1) are a softmax over the visible keys
+    alone (lse ``-inf`` for a row that sees none); the sink (broadcastable to `lse`)
+    joins the denominator, so ``w = exp(lse) / (exp(lse) + exp(sink))``. A row with
+    neither stays zero with lse ``-inf``; no NaN, in values or gradients.
+    """
+    shift = finite_shift(xp, xp.maximum(lse, sink))
+    own = xp.exp(lse - shift)
+    total = own + xp.exp(sink - shift)
+    denominator = safe_denominator(xp, total)
+    lse_all = xp.where(total == 0.0, -xp.inf, shift + xp.log(denominator))
+    return out * (own / denominator), lse_all
 
 
 def finite_shift(xp: Any, row_max: Any) -> Any:

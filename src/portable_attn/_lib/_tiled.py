@@ -37,6 +37,7 @@ from ._scores import (
     empty_result,
     heads_to_rows,
     raw_logits_block,
+    row_stats,
     rows_to_heads,
     scaled_query_rows,
     score_index,
@@ -45,7 +46,7 @@ from ._scores import (
     with_ones_column,
     without_hidden_keys,
 )
-from ._softmax import finite_shift, safe_denominator
+from ._softmax import finite_shift, safe_denominator, with_sink
 
 __all__ = [
     "Blocks",
@@ -159,10 +160,6 @@ class Ops:
         """``alpha · acc + pv``."""
         return alpha * acc + pv
 
-    def start_acc(self, acc: Any) -> Any:
-        """Return the accumulator before the first block (zeros, with a sink)."""
-        return acc
-
     def write(self, target: Any, value: Any) -> None:
         """Write `value` into `target`, a view of an output array of ours."""
         target[...] = value
@@ -231,21 +228,8 @@ class OnlineSoftmax:
     stop_gradient: Any = None
 
     def start(self, bq: int) -> RowState:
-        """Return the state before the first key block: at the sink if any, else empty."""
-        xp, terms, plan = self.call.xp, self.call.terms, self.call.plan
-        if terms.sinks is None:
-            return RowState(None, None, None)
-        # The sink is a key with logit ``sink_h`` and a zero value: the running max
-        # starts at it and the denominator at ``exp(sink_h - max) = 1`` (0 for -inf).
-        shape = (*plan.batch, plan.num_q_heads, bq, 1)
-        m = xp.broadcast_to(terms.sinks, shape)
-        if self.stop_gradient is not None:
-            m = self.stop_gradient(m)
-        l_sum = xp.exp(terms.sinks - finite_shift(xp, m))  # (..., Hq, bq, 1)
-        acc = _zeros(xp, (*plan.batch, plan.num_q_heads, bq, plan.value_dim), plan)
-        if self.fold:  # the denominator rides along as the accumulator's last column
-            return RowState(m, None, self.ops.start_acc(xp.concat([acc, l_sum], axis=-1)))
-        return RowState(m, l_sum, self.ops.start_acc(acc))
+        """Return the state before the first key block: nothing seen (a sink joins at the end)."""
+        return RowState(None, None, None)
 
     def carry_start(self, bq: int) -> tuple[Any, Any, Any]:
         """Return ``(m, l_sum, acc)`` of rows that saw nothing yet: -inf, 0, 0 (a loop carry)."""
@@ -301,11 +285,17 @@ class OnlineSoftmax:
         return RowState(m_new, alpha * l_sum + p_sum, ops.rescaled(acc, alpha, pv), rows_seen)
 
     def finish(self, state: RowState, bq: int) -> tuple[Any, Any]:
-        """Return output (..., Hq, bq, Dv) and lse (..., Hq, bq, 1); lse ``-inf``: nothing seen."""
+        """Return output (..., Hq, bq, Dv) and row statistics (..., Hq, bq, 1 or 2).
+
+        The lse, ``-inf`` where nothing was seen (the sink's logit with one), then,
+        with the plan's ``row_max``, the running max: the largest visible score, the
+        sink left out (:func:`~._scores.row_stats`). The sink joins the denominator
+        here (:func:`~._softmax.with_sink`), so the running max is the scores' own.
+        """
         xp, terms, plan = self.call.xp, self.call.terms, self.call.plan
         m, l_sum, acc, rows_seen = state
-        if m is None:  # every key block hidden for this query block (no sink): zero rows
-            return empty_result(xp, plan, None, rows=bq)
+        if m is None:  # every key block hidden for this query block: zero rows
+            return empty_result(xp, plan, terms.sinks, rows=bq)
         if self.fold:
             dv = plan.value_dim
             acc, l_sum = acc[..., :dv], acc[..., dv:]
@@ -316,7 +306,11 @@ class OnlineSoftmax:
         lse = m_safe + xp.log(denominator)
         if not rows_seen:
             lse = xp.where(l_sum == 0.0, -xp.inf, lse)
-        return acc / denominator, xp.broadcast_to(lse, (*plan.batch, plan.num_q_heads, bq, 1))
+        out = acc / denominator
+        if terms.sinks is not None:
+            out, lse = with_sink(xp, out, lse, terms.sinks)
+        lse = xp.broadcast_to(lse, (*plan.batch, plan.num_q_heads, bq, 1))
+        return out, row_stats(xp, plan, lse, m)
 
 
 def block_scores(

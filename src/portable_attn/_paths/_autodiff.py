@@ -82,9 +82,14 @@ def _backward(
     need: tuple[str, ...],
     score_vjp: ScoreVjp | None = None,
 ) -> dict[str, Any]:
-    """Run the portable backward; `grads` are the cotangents of (out, lse)."""
-    out, lse = saved
-    dout, dlse = grads
+    """Run the portable backward; `grads` are the cotangents of (out, row statistics).
+
+    Only the lse column of the statistics has a gradient (the row max has none).
+    """
+    out, stats = saved
+    dout, dstats = grads
+    lse = stats[..., :1]
+    dlse = None if dstats is None else dstats[..., :1]
     if dout is None:  # only the lse was used
         dout = call.xp.zeros_like(out)
     return tiled_backward(

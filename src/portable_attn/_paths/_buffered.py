@@ -178,11 +178,6 @@ class Workspace(Ops):
         np.add(acc, pv, out=acc)
         return acc
 
-    def start_acc(self, acc: Any) -> Any:
-        target = self.view("acc", acc.shape)
-        np.copyto(target, acc)
-        return target
-
     def write(self, target: Any, value: Any) -> None:
         np.copyto(target, value)
 
@@ -228,7 +223,7 @@ def buffered_forward(
     if out is None:
         out = call.zeros(plan.q_len, plan.value_dim)
     if lse is None:
-        lse = call.zeros(plan.q_len, 1)
+        lse = call.zeros(plan.q_len, plan.stats_width)
     space = Workspace(call, bq, bk, width, built)
     return tiled_forward(
         call,

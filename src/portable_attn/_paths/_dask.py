@@ -187,7 +187,7 @@ def dask_attention(call: AttentionCall, path: DaskGrid, *, with_lse: bool = Fals
         return out
     lse_deps: list[Any] = [out]
     lse_graph = HighLevelGraph.from_collections(lse_name, lse_dsk, dependencies=lse_deps)
-    return out, da.Array(lse_graph, lse_name, (*rows, (1,)), meta=meta)
+    return out, da.Array(lse_graph, lse_name, (*rows, (plan.stats_width,)), meta=meta)
 
 
 # ---------------------------------------------------------------------------
@@ -404,7 +404,8 @@ def _full_rows(call: AttentionCall, out: Array, lse: Array) -> tuple[Array, Arra
     """Return `out` and `lse` broadcast to every (batch, head) row of the chunk pair."""
     xp, plan = call.xp, call.plan
     full = (*plan.batch, plan.num_q_heads, plan.q_len)
-    return xp.broadcast_to(out, (*full, plan.value_dim)), xp.broadcast_to(lse, (*full, 1))
+    stats = (*full, plan.stats_width)
+    return xp.broadcast_to(out, (*full, plan.value_dim)), xp.broadcast_to(lse, stats)
 
 
 def _run_task(kernel: _Kernel, pairs: tuple[_Pair, ...], *blocks: Array | None) -> Any:

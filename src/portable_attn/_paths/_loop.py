@@ -25,8 +25,8 @@ same kernel runs inside JAX's structured loops instead:
   their ``Lq``/``Lk`` axes; the padded keys are hidden by the mask (whatever the
   lengths say), the padded query rows are cut off the result;
 - a term of every row that belongs to no key (the sink logit, ``once_per_row`` in
-  :data:`~portable_attn._lib._fields.FIELDS`) starts each query block's carry, as it
-  starts the Python walk's online softmax (it is in no block);
+  :data:`~portable_attn._lib._fields.FIELDS`) joins each query block's rows when
+  they are finished, as in the Python walk (it is in no block);
 - the backward is a loop too (a ``jax.custom_vjp``): ``lax.scan`` over the key
   blocks, accumulating dK and dV per key block in the carry and dQ (and the bias
   gradient) into one padded buffer, over the query blocks that see the key block;
@@ -117,8 +117,9 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
         return (out, lse), (arrays, params, out, lse)
 
     def backward(residuals: Any, cotangents: Any) -> tuple[Any, ...]:
-        arrays, params, out, lse = residuals
-        dout, dlse = cotangents
+        arrays, params, out, stats = residuals
+        dout, dstats = cotangents
+        lse, dlse = stats[..., :1], dstats[..., :1]  # the row max has no gradient
         score_vjp = None if mod is None else mod.vjp(params)
         skeleton_ = with_params(params)
         grads = _backward(skeleton_, grid, arrays, out, lse, dout, dlse, score_vjp, params)
@@ -169,8 +170,6 @@ def _block(
     q_start, kv_start = i * grid.bq, j * grid.bk
     blocks = {}
     for name, x in padded.items():
-        if field(name).once_per_row is not None:  # starts each query block's carry
-            continue
         x = _cut(x, _dim(name, x, "lq"), q_start, grid.bq)
         blocks[name] = _cut(x, _dim(name, x, "lk"), kv_start, grid.bk)
     call = skeleton.unflatten(blocks, q_len=grid.bq, kv_len=grid.bk)
@@ -238,16 +237,11 @@ def _forward(
 
         return lax.cond(states[i, j] == FULL, run(True), run(False), carry)
 
-    whole = skeleton.unflatten(arrays)  # its sinks start every row's softmax
-
     def query_block(i: Any) -> Any:
-        if whole.terms.sinks is None:
-            init = walk(_block(skeleton, padded, grid, i, 0)).carry_start(grid.bq)
-        else:
-            init = walk(whole).start(grid.bq)[:3]
+        init = walk(_block(skeleton, padded, grid, i, 0)).carry_start(grid.bq)
         count, index = _visits(states[i] != 0)  # a loop over the visible key blocks
         state = lax.fori_loop(0, count, lambda t, c: pair(i, index(t), c), init)
-        # the dropout scale and the empty-row convention of the whole rows
+        # the dropout scale, the sink and the empty-row convention of the whole rows
         return walk(_block(skeleton, padded, grid, i, 0)).finish(RowState(*state), grid.bq)
 
     outs, lses = lax.map(query_block, jnp.arange(grid.nq))

@@ -102,7 +102,7 @@ def threaded_attention(
     v_ones = with_ones_column(call.xp, call.value, plan) if path.fold else None
     # one output of ours, each run writing its rows (no concatenation holding them twice)
     out = call.zeros(plan.q_len, plan.value_dim)
-    lse = call.zeros(plan.q_len, 1)
+    lse = call.zeros(plan.q_len, plan.stats_width)
 
     def run(ranges: list[Any]) -> None:
         buffered_forward(

@@ -7,7 +7,8 @@ what a user testing a model on several backends can use too:
   every array library the project runs on, how to move NumPy data onto it and
   back, how to synchronise its device and how to differentiate;
 - the float64 NumPy oracle (:func:`reference_attention`,
-  :func:`reference_weights`, :func:`reference_lse`) and finite differences
+  :func:`reference_weights`, :func:`reference_lse`,
+  :func:`reference_max_logit`) and finite differences
   (:func:`central_differences`), written independently of the library;
 - :func:`assert_close`, which checks an array's namespace, device, shape and
   dtype before its values (as ``array_api_extra``'s ``xp_assert_close`` does).
@@ -58,6 +59,7 @@ from ._reference import (
     central_differences,
     reference_attention,
     reference_lse,
+    reference_max_logit,
     reference_weights,
     structure,
 )
@@ -82,6 +84,7 @@ __all__ = [
     "make_backend",
     "reference_attention",
     "reference_lse",
+    "reference_max_logit",
     "reference_weights",
     "structure",
     "to_numpy",

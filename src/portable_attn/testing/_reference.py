@@ -141,6 +141,26 @@ def reference_lse(q: npt.ArrayLike, k: npt.ArrayLike, **kwargs: Any) -> Float64A
     return lse[0] if two_d else lse
 
 
+def reference_max_logit(q: npt.ArrayLike, k: npt.ArrayLike, **kwargs: Any) -> Float64Array:
+    """Return the largest final score of each row over its visible keys, in float64.
+
+    Parameters
+    ----------
+    q, k : array_like
+        Query and key, as in :func:`reference_weights`.
+    **kwargs
+        As in :func:`reference_weights`; the sink is not a score and is left out.
+
+    Returns
+    -------
+    ndarray of float64
+        ``(..., Hq, Lq)``; ``-inf`` for a row with no visible key.
+    """
+    masked, _, two_d, _ = _masked_logits(q, k, **kwargs)
+    top = masked.max(axis=-1)
+    return top[0] if two_d else top
+
+
 def _masked_logits(
     q: npt.ArrayLike,
     k: npt.ArrayLike,

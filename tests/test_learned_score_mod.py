@@ -1,0 +1,155 @@
+"""A `score_mod` that closes over learned arrays, differentiated at O(L) memory.
+
+The gradients of the arrays it closes over (a torch tensor that requires a
+gradient, a JAX array traced by the function being differentiated), and of Q, K
+and V, against the dense path's autodiff and central differences, on every route
+that differentiates; under ``jax.jit``, ``jax.vmap`` and ``torch.func``; and what
+the backward keeps for later: the inputs and the output, not a block of scores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import qkv, randn
+from portable_attn import scaled_dot_product_attention
+from portable_attn.testing import central_differences
+
+pytestmark = pytest.mark.autodiff
+
+LQ, LK, H = 7, 9, 4  # GQA: Hq=4, Hkv=2; no tile divides the lengths
+TABLE = randn(H, LQ + LK - 1, seed=5) * 0.5  # a relative-position bias per head
+TEMPERATURE = np.array([1.0, 0.5, 2.0, 1.5])  # a per-head factor
+
+
+def rel_bias(xp, table, temperature):
+    """T5-style: ``s · t_h + table[h, i - j + Lk - 1]``, closing over both arrays."""
+
+    def score_mod(s, b, h, i, j):
+        return s * temperature[h] + table[h, i - j + LK - 1]
+
+    return score_mod
+
+
+def loss_of(backend, xp, route, cot, **kw):
+    def loss(q, k, v, table, temperature):
+        mod = rel_bias(xp, table, temperature)
+        out = scaled_dot_product_attention(q, k, v, score_mod=mod, **route, **kw)
+        return xp.sum(out * cot)
+
+    return loss
+
+
+def arrays(backend):
+    q, k, v = qkv(lq=LQ, lk=LK, dk=5, dv=3)
+    return [backend.asarray(a) for a in (q, k, v, TABLE, TEMPERATURE)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True, "softcap": 3.0, "window": (4, 1)}])
+def test_gradients_equal_the_dense_path(backend, xp, route, kw):
+    cot = backend.asarray(randn(2, 4, LQ, 3, seed=6))
+    args = arrays(backend)
+    got = backend.grad(loss_of(backend, xp, route.kw, cot, **kw), *args)
+    want = backend.grad(loss_of(backend, xp, {"block_size": "dense"}, cot, **kw), *args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(w), atol=1e-12)
+    assert np.abs(backend.to_numpy(got[3])).sum() > 0  # the table learns
+
+
+def test_gradients_against_central_differences(backend, xp):
+    """The learned arrays' gradients (Q, K, V's are the dense path's, above)."""
+    cot = backend.asarray(randn(2, 4, LQ, 3, seed=7))
+    q, k, v, *learned = arrays(backend)
+    loss = loss_of(backend, xp, {"block_size": (3, 4)}, cot, is_causal=True)
+    analytic = backend.grad(lambda *a: loss(q, k, v, *a), *learned)
+
+    def loss_np(*a):
+        return float(backend.to_numpy(loss(q, k, v, *(backend.asarray(x) for x in a))))
+
+    numeric = central_differences(loss_np, [backend.to_numpy(a) for a in learned])
+    for g, n in zip(analytic, numeric, strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), n, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.backends("torch", reason="an nn.Parameter reached through a module")
+def test_torch_module_parameter(backend):
+    import torch
+
+    class RelBias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.tensor(TABLE))
+
+        def forward(self, s, b, h, i, j):
+            return s + self.table[h, i - j + LK - 1]
+
+    module = RelBias()
+    q, k, v = (backend.asarray(a) for a in qkv(lq=LQ, lk=LK))
+    out = scaled_dot_product_attention(q, k, v, score_mod=module, block_size=(3, 4))
+    assert type(out.grad_fn).__name__ == "TiledAttentionBackward"  # the recomputing one
+    out.square().sum().backward()
+    dense = scaled_dot_product_attention(q, k, v, score_mod=module, block_size="dense")
+    (want,) = torch.autograd.grad(dense.square().sum(), module.table)
+    torch.testing.assert_close(module.table.grad, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.backends("jax", reason="jax.jit, jax.vmap over the learned table")
+def test_jax_jit_and_vmap(backend, xp, route):
+    import jax
+
+    cot = backend.asarray(randn(2, 4, LQ, 3, seed=8))
+    loss = loss_of(backend, xp, route.kw, cot)
+    dense = loss_of(backend, xp, {"block_size": "dense"}, cot)
+    *qkv_args, table, temperature = arrays(backend)
+    grad = jax.jit(jax.grad(loss, argnums=3))
+    np.testing.assert_allclose(
+        grad(*qkv_args, table, temperature),
+        jax.grad(dense, argnums=3)(*qkv_args, table, temperature),
+        atol=1e-12,
+    )
+    tables = xp.stack([table, 2.0 * table])
+    batched = jax.vmap(grad, in_axes=(None, None, None, 0, None))(*qkv_args, tables, temperature)
+    np.testing.assert_allclose(
+        batched[1], jax.grad(dense, argnums=3)(*qkv_args, 2.0 * table, temperature), atol=1e-12
+    )
+
+
+def saved_bytes(backend, xp, route, score_mod):
+    """Bytes the backward of one call keeps from the forward (autograd's saved tensors,
+    the residuals of ``jax.vjp``), with a learned `score_mod` or a fixed one."""
+    lq = lk = 128
+    q, k, v = qkv(batch=(1,), hq=2, hkv=2, lq=lq, lk=lk, dk=4, dv=4, backend=backend)
+    table = backend.asarray(randn(2, 2 * lk - 1, seed=9))
+
+    def attend(q, k, v, table):
+        def mod(s, b, h, i, j):
+            return s + table[h, i - j + lk - 1] if score_mod else s
+
+        return scaled_dot_product_attention(q, k, v, score_mod=mod, is_causal=True, **route)
+
+    if backend.family == "torch":
+        import torch
+
+        total = []
+
+        def pack(x):
+            total.append(x.untyped_storage().nbytes())
+            return x
+
+        leaves = [a.detach().requires_grad_() for a in (q, k, v, table)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            attend(*leaves)
+        return sum(total)
+    import jax
+
+    _, vjp = jax.vjp(attend, q, k, v, table)
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(vjp))
+
+
+def test_the_backward_keeps_no_block_of_scores(backend, xp, route):
+    if route.name == "dense":
+        pytest.skip("the dense path keeps its scores by design")
+    with_table = saved_bytes(backend, xp, route.kw, True)
+    scores = 2 * 128 * 128 * 8  # one (H, Lq, Lk) float64 block of scores
+    assert with_table < scores / 4  # Q, K, V, the output, the lse and the table
