@@ -1,0 +1,248 @@
+"""Training with a learned score term: memory and step time of forward + backward.
+
+    python benchmarks/learned.py            # writes benchmarks/results/learned.json
+    python benchmarks/learned.py --lengths 4096 --steps 3
+
+The case of issue 38: B=1, H=8, D=64, float32, causal, a T5-style relative-position
+table of shape (H, 2L-1) that learns,
+``score_mod = lambda s, b, h, i, j: s + table[h, i - j + L - 1]``. One training step
+is the forward and the backward of ``sum(out * cot)`` with respect to Q, K, V and
+the table (Q, K, V alone without it). Rows, each in a fresh process:
+
+- ``ours``: our default call, no score_mod; ``ours+table``: with the learned table;
+- ``peer``: the framework's kernel given the table gathered into an (H, L, L) float
+  bias with the causal mask in it (torch SDPA's ``attn_mask``; ``jax.nn`` with
+  ``bias=`` and ``is_causal=True``), the gather inside the step, so the table learns
+  through it.
+
+torch runs eager; JAX runs ``jax.jit(jax.grad(...))``, its first step compiling.
+Per row: ``first_s`` (the first step, compile included), ``s`` (median of the later
+steps) and ``extra_peak_rss_mib``: the peak resident memory over every step, above
+the process after its inputs were made (a 2 ms poll; ``ru_maxrss`` recorded too).
+A peer whose gathered bias alone passes half the machine's memory is not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _timing import start_rss_watch, stop_rss_watch  # noqa: E402
+from report import git_state  # noqa: E402
+
+B, H, D = 1, 8, 64
+IMPLS = ("ours", "ours+table", "peer")
+
+
+def _data(length: int) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shape = (B, H, length, D)
+    return {
+        "q": rng.standard_normal(shape, dtype=np.float32),
+        "k": rng.standard_normal(shape, dtype=np.float32),
+        "v": rng.standard_normal(shape, dtype=np.float32),
+        "cot": rng.standard_normal(shape, dtype=np.float32),
+        "table": (0.1 * rng.standard_normal((H, 2 * length - 1))).astype(np.float32),
+    }
+
+
+def torch_step(impl: str, length: int) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    from portable_attn import scaled_dot_product_attention
+
+    data = _data(length)
+    q, k, v = (torch.tensor(data[n], requires_grad=True) for n in "qkv")
+    cot = torch.tensor(data["cot"])
+    table = torch.nn.Parameter(torch.tensor(data["table"]))
+    pos = torch.arange(length)
+    rel = pos[:, None] - pos[None, :] + length - 1  # (L, L) index into the table
+    causal = pos[:, None] >= pos[None, :]
+
+    def step() -> None:
+        for x in (q, k, v, table):
+            x.grad = None
+        if impl == "ours":
+            out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif impl == "ours+table":
+
+            def mod(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+                return s + table[h, i - j + length - 1]
+
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mod)
+        else:
+            bias = torch.where(causal, table[:, rel], float("-inf"))  # (H, L, L)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        (out * cot).sum().backward()
+
+    return step
+
+
+def jax_step(impl: str, length: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    from portable_attn import scaled_dot_product_attention
+
+    data = _data(length)
+    q, k, v, cot, table = (jnp.asarray(data[n]) for n in ("q", "k", "v", "cot", "table"))
+    pos = jnp.arange(length)
+    rel = pos[:, None] - pos[None, :] + length - 1
+
+    def loss(q: Any, k: Any, v: Any, table: Any) -> Any:
+        if impl == "ours":
+            out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif impl == "ours+table":
+
+            def mod(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+                return s + table[h, i - j + length - 1]
+
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mod)
+        else:  # (B, L, H, D) layout, the bias (1, H, L, L)
+            t = (0, 2, 1, 3)
+            out = jax.nn.dot_product_attention(
+                *(jnp.transpose(x, t) for x in (q, k, v)),
+                bias=table[:, rel][None],
+                is_causal=True,
+            )
+            out = jnp.transpose(out, t)
+        return jnp.sum(out * cot)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+    def step() -> None:
+        jax.block_until_ready(grad(q, k, v, table))
+
+    return step
+
+
+STEPS = {"torch": torch_step, "jax": jax_step}
+
+
+def child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one row in this fresh process: its first step, later steps and peak memory."""
+    step = STEPS[cfg["library"]](cfg["impl"], cfg["L"])
+    holder = types.SimpleNamespace()  # start_rss_watch keeps its state on a "worker"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start_rss_watch(holder)
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    later = []
+    for _ in range(cfg["steps"]):
+        t0 = time.perf_counter()
+        step()
+        later.append(time.perf_counter() - t0)
+    polled = stop_rss_watch(holder)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        **cfg,
+        "first_s": first,
+        "s": statistics.median(later),
+        "runs_s": later,
+        "extra_peak_rss_mib": polled / 2**20,
+        "extra_peak_rss_mib_maxrss": max(0, after - before) / 1024,
+    }
+
+
+def _fits(impl: str, length: int) -> bool:
+    """Whether a row's dense (H, L, L) float32 bias takes under half the machine's memory."""
+    if impl != "peer":
+        return True
+    import os
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return H * length * length * 4 < memory / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--libraries", nargs="+", default=["torch", "jax"])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
+    parser.add_argument("--out", default=str(HERE / "results" / "learned.json"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    rows = []
+    for length in args.lengths:
+        for library in args.libraries:
+            for impl in IMPLS:
+                cfg = {"library": library, "impl": impl, "L": length, "steps": args.steps}
+                if not _fits(impl, length):
+                    rows.append({**cfg, "skipped": "the (H, L, L) bias alone: over half of RAM"})
+                    print(f"{library} {impl} L={length}: not run (the dense bias)", flush=True)
+                    continue
+                run = subprocess.run(
+                    [sys.executable, __file__, "--child", json.dumps(cfg)],
+                    capture_output=True,
+                    text=True,
+                )
+                if run.returncode != 0:
+                    rows.append({**cfg, "failed": run.stderr.strip().splitlines()[-1:]})
+                    print(f"{library} {impl} L={length}: failed {rows[-1]['failed']}", flush=True)
+                    continue
+                row = json.loads(run.stdout.strip().splitlines()[-1])
+                rows.append(row)
+                print(
+                    f"{library} {impl} L={length}: first {row['first_s']:.2f} s, later "
+                    f"{row['s']:.2f} s, extra {row['extra_peak_rss_mib']:.0f} MiB",
+                    flush=True,
+                )
+    result = {
+        "benchmark": "learned",
+        "case": {"B": B, "H": H, "D": D, "dtype": "float32", "is_causal": True},
+        "git": git_state(),
+        "python": sys.version.split()[0],
+        "rows": rows,
+        "ratios": _ratios(rows),
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["ratios"], indent=1))
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per library and length: the learned table's cost against the plain call and the peer."""
+    by = {(r["library"], r["L"], r["impl"]): r for r in rows if "s" in r}
+    out: dict[str, Any] = {}
+    for library, length, impl in list(by):
+        if impl != "ours+table" or (library, length, "ours") not in by:
+            continue
+        mine, plain = by[(library, length, impl)], by[(library, length, "ours")]
+        peer = by.get((library, length, "peer"))
+        out[f"{library} L={length}"] = {
+            "memory_vs_plain": mine["extra_peak_rss_mib"] / max(plain["extra_peak_rss_mib"], 1.0),
+            "step_vs_plain": mine["s"] / plain["s"],
+            "step_vs_peer": None if peer is None else mine["s"] / peer["s"],
+            "first_step_s": mine["first_s"],
+            "extra_mib": mine["extra_peak_rss_mib"],
+            "within_1_gib": mine["extra_peak_rss_mib"] <= 1024 if length > 4096 else None,
+        }
+    return {
+        k: {
+            n: (round(x, 3) if isinstance(x, float) and math.isfinite(x) else x)
+            for n, x in v.items()
+        }
+        for k, v in out.items()
+    }
+
+
+if __name__ == "__main__":
+    main()
