@@ -70,9 +70,11 @@ def torch_step(impl: str, length: int) -> Any:
     q, k, v = (torch.tensor(data[n], requires_grad=True) for n in "qkv")
     cot = torch.tensor(data["cot"])
     table = torch.nn.Parameter(torch.tensor(data["table"]))
-    pos = torch.arange(length)
-    rel = pos[:, None] - pos[None, :] + length - 1  # (L, L) index into the table
-    causal = pos[:, None] >= pos[None, :]
+    rel = causal = None
+    if impl == "peer":  # (L, L) int64 index into the table: made only where it is used
+        pos = torch.arange(length)
+        rel = pos[:, None] - pos[None, :] + length - 1
+        causal = pos[:, None] >= pos[None, :]
 
     def step() -> None:
         for x in (q, k, v, table):
@@ -101,8 +103,12 @@ def jax_step(impl: str, length: int) -> Any:
 
     data = _data(length)
     q, k, v, cot, table = (jnp.asarray(data[n]) for n in ("q", "k", "v", "cot", "table"))
-    pos = jnp.arange(length)
-    rel = pos[:, None] - pos[None, :] + length - 1
+    rel = None
+    if impl == "peer":  # (L, L) int32: 1 GiB at L = 16384, made only where it is used
+        pos = jnp.arange(length)
+        rel = pos[:, None] - pos[None, :] + length - 1
+    # JAX dispatches asynchronously: every input exists before the memory watch starts
+    jax.block_until_ready((q, k, v, cot, table, rel))
 
     def loss(q: Any, k: Any, v: Any, table: Any) -> Any:
         if impl == "ours":

@@ -85,3 +85,27 @@ def test_output_in_convex_hull_of_visible_values(backend, problem):
             # per coordinate, a convex combination stays within [min, max]
             assert np.all(out[h, i] >= seen.min(0) - 1e-12)
             assert np.all(out[h, i] <= seen.max(0) + 1e-12)
+
+
+@given(problems(), st.sampled_from([None, (2, 3)]))
+def test_max_logit_bounds_the_lse(backend, problem, block_size):
+    """``max <= lse <= max + log(visible keys)``, both ``-inf`` on an empty row."""
+    q, k, v, mask, kw = problem
+    b = backend.asarray
+    _, lse, top = scaled_dot_product_attention(
+        b(q),
+        b(k),
+        b(v),
+        mask=b(mask),
+        block_size=block_size,
+        **kw,
+        return_lse=True,
+        return_max_logit=True,
+    )
+    lse, top = backend.to_numpy(lse), backend.to_numpy(top)
+    count = visible(mask, kw, q.shape[-2], k.shape[-2]).sum(-1)
+    assert np.array_equal(np.isneginf(top), count == 0)
+    assert np.array_equal(np.isneginf(lse), count == 0)
+    seen = count > 0
+    assert np.all(top[seen] <= lse[seen] + 1e-12)
+    assert np.all(lse[seen] <= top[seen] + np.log(count[seen]) + 1e-12)

@@ -55,7 +55,7 @@ class Tiled:
     the query blocks (NumPy), 1 for the calling thread alone; `backward`: what
     differentiates the walk -- ``"torch"`` / ``"jax"`` the recomputing O(L) backward
     registered with that library, ``"autodiff"`` the library's own autodiff through
-    the walk (a ``score_mod``), None no autodiff.
+    the walk (a ``score_mod`` under ``torch.compile``), None no autodiff.
     """
 
     block_q: Blocks

@@ -8,8 +8,9 @@
                             the sink)
 ``Dense``                   :func:`portable_attn._lib._dense.dense_attention`
 ``Tiled(walk="python")``    :func:`portable_attn._lib._tiled.tiled_forward`, with the
-                            recomputing backward of ``_autodiff.py`` (torch, JAX) or the
-                            library's own autodiff through it (a ``score_mod``)
+                            recomputing backward of ``_autodiff.py`` (torch, JAX) or
+                            torch's own autograd through it (a ``score_mod`` under
+                            ``torch.compile``)
 ``Tiled(walk="buffered")``  the same walk in NumPy's reused buffers (``_buffered.py``),
                             its query blocks in threads with ``workers > 1``
                             (``_threads.py``)
