@@ -153,3 +153,59 @@ def test_the_backward_keeps_no_block_of_scores(backend, xp, route):
     with_table = saved_bytes(backend, xp, route.kw, True)
     scores = 2 * 128 * 128 * 8  # one (H, Lq, Lk) float64 block of scores
     assert with_table < scores / 4  # Q, K, V, the output, the lse and the table
+
+
+@pytest.mark.backends("jax", reason="traced integer arrays closed over by a score_mod")
+def test_jax_integer_arrays_it_closes_over(backend, xp, route):
+    """A traced bucket table (integers) is a parameter too, with no gradient of its own."""
+    import jax
+
+    q, k, v, table, _ = arrays(backend)
+    buckets = xp.arange(LQ + LK - 1) % 5  # traced below: an argument of the function
+
+    def loss_of(kw):
+        def loss(q, table, buckets):
+            def mod(s, b, h, i, j):
+                return s + table[h, buckets[i - j + LK - 1]]
+
+            out = scaled_dot_product_attention(q, k, v, score_mod=mod, is_causal=True, **kw)
+            return xp.sum(out)
+
+        return loss
+
+    got = jax.jit(jax.grad(loss_of(route.kw), argnums=(0, 1)))(q, table, buckets)
+    want = jax.grad(loss_of({"block_size": "dense"}), argnums=(0, 1))(q, table, buckets)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-12)
+
+
+@pytest.mark.backends("jax", reason="an eager score_mod that reads concrete values")
+def test_jax_eager_python_logic_on_concrete_values(backend, xp):
+    q, k, v, *_ = arrays(backend)
+    factor = np.float64(0.5)
+
+    def mod(s, b, h, i, j):
+        return s * factor if float(factor) > 0 else s  # Python logic: concrete here
+
+    out = scaled_dot_product_attention(q, k, v, score_mod=mod, block_size=(3, 4))
+    want = scaled_dot_product_attention(q, k, v, scale=0.5 / np.sqrt(5), block_size=(3, 4))
+    np.testing.assert_allclose(out, want, atol=1e-12)
+
+
+@pytest.mark.backends("torch", reason="torch.func.grad with respect to the captured table")
+def test_torch_func_grad(backend, route):
+    import torch
+
+    q, k, v, table, temperature = arrays(backend)
+    cot = backend.asarray(randn(2, 4, LQ, 3, seed=9))
+
+    def loss(table, **kw):
+        mod = rel_bias(torch, table, temperature)
+        return (scaled_dot_product_attention(q, k, v, score_mod=mod, **kw) * cot).sum()
+
+    got = torch.func.grad(loss)(table, **route.kw)
+    want = torch.func.grad(loss)(table, block_size="dense")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    eager = table.detach().clone().requires_grad_()  # and after it, eager autograd again
+    (g,) = torch.autograd.grad(loss(eager, **route.kw), eager)
+    torch.testing.assert_close(g, want, rtol=0, atol=1e-12)

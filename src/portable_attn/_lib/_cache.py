@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _route
-from ._compat import device, is_compiling
+from ._compat import device, torch_records
 from ._path import Route
 from ._scores import AttentionPlan
 
@@ -59,12 +59,13 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
     are the scalar arguments in a fixed order, ``scale`` second and ``softcap``
     fourth (a pair's entries keyed with their types: ``(1, 2) == (True, 2)``). None:
     not kept -- an argument that is not an array (the checks will say), a learned
-    `scale` or `softcap` (an array in the plan), a call under ``torch.compile``, or an
+    `scale` or `softcap` (an array in the plan), a call that a torch tracer records
+    (``torch.compile``, ``torch.func``: the router decides differently there), or an
     unhashable part.
     """
     query = arrays[0]
     scale, softcap = options[1], options[3]  # a learned scale or cap: this call's value
-    if hasattr(scale, "shape") or hasattr(softcap, "shape") or is_compiling(query):
+    if hasattr(scale, "shape") or hasattr(softcap, "shape") or torch_records(query):
         return None
     try:
         if _route.library(query).pins_devices:  # torch (.device, .layout), CuPy (.device.id)

@@ -33,6 +33,7 @@ __all__ = [
     "ids_in_one_dtype",
     "is_array_api_obj",
     "is_compiling",
+    "torch_records",
     "is_traced",
     "jax_placeable",
     "library_name",
@@ -145,6 +146,15 @@ def is_compiling(x: Any) -> bool:
     import torch
 
     return bool(torch.compiler.is_compiling())
+
+
+def torch_records(x: Any) -> bool:
+    """Whether `x` is a torch tensor whose computation a torch tracer records (see below).
+
+    ``torch.compile``, ``torch.jit.trace``, ``make_fx``, ``torch.export`` and the
+    ``torch.func`` transforms; False for every other library.
+    """
+    return library_name(x) == "torch" and _torch_traces(x)
 
 
 def has_concrete_values(x: Any) -> bool:

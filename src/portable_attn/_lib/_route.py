@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _validation as v
-from ._compat import chunk_sizes, device_kind, is_compiling, library_name, torch_release
+from ._compat import chunk_sizes, device_kind, library_name, torch_records, torch_release
 from ._cpu import available_workers, can_limit_blas, has_float16_arithmetic
 from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Route, Tiled
 
@@ -481,9 +481,10 @@ def _tiled(
     elif lib.walk == "traced" and runs_as_loop(call):
         walk = "loop"
     backward: Literal["torch", "jax", "autodiff"] | None = lib.autodiff
-    if backward is not None and call.terms.score_mod is not None and is_compiling(call.query):
-        # torch.compile traces no TorchFunctionMode probe (_paths/_autodiff.torch_params):
-        # its own autograd differentiates the walk, every block saved
+    if backward is not None and call.terms.score_mod is not None and torch_records(call.query):
+        # torch.compile and torch.func run no TorchFunctionMode probe nor autograd.grad
+        # inside (_paths/_autodiff.torch_params): their own autodiff differentiates the
+        # walk, every block saved
         backward = "autodiff"
     return Tiled(*tiles, fold=fold, walk=walk, workers=workers, backward=backward)
 

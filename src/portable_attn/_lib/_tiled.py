@@ -520,11 +520,14 @@ def tiled_backward(
     by the library's autodiff adapter): the scores' gradient passes through it, and
     the gradients of the arrays it closes over (its parameters) are summed over the
     visited blocks in a fixed order, returned as ``"score_params"`` (a tuple).
-    Without it a ``score_mod`` is taken as a constant function of nothing learned.
+    A call with a ``score_mod`` needs it.
     """
     xp, q, k, v = call.xp, call.query, call.key, call.value
     bias: Any = call.bias
     terms, plan = call.terms, call.plan
+    if terms.score_mod is not None and score_vjp is None:
+        msg = "the backward of a call with a score_mod needs its VJP (`score_vjp`)"
+        raise TypeError(msg)
     need_bias_grad = "bias" in need
     need_slope_grad = "alibi_slopes" in need
     need_sink_grad = "sinks" in need
@@ -603,7 +606,7 @@ def tiled_backward(
                 )
                 dslopes = d if dslopes is None else dslopes + d
             if pullback is not None:  # through score_mod: to its input and its parameters
-                ds, d_params = pullback(ds)
+                ds, d_params = pullback(sum_to_shape(xp, ds, tuple(capped.shape)))
                 dparams = list(d_params) if dparams is None else _sums(dparams, d_params)
             if plan.softcap is not None:  # through c·tanh(x/c): d/dx = 1 - t², t = tanh(x/c)
                 t = capped / plan.softcap

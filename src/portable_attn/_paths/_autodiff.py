@@ -23,9 +23,10 @@ The arrays are found by running the function, not by reading its closure:
   ``TorchFunctionMode`` on a one-entry probe (:func:`torch_params`); they become
   inputs of the autograd function, which returns their gradients;
 - JAX: the traced values it closes over (under ``jit``, ``grad``, ``vmap``), which
-  :func:`jax_params` finds as the tracers among the constants of its jaxpr, traced
+  :class:`JaxScoreMod` finds as the tracers among the constants of its jaxpr, traced
   once per block shape; they become explicit arguments of the ``custom_vjp`` (as
-  ``jax.closure_convert`` does, without its cache, which would keep the function).
+  ``jax.closure_convert`` does, without its cache, which would keep the function),
+  the floating ones differentiated.
 """
 
 from __future__ import annotations
@@ -184,13 +185,18 @@ class JaxScoreMod:
 
     Traced once per block shape (``jax.make_jaxpr``); the tracers among each jaxpr's
     constants are the parameters (`params`, the same for every shape), the other
-    constants stay. :meth:`bind` gives the ``score_mod`` of other values of them (a
-    ``custom_vjp``'s own arguments), :meth:`vjp` its per-block VJP.
+    constants stay; the floating ones (`learned`) receive gradients. A ``score_mod``
+    that closes over no traced array, or cannot be traced (Python logic on concrete
+    values, in an eager call), is kept as it is (`forms` empty). :meth:`bind` gives
+    the ``score_mod`` of other values of the parameters (a ``custom_vjp``'s own
+    arguments), :meth:`vjp` its per-block VJP.
     """
 
+    original: Callable[..., Any]
     #: (bq, bk) -> (jaxpr, constants, ((constant index, parameter index), ...))
     forms: dict[tuple[int, int], tuple[Any, list[Any], tuple[tuple[int, int], ...]]]
     params: tuple[Any, ...]
+    learned: tuple[int, ...]
 
     @classmethod
     def of(cls, call: AttentionCall, blocks: Iterable[tuple[int, int]]) -> JaxScoreMod | None:
@@ -199,13 +205,22 @@ class JaxScoreMod:
         if score_mod is None:
             return None
         import jax
+        import numpy as np
 
         params: list[Any] = []
         where: dict[int, int] = {}
         forms = {}
+        # the scores' batch is that of Q and K (V may broadcast wider)
+        batch = np.broadcast_shapes(call.query.shape[:-3], call.key.shape[:-3])
         for bq, bk in dict.fromkeys(blocks):
             index = score_index(call.xp, call.terms, call.plan, (0, bq), (0, bk))
-            closed = jax.make_jaxpr(score_mod)(call.zeros(bq, bk), *index)
+            scores = jax.ShapeDtypeStruct(
+                (*batch, call.plan.num_q_heads, bq, bk), call.plan.compute_dtype
+            )
+            try:
+                closed = jax.make_jaxpr(score_mod)(scores, *index)
+            except TypeError:  # Python logic on concrete values: it runs as it is
+                return cls(score_mod, {}, (), ())
             slots = []
             for i, c in enumerate(closed.consts):
                 if isinstance(c, jax.core.Tracer):
@@ -214,10 +229,17 @@ class JaxScoreMod:
                         params.append(c)
                     slots.append((i, where[id(c)]))
             forms[(bq, bk)] = (closed.jaxpr, list(closed.consts), tuple(slots))
-        return cls(forms, tuple(params))
+        if not params:  # nothing traced to hand over: the function as it is
+            return cls(score_mod, {}, (), ())
+        learned = tuple(
+            i for i, p in enumerate(params) if jax.numpy.issubdtype(p.dtype, jax.numpy.inexact)
+        )
+        return cls(score_mod, forms, tuple(params), learned)
 
     def bind(self, params: tuple[Any, ...]) -> Callable[..., Any]:
         """Return the ``score_mod`` with `params` in place of the traced arrays it closes over."""
+        if not self.forms:
+            return self.original
         import jax
 
         def score_mod(scores: Any, *index: Any) -> Any:
@@ -230,16 +252,36 @@ class JaxScoreMod:
         return score_mod
 
     def vjp(self, params: tuple[Any, ...]) -> ScoreVjp:
-        """Return a block's ``score_mod`` of `params` and its VJP by ``jax.vjp``."""
+        """Return a block's ``score_mod`` of `params` and its VJP by ``jax.vjp``.
+
+        The pullback gives the gradients of the `learned` parameters (the floating ones).
+        """
         import jax
 
         def score_vjp(scores: Any, *index: Any) -> tuple[Any, Any]:
-            def modify(s: Any, p: tuple[Any, ...]) -> Any:
-                return self.bind(p)(s, *index)
+            def modify(s: Any, learned: tuple[Any, ...]) -> Any:
+                values = list(params)
+                for i, x in zip(self.learned, learned, strict=True):
+                    values[i] = x
+                return self.bind(tuple(values))(s, *index)
 
-            return jax.vjp(modify, scores, params)
+            return jax.vjp(modify, scores, tuple(params[i] for i in self.learned))
 
         return score_vjp
+
+    def cotangents(self, learned: tuple[Any, ...] | None) -> tuple[Any, ...]:
+        """Return the ``custom_vjp`` cotangents of every parameter from the learned ones'.
+
+        None for the others (integer arrays); zeros where no block was visited (None).
+        """
+        import jax.numpy as jnp
+
+        if learned is None:
+            learned = tuple(jnp.zeros_like(self.params[i]) for i in self.learned)
+        out: list[Any] = [None] * len(self.params)
+        for i, g in zip(self.learned, learned, strict=True):
+            out[i] = g
+        return tuple(out)
 
     def into(self, call: AttentionCall, params: tuple[Any, ...]) -> AttentionCall:
         """`call` with the ``score_mod`` of `params` (:meth:`bind`)."""
@@ -309,7 +351,8 @@ def _jax_function(skeleton: AttentionCall, path: Tiled, mod: JaxScoreMod | None)
         need = _differentiable(tuple(arrays))
         score_vjp = None if mod is None else mod.vjp(params)
         g = _backward(call_of(arrays, params), path, (out, lse), cotangents, need, score_vjp)
-        return {n: g.get(n) for n in arrays}, g.get("score_params", ())
+        d_params = () if mod is None else mod.cotangents(g.get("score_params"))
+        return {n: g.get(n) for n in arrays}, d_params
 
     attend.defvjp(forward, backward)
     return attend

@@ -122,8 +122,10 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
         lse, dlse = stats[..., :1], dstats[..., :1]  # the row max has no gradient
         score_vjp = None if mod is None else mod.vjp(params)
         skeleton_ = with_params(params)
-        grads = _backward(skeleton_, grid, arrays, out, lse, dout, dlse, score_vjp, params)
-        return grads, grads.pop("score_params", ())
+        learned = () if mod is None else tuple(params[i] for i in mod.learned)
+        grads = _backward(skeleton_, grid, arrays, out, lse, dout, dlse, score_vjp, learned)
+        d_learned = grads.pop("score_params")
+        return grads, (() if mod is None else mod.cotangents(d_learned))
 
     attend.defvjp(forward, backward)
     return attend(arrays, () if mod is None else mod.params)
@@ -262,8 +264,8 @@ def _backward(
     """Return the gradients of every field by name, and of the ``score_mod``'s `params`.
 
     `score_vjp` differentiates the ``score_mod`` per block
-    (:meth:`~._autodiff.JaxScoreMod.vjp`); the gradients of `params` come back as
-    ``"score_params"``.
+    (:meth:`~._autodiff.JaxScoreMod.vjp`); the gradients of `params` (its learned
+    arrays) come back as ``"score_params"``.
     """
     import jax.numpy as jnp
     from jax import lax
