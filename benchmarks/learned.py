@@ -60,11 +60,23 @@ def _data(length: int) -> dict[str, Any]:
     }
 
 
+def ours(impl: str, q: Any, k: Any, v: Any, table: Any) -> Any:
+    """Our default causal call; with the learned table as a ``score_mod`` for "ours+table"."""
+    from portable_attn import scaled_dot_product_attention
+
+    if impl == "ours":
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
+    length = q.shape[-2]
+
+    def mod(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return s + table[h, i - j + length - 1]
+
+    return scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mod)
+
+
 def torch_step(impl: str, length: int) -> Any:
     import torch
     import torch.nn.functional as F
-
-    from portable_attn import scaled_dot_product_attention
 
     data = _data(length)
     q, k, v = (torch.tensor(data[n], requires_grad=True) for n in "qkv")
@@ -79,14 +91,8 @@ def torch_step(impl: str, length: int) -> Any:
     def step() -> None:
         for x in (q, k, v, table):
             x.grad = None
-        if impl == "ours":
-            out = scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif impl == "ours+table":
-
-            def mod(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
-                return s + table[h, i - j + length - 1]
-
-            out = scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mod)
+        if impl != "peer":
+            out = ours(impl, q, k, v, table)
         else:
             bias = torch.where(causal, table[:, rel], float("-inf"))  # (H, L, L)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
@@ -99,8 +105,6 @@ def jax_step(impl: str, length: int) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from portable_attn import scaled_dot_product_attention
-
     data = _data(length)
     q, k, v, cot, table = (jnp.asarray(data[n]) for n in ("q", "k", "v", "cot", "table"))
     rel = None
@@ -111,14 +115,8 @@ def jax_step(impl: str, length: int) -> Any:
     jax.block_until_ready((q, k, v, cot, table, rel))
 
     def loss(q: Any, k: Any, v: Any, table: Any) -> Any:
-        if impl == "ours":
-            out = scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif impl == "ours+table":
-
-            def mod(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
-                return s + table[h, i - j + length - 1]
-
-            out = scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mod)
+        if impl != "peer":
+            out = ours(impl, q, k, v, table)
         else:  # (B, L, H, D) layout, the bias (1, H, L, L)
             t = (0, 2, 1, 3)
             out = jax.nn.dot_product_attention(

@@ -58,16 +58,28 @@ def test_gradients_equal_the_dense_path(backend, xp, route, kw):
 
 
 def test_gradients_against_central_differences(backend, xp):
-    """The learned arrays' gradients (Q, K, V's are the dense path's, above)."""
-    cot = backend.asarray(randn(2, 4, LQ, 3, seed=7))
-    q, k, v, *learned = arrays(backend)
-    loss = loss_of(backend, xp, {"block_size": (3, 4)}, cot, is_causal=True)
-    analytic = backend.grad(lambda *a: loss(q, k, v, *a), *learned)
+    """Q, K, V and both learned arrays, on a problem small enough to perturb each entry."""
+    lq, lk = 4, 5
+    q, k, v = qkv(batch=(1,), hq=2, hkv=1, lq=lq, lk=lk, dk=2, dv=2, seed=11)
+    table, temperature = randn(2, lq + lk - 1, seed=12), np.array([0.7, 1.3])
+    cot = backend.asarray(randn(1, 2, lq, 2, seed=13))
+
+    def loss(q, k, v, table, temperature):
+        def mod(s, b, h, i, j):
+            return s * temperature[h] + table[h, i - j + lk - 1]
+
+        out = scaled_dot_product_attention(
+            q, k, v, score_mod=mod, is_causal=True, block_size=(3, 2)
+        )
+        return xp.sum(out * cot)
+
+    args = [backend.asarray(a) for a in (q, k, v, table, temperature)]
+    analytic = backend.grad(loss, *args)
 
     def loss_np(*a):
-        return float(backend.to_numpy(loss(q, k, v, *(backend.asarray(x) for x in a))))
+        return float(backend.to_numpy(loss(*(backend.asarray(x) for x in a))))
 
-    numeric = central_differences(loss_np, [backend.to_numpy(a) for a in learned])
+    numeric = central_differences(loss_np, [backend.to_numpy(a) for a in args])
     for g, n in zip(analytic, numeric, strict=True):
         np.testing.assert_allclose(backend.to_numpy(g), n, atol=1e-6, rtol=1e-5)
 
