@@ -19,6 +19,8 @@ torch runs eager; JAX runs ``jax.jit(jax.grad(...))``, its first step compiling.
 Per row: ``first_s`` (the first step, compile included), ``s`` (median of the later
 steps) and ``extra_peak_rss_mib``: the peak resident memory over every step, above
 the process after its inputs were made (a 2 ms poll; ``ru_maxrss`` recorded too).
+The step-time ratios (``side_by_side``, ``ratios``) come from one more process per
+library and length that times the rows' steps round-robin, side by side.
 A peer whose (H, L, L) arrays cannot fit in the machine's memory is not run.
 """
 
@@ -39,7 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _timing import start_rss_watch, stop_rss_watch  # noqa: E402
+from _timing import interleaved_seconds, start_rss_watch, stop_rss_watch  # noqa: E402
 from report import git_state  # noqa: E402
 
 B, H, D = 1, 8, 64
@@ -138,6 +140,19 @@ def jax_step(impl: str, length: int) -> Any:
 STEPS = {"torch": torch_step, "jax": jax_step}
 
 
+def timing_child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Time the steps of `cfg["impls"]` side by side, round-robin, in this one process."""
+    steps = {impl: STEPS[cfg["library"]](impl, cfg["L"]) for impl in cfg["impls"]}
+    timed = interleaved_seconds(steps, repeats=cfg["steps"], warmup=1)
+    ratios = {
+        f"{impl} / {base}": statistics.median(timed.ratios(impl, base))
+        for impl in steps
+        for base in steps
+        if impl == "ours+table" and base != impl
+    }
+    return {**cfg, "medians_s": timed.medians, "ratios": ratios}
+
+
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one row in this fresh process: its first step, later steps and peak memory."""
     step = STEPS[cfg["library"]](cfg["impl"], cfg["L"])
@@ -184,9 +199,10 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        cfg = json.loads(args.child)
+        print(json.dumps(timing_child(cfg) if "impls" in cfg else child(cfg)))
         return
-    rows = []
+    rows, side_by_side = [], []
     for length in args.lengths:
         for library in args.libraries:
             for impl in IMPLS:
@@ -211,31 +227,47 @@ def main() -> None:
                     f"{row['s']:.2f} s, extra {row['extra_peak_rss_mib']:.0f} MiB",
                     flush=True,
                 )
+            impls = [impl for impl in IMPLS if _fits(impl, length)]
+            cfg = {"library": library, "L": length, "steps": args.steps, "impls": impls}
+            run = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(cfg)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            side_by_side.append(json.loads(run.stdout.strip().splitlines()[-1]))
+            print(f"{library} L={length} side by side: {side_by_side[-1]['ratios']}", flush=True)
     result = {
         "benchmark": "learned",
         "case": {"B": B, "H": H, "D": D, "dtype": "float32", "is_causal": True},
         "git": git_state(),
         "python": sys.version.split()[0],
         "rows": rows,
-        "ratios": _ratios(rows),
+        "side_by_side": side_by_side,
+        "ratios": _ratios(rows, side_by_side),
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["ratios"], indent=1))
 
 
-def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per library and length: the learned table's cost against the plain call and the peer."""
+def _ratios(rows: list[dict[str, Any]], side_by_side: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per library and length: the learned table's cost against the plain call and the peer.
+
+    Memory from the fresh-process rows; step times from the side-by-side timing (the
+    median of the per-round ratios).
+    """
     by = {(r["library"], r["L"], r["impl"]): r for r in rows if "s" in r}
+    timed = {(t["library"], t["L"]): t["ratios"] for t in side_by_side}
     out: dict[str, Any] = {}
     for library, length, impl in list(by):
         if impl != "ours+table" or (library, length, "ours") not in by:
             continue
         mine, plain = by[(library, length, impl)], by[(library, length, "ours")]
-        peer = by.get((library, length, "peer"))
+        ratios = timed.get((library, length), {})
         out[f"{library} L={length}"] = {
             "memory_vs_plain": mine["extra_peak_rss_mib"] / max(plain["extra_peak_rss_mib"], 1.0),
-            "step_vs_plain": mine["s"] / plain["s"],
-            "step_vs_peer": None if peer is None else mine["s"] / peer["s"],
+            "step_vs_plain": ratios.get("ours+table / ours"),
+            "step_vs_peer": ratios.get("ours+table / peer"),
             "first_step_s": mine["first_s"],
             "extra_mib": mine["extra_peak_rss_mib"],
             "within_1_gib": mine["extra_peak_rss_mib"] <= 1024 if length > 4096 else None,
