@@ -12,6 +12,7 @@ from .merge import merge_attention
 from .mha import init_mha_params, multi_head_attention
 from .norms import l2_normalize, rms_norm
 from .rope import apply_rope
+from .serving import paged_kv_write, ragged_paged_attention, varlen_attention
 
 __version__ = "0.1.0"
 
@@ -29,8 +30,11 @@ __all__ = [
     "l2_normalize",
     "merge_attention",
     "multi_head_attention",
+    "paged_kv_write",
+    "ragged_paged_attention",
     "rms_norm",
     "scaled_dot_product_attention",
+    "varlen_attention",
 ]
 
 

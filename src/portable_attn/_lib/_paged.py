@@ -1,0 +1,370 @@
+"""Attention of packed query rows over a paged key/value pool: the plan and the walk.
+
+The rows of request ``r`` are ``q_starts[r] : q_starts[r+1]`` of the packed queries;
+its keys live in the pool's pages ``page_table[r, :]``. The walk cuts each request's
+rows into *tiles* of ``rows`` rows (a tile never holds two requests), and visits the
+keys in *chunks* of ``chunk_pages`` logical pages, the same chunks for every call:
+chunk ``j`` holds the key positions ``[j·bk, (j+1)·bk)`` of every request. At each
+chunk the pages of every tile are gathered (``take`` over the pool, ``O(tiles · bk)``
+memory, never a request's whole cache), scored against the tile's rows and folded
+into the tile's online softmax. Keys past a request's length are zeroed before use,
+so whatever a pool slot holds (NaN included) never reaches a result or a gradient.
+
+Why results do not depend on the batch: a row's scores and ``P @ V`` are matrix
+products whose shapes are a tile's (``Hkv`` batches of ``G · rows`` by ``bk``), whatever
+the call; a library's matmul gives the same bits for the same shapes, whatever the
+number of tiles batched with it (NumPy, torch and XLA CPU, checked by
+``tests/test_serving.py``). A chunk that shows a row no key leaves its state exactly
+as it was (``max(m, -inf) = m``, ``exp(0) = 1``, ``+ 0``), so visiting or skipping
+it, which depends on the other requests, changes no bit. With ``rows`` fixed per
+model (:func:`tile_rows`), a row's bits depend only on its own keys and position.
+
+Only array-API functions: the drivers that loop over the chunks are in
+``_paths/_paged.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ._compat import on_device
+from ._masks import arange
+from ._softmax import finite_shift, safe_denominator, with_sink
+
+__all__ = [
+    "CHUNK_KEYS",
+    "INVARIANT_MATMUL_ROWS",
+    "PagedProblem",
+    "PagedState",
+    "Tiles",
+    "bounded_tiles",
+    "finish",
+    "host_tiles",
+    "start",
+    "step",
+    "tile_rows",
+]
+
+CHUNK_KEYS = 256
+"""Keys per chunk of the walk (rounded down to whole pages, at least one page).
+
+Fixed, not chosen per call: the chunks are the same for every call over a pool, which
+batch invariance needs. 256 keys: the decode step over 32 requests (Hkv=8, D=128)
+gathers 8 MiB of keys per chunk and the Python loop stays short."""
+
+INVARIANT_MATMUL_ROWS = 16
+"""With ``batch_invariant=True``, a tile holds ``ceil(16 / G)`` rows: the matrix
+products are ``G · rows`` by ``bk``, the same for every call of the model. Without it,
+a call whose requests have one row each (decoding) tiles one row, others 16 rows."""
+
+DEFAULT_TILE_ROWS = 16
+
+
+def tile_rows(num_tokens: int, num_requests: int, groups: int, batch_invariant: bool) -> int:
+    """Return the rows of a tile: fixed per model with `batch_invariant`, else by shape."""
+    if batch_invariant:
+        return max(1, math.ceil(INVARIANT_MATMUL_ROWS / groups))
+    return 1 if num_tokens <= num_requests else DEFAULT_TILE_ROWS
+
+
+@dataclass(frozen=True)
+class PagedProblem:
+    """The static facts of one call (shapes, options), fixed under ``jax.jit``."""
+
+    num_tokens: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+    num_q_heads: int
+    num_kv_heads: int
+    value_dim: int
+    rows: int  # rows of a tile
+    is_causal: bool
+    left: int | None
+    right: int | None
+    scale: Any  # float or 0-d array
+    softcap: Any  # None, float or 0-d array
+    compute_dtype: Any
+    device: Any
+
+    @property
+    def groups(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def chunk_pages(self) -> int:
+        return max(1, CHUNK_KEYS // self.page_size)
+
+    @property
+    def chunk_keys(self) -> int:
+        return self.chunk_pages * self.page_size
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.max_pages // self.chunk_pages)
+
+    @property
+    def matmul_rows(self) -> int:
+        return self.groups * self.rows
+
+
+class Tiles(NamedTuple):
+    """Which rows each tile holds, and where each packed row's result is.
+
+    ``request`` (N,), ``first`` (N,) the tile's first packed row, ``count`` (N,) its
+    rows (0 for a tile that holds none), ``first_chunk``/``last_chunk`` (N,) the key
+    chunks its rows may see (empty when ``first > last``), and ``source`` (T,) the
+    index of packed row ``t`` in the tiles' rows (``tile · rows + i``), with ``valid``
+    (T,) False for padding rows.
+    """
+
+    request: Any
+    first: Any
+    count: Any
+    first_chunk: Any
+    last_chunk: Any
+    source: Any
+    valid: Any
+
+
+def _chunk_range(
+    xp: Any, p: PagedProblem, lo_pos: Any, hi_pos: Any, kv_len: Any
+) -> tuple[Any, Any]:
+    """Return the key chunks that rows at positions ``lo_pos..hi_pos`` may see."""
+    first = xp.zeros_like(lo_pos)
+    last = kv_len - 1
+    if p.left is not None:
+        first = xp.maximum(first, lo_pos - p.left)
+    if p.is_causal:
+        last = xp.minimum(last, hi_pos)
+    if p.right is not None:
+        last = xp.minimum(last, hi_pos + p.right)
+    bk = p.chunk_keys
+    # floor division of possibly negative positions: a row that sees nothing gets first > last
+    return xp.floor_divide(first, bk), xp.floor_divide(last, bk)
+
+
+def bounded_tiles(
+    xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any, num_requests: int
+) -> Tiles:
+    """Return the tiles in request order, as many as any call of these shapes can need.
+
+    ``sum_r ceil(n_r / rows) <= (T + R·(rows - 1)) // rows`` tiles (at most ``T``), by
+    array operations only: the metadata may be traced (``jax.jit``).
+    """
+    t, rows = p.num_tokens, p.rows
+    n_tiles = max(1, min(t, (t + num_requests * (rows - 1)) // rows))
+    counts = q_starts[1:] - q_starts[:-1]  # (R,)
+    per_request = xp.floor_divide(counts + (rows - 1), rows)  # tiles of each request
+    ends = xp.cumulative_sum(per_request)  # (R,)
+    starts = ends - per_request
+    dev = p.device
+    i = xp.astype(arange(xp, 0, n_tiles, dev), q_starts.dtype)
+    req = xp.sum(xp.astype(ends[None, :] <= i[:, None], q_starts.dtype), axis=1)  # (N,)
+    real = req < num_requests
+    req = xp.minimum(req, num_requests - 1)
+    first = xp.take(q_starts, req) + (i - xp.take(starts, req)) * rows
+    count = xp.where(real, xp.clip(xp.take(q_starts, req + 1) - first, 0, rows), 0)
+    kv = xp.take(kv_lengths, req)
+    pos0 = kv - xp.take(counts, req) + (first - xp.take(q_starts, req))
+    lo, hi = _chunk_range(xp, p, pos0, pos0 + count - 1, kv)
+    hi = xp.where(count > 0, hi, -1)
+    # packed row -> (tile, offset)
+    r_all = xp.astype(arange(xp, 0, t, dev), q_starts.dtype)
+    row_req = xp.sum(xp.astype(q_starts[None, 1:] <= r_all[:, None], q_starts.dtype), axis=1)
+    valid = row_req < num_requests
+    row_req = xp.minimum(row_req, num_requests - 1)
+    within = r_all - xp.take(q_starts, row_req)
+    tile = xp.take(starts, row_req) + xp.floor_divide(within, rows)
+    source = xp.where(valid, tile * rows + within % rows, 0)
+    return Tiles(req, first, count, lo, hi, source, valid)
+
+
+def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tuple[Tiles, Any]:
+    """Return the tiles that hold rows, from host (NumPy) metadata, longest walk first.
+
+    Returns the tiles as arrays of `xp` on the problem's device and, as NumPy, the
+    first and last chunk of each tile (for the driver's loop bounds).
+    """
+    import numpy as np
+
+    q_starts = np.asarray(q_starts, dtype=np.int64)
+    kv_lengths = np.asarray(kv_lengths, dtype=np.int64)
+    rows = p.rows
+    req, first = [], []
+    for r in range(len(kv_lengths)):
+        for s in range(int(q_starts[r]), int(q_starts[r + 1]), rows):
+            req.append(r)
+            first.append(s)
+    req_a = np.asarray(req, dtype=np.int64)
+    first_a = np.asarray(first, dtype=np.int64)
+    if len(req_a) == 0:
+        req_a = np.zeros(1, dtype=np.int64)
+        first_a = np.zeros(1, dtype=np.int64)
+        count = np.zeros(1, dtype=np.int64)
+    else:
+        count = np.minimum(q_starts[req_a + 1] - first_a, rows)
+    kv = kv_lengths[req_a]
+    pos0 = kv - (q_starts[req_a + 1] - q_starts[req_a]) + (first_a - q_starts[req_a])
+    lo, hi = _chunk_range(np, p, pos0, pos0 + count - 1, kv)
+    hi = np.where(count > 0, hi, -1)
+    order = np.argsort(-hi, kind="stable")  # longest walks first: active tiles are a prefix
+    req_a, first_a, count, lo, hi = (a[order] for a in (req_a, first_a, count, lo, hi))
+    t = p.num_tokens
+    source = np.zeros(t, dtype=np.int64)
+    valid = np.zeros(t, dtype=bool)
+    for idx in range(len(req_a)):
+        n = int(count[idx])
+        source[first_a[idx] : first_a[idx] + n] = idx * rows + np.arange(n)
+        valid[first_a[idx] : first_a[idx] + n] = True
+    kw = on_device(p.device)
+    arrays = [xp.asarray(a, **kw) for a in (req_a, first_a, count, lo, hi, source, valid)]
+    tiles = Tiles(*arrays)
+    return tiles, (lo, hi)
+
+
+class PagedState(NamedTuple):
+    """The online softmax of the tiles' rows: (N, Hkv, G·rows, 1), (…, 1), (…, Dv)."""
+
+    m: Any
+    l_sum: Any
+    acc: Any
+
+
+def start(xp: Any, p: PagedProblem, n_tiles: int) -> PagedState:
+    """Rows that saw nothing: max -inf, sum 0, accumulator 0."""
+    kw = {"dtype": p.compute_dtype, **on_device(p.device)}
+    rows = (n_tiles, p.num_kv_heads, p.matmul_rows)
+    return PagedState(
+        xp.full((*rows, 1), -xp.inf, **kw),
+        xp.zeros((*rows, 1), **kw),
+        xp.zeros((*rows, p.value_dim), **kw),
+    )
+
+
+def tile_queries(xp: Any, p: PagedProblem, query: Any, tiles: Tiles) -> tuple[Any, Any]:
+    """``scale · Q`` of every tile as (N, Hkv, rows·G, Dk), and the row offsets (rows,)."""
+    rows, hkv, g = p.rows, p.num_kv_heads, p.groups
+    n = tiles.request.shape[0]
+    t, _, dk = query.shape
+    offs = arange(xp, 0, rows, p.device)
+    offs = xp.astype(offs, tiles.first.dtype)
+    idx = xp.clip(tiles.first[:, None] + offs[None, :], 0, max(t - 1, 0))  # (N, rows)
+    q = xp.take(query, xp.reshape(idx, (-1,)), axis=0)  # (N·rows, Hq, Dk)
+    q = xp.astype(q, p.compute_dtype) * p.scale
+    q = xp.reshape(q, (n, rows, hkv, g, dk))
+    q = xp.reshape(xp.permute_dims(q, (0, 2, 1, 3, 4)), (n, hkv, rows * g, dk))
+    return q, offs
+
+
+def row_positions(
+    xp: Any, p: PagedProblem, tiles: Tiles, q_starts: Any, kv_lengths: Any, offs: Any
+) -> Any:
+    """Positions of the tiles' rows among their requests' keys, (N, 1, rows·G, 1).
+
+    A tile's rows past its `count` are computed like the others (on a copy of a real
+    row) and never read: :func:`finish` takes only the rows the tiles hold.
+    """
+    req = tiles.request
+    kv = xp.take(kv_lengths, req)
+    n_req = xp.take(q_starts, req + 1) - xp.take(q_starts, req)
+    pos0 = kv - n_req + (tiles.first - xp.take(q_starts, req))  # (N,)
+    pos = pos0[:, None] + offs[None, :]  # (N, rows)
+    n = req.shape[0]
+    pos = xp.broadcast_to(pos[:, :, None], (n, p.rows, p.groups))
+    return xp.reshape(pos, (n, 1, p.matmul_rows, 1))
+
+
+def head_rows(xp: Any, p: PagedProblem, per_head: Any) -> Any:
+    """Lay a per-query-head array (Hq,) out as the tiles' rows: (1, Hkv, rows·G, 1)."""
+    x = xp.reshape(per_head, (p.num_kv_heads, 1, p.groups))
+    x = xp.broadcast_to(x, (p.num_kv_heads, p.rows, p.groups))
+    return xp.reshape(x, (1, p.num_kv_heads, p.matmul_rows, 1))
+
+
+def step(
+    xp: Any,
+    p: PagedProblem,
+    state: PagedState,
+    chunk: Any,
+    q: Any,
+    pos: Any,
+    request: Any,
+    pools: tuple[Any, Any, Any, Any],
+    alibi: Any | None,
+) -> PagedState:
+    """Fold key chunk `chunk` (an int, or a traced 0-d integer) into the tiles' state.
+
+    `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles, `request` (N,)
+    their requests; `pools` is ``(key_pages, value_pages, page_table, kv_lengths)``;
+    `alibi` the slopes as :func:`head_rows` lays them out, or None.
+    """
+    key_pages, value_pages, page_table, kv_lengths = pools
+    n = request.shape[0]
+    c, ps, bk, hkv = p.chunk_pages, p.page_size, p.chunk_keys, p.num_kv_heads
+    logical = chunk * c + xp.astype(arange(xp, 0, c, p.device), request.dtype)  # (c,)
+    in_table = logical < p.max_pages
+    flat = request[:, None] * p.max_pages + xp.clip(logical, 0, p.max_pages - 1)[None, :]
+    pages = xp.take(xp.reshape(page_table, (-1,)), xp.reshape(flat, (-1,)))  # (N·c,)
+    pages = xp.clip(xp.astype(pages, request.dtype), 0, p.num_pages - 1)
+    kpos = chunk * bk + xp.astype(arange(xp, 0, bk, p.device), request.dtype)  # (bk,)
+    key_ok = xp.logical_and(
+        kpos[None, :] < xp.take(kv_lengths, request)[:, None],  # (N, bk)
+        xp.reshape(xp.broadcast_to(in_table[:, None], (c, ps)), (1, bk)),
+    )
+    keep = key_ok[:, :, None, None]
+    k = xp.reshape(xp.take(key_pages, pages, axis=0), (n, bk, hkv, -1))
+    k = xp.where(keep, xp.astype(k, p.compute_dtype), 0.0)  # whatever a free slot holds
+    v = xp.reshape(xp.take(value_pages, pages, axis=0), (n, bk, hkv, -1))
+    v = xp.where(keep, xp.astype(v, p.compute_dtype), 0.0)
+    s = q @ xp.permute_dims(k, (0, 2, 3, 1))  # (N, Hkv, rows·G, bk)
+    if p.softcap is not None:
+        s = p.softcap * xp.tanh(s / p.softcap)
+    kp = kpos[None, None, None, :]
+    if alibi is not None:
+        s = s - alibi * xp.astype(xp.abs(pos - kp), p.compute_dtype)
+    allowed = key_ok[:, None, None, :]
+    if p.is_causal:
+        allowed = xp.logical_and(allowed, kp <= pos)
+    if p.left is not None:
+        allowed = xp.logical_and(allowed, kp >= pos - p.left)
+    if p.right is not None:
+        allowed = xp.logical_and(allowed, kp <= pos + p.right)
+    s = xp.where(allowed, s, -xp.inf)
+    m, l_sum, acc = state
+    m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+    shift = finite_shift(xp, m_new)
+    e = xp.exp(s - shift)  # hidden keys: exactly 0
+    alpha = xp.exp(finite_shift(xp, m) - shift)
+    l_sum = alpha * l_sum + xp.sum(e, axis=-1, keepdims=True)
+    acc = alpha * acc + e @ xp.permute_dims(v, (0, 2, 1, 3))
+    return PagedState(m_new, l_sum, acc)
+
+
+def finish(
+    xp: Any, p: PagedProblem, state: PagedState, tiles: Tiles, sinks: Any | None, dtype: Any
+) -> tuple[Any, Any]:
+    """Normalise the tiles' rows and put them back in packed order: (T, Hq, Dv), (T, Hq).
+
+    Padding rows are zeros with lse ``-inf``; a row that sees no key (and no sink) too.
+    """
+    m, l_sum, acc = state
+    denominator = safe_denominator(xp, l_sum)
+    out = acc / denominator
+    lse = xp.where(l_sum == 0.0, -xp.inf, finite_shift(xp, m) + xp.log(denominator))
+    if sinks is not None:
+        out, lse = with_sink(xp, out, lse, head_rows(xp, p, xp.astype(sinks, p.compute_dtype)))
+    n = out.shape[0]
+    rows, hkv, g, hq = p.rows, p.num_kv_heads, p.groups, p.num_q_heads
+    out = xp.reshape(out, (n, hkv, rows, g, p.value_dim))
+    out = xp.reshape(xp.permute_dims(out, (0, 2, 1, 3, 4)), (n * rows, hq, p.value_dim))
+    lse = xp.reshape(lse, (n, hkv, rows, g))
+    lse = xp.reshape(xp.permute_dims(lse, (0, 2, 1, 3)), (n * rows, hq))
+    out = xp.take(out, tiles.source, axis=0)  # (T, Hq, Dv)
+    lse = xp.take(lse, tiles.source, axis=0)
+    valid = tiles.valid
+    out = xp.where(valid[:, None, None], out, 0.0)
+    lse = xp.where(valid[:, None], lse, -xp.inf)
+    return xp.astype(out, dtype), lse

@@ -1,0 +1,117 @@
+"""The loops over the key chunks of a paged call (``_lib/_paged.py`` has the steps).
+
+Two forms of one walk:
+
+- metadata with values on the host (NumPy, torch, array-api-strict, JAX outside
+  ``jit``): the tiles that hold rows, longest walk first, and a Python loop over the
+  chunks some tile may see; each chunk folds only the tiles that may see it (a
+  contiguous range, as the tiles are sorted), so a decode batch of mixed lengths
+  gathers each request's pages once and skips the chunks past it.
+- traced metadata (``jax.jit``): as many tiles as the shapes allow, and a
+  ``lax.fori_loop`` over every chunk of the page table whose body is a ``lax.cond``
+  that skips, by value, a chunk no tile may see. Differentiable (``jax.grad``).
+
+Gradients elsewhere are the library's autodiff through the walk (torch autograd).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._lib import _paged
+from .._lib._compat import has_concrete_values, is_traced, library_name, to_host
+from .._lib._paged import PagedProblem, PagedState
+
+__all__ = ["paged_attention"]
+
+
+def paged_attention(
+    xp: Any,
+    p: PagedProblem,
+    query: Any,
+    pools: tuple[Any, Any, Any, Any],
+    q_starts: Any,
+    num_requests: int,
+    sinks: Any | None,
+    alibi_slopes: Any | None,
+    dtype: Any,
+) -> tuple[Any, Any]:
+    """Return (out (T, Hq, Dv), lse (T, Hq)) of a paged call; see ``ragged_paged_attention``."""
+    kv_lengths = pools[3]
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
+    if has_concrete_values(q_starts) and has_concrete_values(kv_lengths):
+        tiles, (lo, hi) = _paged.host_tiles(xp, p, to_host(q_starts), to_host(kv_lengths))
+        q, offs = _paged.tile_queries(xp, p, query, tiles)
+        pos = _paged.row_positions(xp, p, tiles, q_starts, kv_lengths, offs)
+        state = _host_walk(xp, p, q, pos, tiles, pools, alibi, lo, hi)
+        return _paged.finish(xp, p, state, tiles, sinks, dtype)
+    tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, num_requests)
+    q, offs = _paged.tile_queries(xp, p, query, tiles)
+    pos = _paged.row_positions(xp, p, tiles, q_starts, kv_lengths, offs)
+    n = tiles.request.shape[0]
+    state = _paged.start(xp, p, n)
+
+    def fold(j: Any, s: PagedState) -> PagedState:
+        return _paged.step(xp, p, s, j, q, pos, tiles.request, pools, alibi)
+
+    if library_name(query) == "jax" and is_traced(q_starts):
+        state = _jax_walk(p, state, tiles, fold)
+    else:  # traced by torch: every chunk, every tile
+        for j in range(p.num_chunks):
+            state = fold(j, state)
+    return _paged.finish(xp, p, state, tiles, sinks, dtype)
+
+
+def _host_walk(
+    xp: Any,
+    p: PagedProblem,
+    q: Any,
+    pos: Any,
+    tiles: _paged.Tiles,
+    pools: tuple[Any, Any, Any, Any],
+    alibi: Any | None,
+    lo: Any,
+    hi: Any,
+) -> PagedState:
+    """Fold every chunk some tile may see, each into the range of tiles that may see it."""
+    import numpy as np
+
+    n = len(lo)
+    state = _paged.start(xp, p, n)
+    if n == 0 or int(hi.max()) < 0:
+        return state
+    for j in range(max(int(lo.min()), 0), min(int(hi.max()), p.num_chunks - 1) + 1):
+        active = np.nonzero((lo <= j) & (j <= hi))[0]
+        if len(active) == 0:
+            continue
+        a, b = int(active[0]), int(active[-1]) + 1
+        if (a, b) == (0, n):
+            state = _paged.step(xp, p, state, j, q, pos, tiles.request, pools, alibi)
+            continue
+        part = PagedState(*(x[a:b, ...] for x in state))
+        part = _paged.step(
+            xp, p, part, j, q[a:b, ...], pos[a:b, ...], tiles.request[a:b], pools, alibi
+        )
+        state = PagedState(
+            *(
+                xp.concat([x[:a, ...], y, x[b:, ...]], axis=0)
+                for x, y in zip(state, part, strict=True)
+            )
+        )
+    return state
+
+
+def _jax_walk(p: PagedProblem, state: PagedState, tiles: _paged.Tiles, fold: Any) -> PagedState:
+    """``fori_loop`` over every chunk; a chunk no tile may see is skipped by value."""
+    import jax
+    import jax.numpy as jnp
+
+    lo, hi = tiles.first_chunk, tiles.last_chunk
+
+    def body(j: Any, s: PagedState) -> PagedState:
+        seen = jnp.any((lo <= j) & (j <= hi))
+        return jax.lax.cond(seen, lambda c: fold(j, c), lambda c: c, s)
+
+    return PagedState(*jax.lax.fori_loop(0, p.num_chunks, body, state))

@@ -1,0 +1,676 @@
+"""Serving: ragged batches over a paged KV cache, and packed variable-length sequences.
+
+A serving engine keeps the keys and values of every request in one *pool* of pages of
+``page_size`` tokens; a *page table* maps request ``r``'s logical page ``j`` to a
+physical page. One call serves a ragged batch: the new tokens of all requests packed
+along one axis (``q_starts`` marks where each request's rows begin), some requests
+prefilling a chunk, others decoding one token.
+
+- :func:`paged_kv_write` writes the new tokens' keys and values into their pages;
+- :func:`ragged_paged_attention` is the attention of the new tokens over their
+  requests' pages, without gathering any request's whole cache;
+- :func:`varlen_attention` is the same on contiguous packed keys (training on packed
+  data: ``flash_attn_varlen_func``'s job), on the library's tiled engine.
+
+Layouts are token-major, as in vLLM and flash-attn: ``(tokens, heads, features)`` and
+``(pages, page_size, heads, features)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._attention import scaled_dot_product_attention
+from ._lib import _paged
+from ._lib._compat import (
+    array_namespace,
+    device,
+    has_concrete_values,
+    library_name,
+    on_device,
+    to_host,
+)
+from ._lib._validation import (
+    check_floating,
+    check_is_flag,
+    check_positive_scalar,
+    check_same_device,
+    check_window,
+)
+from ._paths._paged import paged_attention
+
+__all__ = ["paged_kv_write", "ragged_paged_attention", "varlen_attention"]
+
+Array = Any
+
+
+def ragged_paged_attention(
+    query: Array,
+    key_pages: Array,
+    value_pages: Array,
+    page_table: Array,
+    kv_lengths: Array,
+    q_starts: Array,
+    *,
+    is_causal: bool = True,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | Array | None = None,
+    scale: float | Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
+    return_lse: bool = False,
+    batch_invariant: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Attention of a ragged batch of new tokens over their requests' pages in a pool.
+
+    Dimensions: ``T`` packed query rows, ``R`` requests, ``P`` pages of ``page_size``
+    slots, ``Hq`` query heads, ``Hkv`` key/value heads (``Hq`` a multiple of it),
+    ``Dk``/``Dv`` features, ``max_pages`` pages per request at most.
+
+    Parameters
+    ----------
+    query : array, shape (T, Hq, Dk)
+        The new tokens of every request, packed: request ``r`` owns rows
+        ``q_starts[r] : q_starts[r+1]``; rows at or past ``q_starts[R]`` are padding
+        and come out as zeros (lse ``-inf``).
+    key_pages : array, shape (P, page_size, Hkv, Dk)
+        The pool of keys (vLLM's and flash-attn's token-major layout).
+    value_pages : array, shape (P, page_size, Hkv, Dv)
+        The pool of values.
+    page_table : integer array, shape (R, max_pages)
+        Request ``r``'s logical page ``j`` is physical page ``page_table[r, j]``;
+        entries past a request's length are not read (any value).
+    kv_lengths : integer array, shape (R,)
+        The valid keys of each request, its new tokens included (write them first
+        with :func:`paged_kv_write`).
+    q_starts : integer array, shape (R + 1,)
+        ``q_starts[0] == 0``, nondecreasing, ``q_starts[R] <= T``.
+    is_causal : bool, default True
+        Row ``i`` of request ``r`` (``n_r`` rows) sits at position
+        ``kv_lengths[r] - n_r + i`` and sees the keys up to it (bottom-right, as
+        ``scaled_dot_product_attention``'s `is_causal`).
+    window : (int or None, int or None), optional
+        ``(left, right)``: the keys ``position - left .. position + right``.
+    softcap, scale, sinks, alibi_slopes
+        As in :func:`~portable_attn.scaled_dot_product_attention`; `sinks` and
+        `alibi_slopes` have shape (Hq,), ALiBi distances use the positions above.
+    return_lse : bool, default False
+        Also return the rows' log-sum-exp, shape (T, Hq), in the compute dtype.
+    batch_invariant : bool, default False
+        Make a request's rows (output and lse) the same bits whatever other requests
+        share the call and in what order, whichever pages hold its keys, and however
+        its tokens were split across calls (a prefill, chunks, decode steps), on one
+        backend and device (under ``jax.jit`` across programs compiled for other
+        ``T`` and ``R`` too). Every call's key chunks are the same; the flag also
+        fixes the rows of a tile per model (``ceil(16 / G)``), so the matrix products
+        have the same shapes in every call. Without it a decode batch tiles one row
+        per request, a prefill 16, and results may differ in the last bits.
+
+    Returns
+    -------
+    out : array, shape (T, Hq, Dv)
+        In the promoted dtype of `query`, `key_pages` and `value_pages`.
+    lse : array, shape (T, Hq)
+        Only with `return_lse`.
+
+    Notes
+    -----
+    Exact. The keys are visited in chunks of 256 positions (whole pages): each chunk
+    gathers, for the tiles of rows that may see it, only the pages it covers, so the
+    extra memory is a few chunks per tile, never a request's whole cache; chunks past
+    a request's length or hidden by `is_causal` and `window` are not visited. Pool slots
+    that hold no valid key of a request may contain anything, NaN included. With
+    metadata on the host (NumPy, torch, JAX outside ``jit``) the loop bounds are read
+    there once per call; under ``jax.jit`` the metadata stays traced and a chunk no
+    row may see is skipped by value (``T``, ``R``, ``P`` and ``max_pages`` are static).
+    Differentiable with respect to `query`, the pools, `scale`, `softcap`, `sinks`
+    and `alibi_slopes` (torch autograd, ``jax.grad``), by automatic differentiation
+    through the walk.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attn.serving import ragged_paged_attention
+    >>> rng = np.random.default_rng(0)
+    >>> pool_k = rng.standard_normal((8, 16, 2, 64), dtype=np.float32)
+    >>> pool_v = rng.standard_normal((8, 16, 2, 64), dtype=np.float32)
+    >>> table = np.array([[3, 5, 0, 0], [1, 2, 7, 4]])  # two requests' pages
+    >>> lengths, starts = np.array([20, 50]), np.array([0, 4, 5])  # 4 new rows, then 1
+    >>> q = rng.standard_normal((5, 8, 64), dtype=np.float32)
+    >>> ragged_paged_attention(q, pool_k, pool_v, table, lengths, starts).shape
+    (5, 8, 64)
+    """
+    xp = _namespace(
+        query, key_pages, value_pages, page_table, kv_lengths, q_starts, sinks, alibi_slopes
+    )
+    t, hq, dk = _check_rank(xp, "query", query, 3, "(T, Hq, Dk)")
+    n_pages, page_size, hkv, _ = _check_pool(xp, "key_pages", key_pages, "(P, page_size, Hkv, Dk)")
+    dv = _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")[3]
+    _same_axes(
+        "key_pages", key_pages, "value_pages", value_pages, (0, 1, 2), ("P", "page_size", "Hkv")
+    )
+    _same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
+    _check_groups(query, key_pages, hq, hkv)
+    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
+    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
+    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
+    _check_heads(xp, sinks, "sinks", hq)
+    _check_heads(xp, alibi_slopes, "alibi_slopes", hq)
+    is_causal = check_is_flag("is_causal", is_causal)
+    return_lse = check_is_flag("return_lse", return_lse)
+    batch_invariant = check_is_flag("batch_invariant", batch_invariant)
+    left, right = (None, None) if window is None else check_window(window)
+    _check_devices(
+        query=query,
+        key_pages=key_pages,
+        value_pages=value_pages,
+        page_table=page_table,
+        kv_lengths=kv_lengths,
+        q_starts=q_starts,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+    )
+    _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
+    dtype = xp.result_type(query.dtype, key_pages.dtype, value_pages.dtype)
+    compute = _compute_dtype(xp, dtype)
+    problem = _paged.PagedProblem(
+        num_tokens=t,
+        num_pages=n_pages,
+        page_size=page_size,
+        max_pages=max_pages,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        value_dim=dv,
+        rows=_paged.tile_rows(t, n_req, hq // hkv, batch_invariant),
+        is_causal=is_causal,
+        left=left,
+        right=right,
+        scale=_scalar(xp, "scale", 1.0 / math.sqrt(dk) if scale is None else scale, compute),
+        softcap=None if softcap is None else _scalar(xp, "softcap", softcap, compute),
+        compute_dtype=compute,
+        device=device(query),
+    )
+    if t == 0:
+        kw = on_device(device(query))
+        out = xp.zeros((0, hq, dv), dtype=dtype, **kw)
+        lse = xp.zeros((0, hq), dtype=compute, **kw)
+        return (out, lse) if return_lse else out
+    pools = (key_pages, value_pages, page_table, kv_lengths)
+    out, lse = paged_attention(
+        xp, problem, query, pools, q_starts, n_req, sinks, alibi_slopes, dtype
+    )
+    return (out, lse) if return_lse else out
+
+
+def paged_kv_write(
+    key_pages: Array,
+    value_pages: Array,
+    page_table: Array,
+    kv_lengths: Array,
+    q_starts: Array,
+    new_keys: Array,
+    new_values: Array,
+) -> tuple[Array, Array]:
+    """Write the new tokens' keys and values into their pages; return the pools.
+
+    Row ``i`` of request ``r`` (``n_r = q_starts[r+1] - q_starts[r]`` rows) goes to
+    position ``kv_lengths[r] - n_r + i`` of the request: slot ``position % page_size``
+    of physical page ``page_table[r, position // page_size]``. `kv_lengths` counts the
+    new tokens already (the lengths :func:`ragged_paged_attention` then takes). Rows
+    at or past ``q_starts[R]`` are padding and are not written.
+
+    **This function writes into the arrays it is given** where the library's arrays
+    are mutable (NumPy, torch, CuPy: the pools returned are the pools given). Under
+    JAX it is functional (``.at[].set``), and in place when the pools are donated to
+    ``jax.jit``; other libraries (array-api-strict) get new pools.
+
+    Parameters
+    ----------
+    key_pages : array, shape (P, page_size, Hkv, Dk)
+    value_pages : array, shape (P, page_size, Hkv, Dv)
+    page_table : integer array, shape (R, max_pages)
+    kv_lengths : integer array, shape (R,)
+    q_starts : integer array, shape (R + 1,)
+    new_keys : array, shape (T, Hkv, Dk)
+        Cast to the pool's dtype.
+    new_values : array, shape (T, Hkv, Dv)
+
+    Returns
+    -------
+    key_pages, value_pages : arrays
+        The pools with the new tokens written.
+    """
+    xp = _namespace(
+        key_pages,
+        value_pages,
+        page_table,
+        kv_lengths,
+        q_starts,
+        new_keys,
+        new_values,
+        names=(
+            "key_pages",
+            "value_pages",
+            "page_table",
+            "kv_lengths",
+            "q_starts",
+            "new_keys",
+            "new_values",
+        ),
+    )
+    n_pages, page_size = _check_pool(xp, "key_pages", key_pages, "(P, page_size, Hkv, Dk)")[:2]
+    _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")
+    _same_axes(
+        "key_pages", key_pages, "value_pages", value_pages, (0, 1, 2), ("P", "page_size", "Hkv")
+    )
+    t = _check_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
+    _check_rank(xp, "new_values", new_values, 3, "(T, Hkv, Dv)")
+    _same_axis("new_keys", new_keys, 0, "new_values", new_values, 0, "T")
+    _same_axis("new_keys", new_keys, 1, "key_pages", key_pages, 2, "Hkv")
+    _same_axis("new_keys", new_keys, 2, "key_pages", key_pages, 3, "Dk")
+    _same_axis("new_values", new_values, 1, "value_pages", value_pages, 2, "Hkv")
+    _same_axis("new_values", new_values, 2, "value_pages", value_pages, 3, "Dv")
+    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
+    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
+    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
+    _check_devices(
+        key_pages=key_pages,
+        value_pages=value_pages,
+        page_table=page_table,
+        kv_lengths=kv_lengths,
+        q_starts=q_starts,
+        new_keys=new_keys,
+        new_values=new_values,
+    )
+    _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
+    if t == 0:
+        return key_pages, value_pages
+    page, slot, valid = _slots(xp, page_table, kv_lengths, q_starts, t, page_size, n_req)
+    new_k = xp.astype(new_keys, key_pages.dtype)
+    new_v = xp.astype(new_values, value_pages.dtype)
+    write = _WRITERS.get(library_name(key_pages), _write_functional)
+    return write(xp, (key_pages, value_pages), (new_k, new_v), page, slot, valid, q_starts)
+
+
+def varlen_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    q_starts: Array,
+    kv_starts: Array,
+    *,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | Array | None = None,
+    scale: float | Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Attention within each of R packed sequences: ``flash_attn_varlen_func``'s job.
+
+    Request ``r`` owns query rows ``q_starts[r] : q_starts[r+1]`` and keys
+    ``kv_starts[r] : kv_starts[r+1]``; rows at or past ``q_starts[R]`` are padding
+    (zeros), keys at or past ``kv_starts[R]`` are never seen.
+
+    Parameters
+    ----------
+    query : array, shape (T, Hq, Dk)
+    key : array, shape (S, Hkv, Dk)
+    value : array, shape (S, Hkv, Dv)
+    q_starts, kv_starts : integer array, shape (R + 1,)
+        Starting at 0, nondecreasing, the last at most ``T`` (``S``).
+    is_causal : bool, default False
+        Per request, bottom-right: row ``i`` of a request with ``n`` rows and ``m``
+        keys sees its keys ``j <= i + m - n``.
+    window, softcap, scale, sinks, alibi_slopes, return_lse
+        As in :func:`ragged_paged_attention`, per request.
+
+    Returns
+    -------
+    out : array, shape (T, Hq, Dv)
+    lse : array, shape (T, Hq)
+        Only with `return_lse`.
+
+    Notes
+    -----
+    One call of :func:`~portable_attn.scaled_dot_product_attention` on the packed
+    axis with segment ids (a request's rows see only its keys; on the tiled path no
+    block pair across two requests is computed) and a ``mask_mod`` for the
+    per-request causal and window alignment: the engine's routes, its recomputing
+    backward (O(T + S) training memory) and ``jax.jit`` all apply.
+    """
+    xp = _namespace(
+        query,
+        key,
+        value,
+        q_starts,
+        kv_starts,
+        sinks,
+        alibi_slopes,
+        names=("query", "key", "value", "q_starts", "kv_starts", "sinks", "alibi_slopes"),
+    )
+    t, hq, _ = _check_rank(xp, "query", query, 3, "(T, Hq, Dk)")
+    s, hkv, _ = _check_rank(xp, "key", key, 3, "(S, Hkv, Dk)")
+    _check_rank(xp, "value", value, 3, "(S, Hkv, Dv)")
+    _same_axis("query", query, 2, "key", key, 2, "Dk")
+    _same_axis("key", key, 0, "value", value, 0, "S")
+    _same_axis("key", key, 1, "value", value, 1, "Hkv")
+    _check_groups(query, key, hq, hkv)
+    (n1,) = _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)")
+    _check_integer(xp, "kv_starts", kv_starts, 1, "(R + 1,)", (n1,), "q_starts")
+    if n1 < 1:
+        msg = f"`q_starts` must hold at least one entry (R + 1 >= 1), but got shape {(n1,)}"
+        raise ValueError(msg)
+    _check_heads(xp, sinks, "sinks", hq)
+    _check_heads(xp, alibi_slopes, "alibi_slopes", hq)
+    is_causal = check_is_flag("is_causal", is_causal)
+    return_lse = check_is_flag("return_lse", return_lse)
+    left, right = (None, None) if window is None else check_window(window)
+    for name, starts, limit in (("q_starts", q_starts, t), ("kv_starts", kv_starts, s)):
+        _check_starts(name, starts, limit)
+    seg_q, pos_q = _segments(xp, q_starts, t, -1)
+    seg_k, pos_k = _segments(xp, kv_starts, s, -2)
+    # a row's place among its request's keys: bottom-right
+    n_q = q_starts[1:] - q_starts[:-1]
+    n_k = kv_starts[1:] - kv_starts[:-1]
+    shift = xp.take(
+        xp.concat([n_k - n_q, xp.zeros_like(n_q[:1])]), xp.where(seg_q < 0, n1 - 1, seg_q)
+    )
+    pos_q = pos_q + shift
+
+    def rows(idx: Any, positions: Any) -> Any:
+        return xp.reshape(xp.take(positions, xp.reshape(idx, (-1,))), idx.shape)
+
+    def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+        qp, kp = rows(qi, pos_q), rows(ki, pos_k)
+        ok = xp.ones_like(qp >= kp)
+        if is_causal:
+            ok = xp.logical_and(ok, kp <= qp)
+        if left is not None:
+            ok = xp.logical_and(ok, kp >= qp - left)
+        if right is not None:
+            ok = xp.logical_and(ok, kp <= qp + right)
+        return ok
+
+    score_mod = None
+    if alibi_slopes is not None:
+
+        def score_mod(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
+            slope = xp.reshape(xp.astype(alibi_slopes, scores.dtype), (-1, 1, 1))
+            dist = xp.astype(xp.abs(rows(qi, pos_q) - rows(ki, pos_k)), scores.dtype)
+            return scores - slope * dist
+
+    structured = is_causal or left is not None or right is not None
+    result = scaled_dot_product_attention(
+        xp.permute_dims(query, (1, 0, 2)),
+        xp.permute_dims(key, (1, 0, 2)),
+        xp.permute_dims(value, (1, 0, 2)),
+        q_segment_ids=seg_q,
+        kv_segment_ids=seg_k,
+        mask_mod=mask_mod if structured else None,
+        score_mod=score_mod,
+        softcap=softcap,
+        scale=scale,
+        sinks=sinks,
+        return_lse=return_lse,
+    )
+    if return_lse:
+        out, lse = result
+        lse = xp.where(seg_q[:, None] < 0, -xp.inf, xp.permute_dims(lse, (1, 0)))  # padding
+        return xp.permute_dims(out, (1, 0, 2)), lse
+    return xp.permute_dims(result, (1, 0, 2))
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _segments(xp: Any, starts: Any, length: int, pad_id: int) -> tuple[Any, Any]:
+    """Segment id (`pad_id` past the last request) and position within it, (length,) each."""
+    idx = xp.astype(xp.arange(length, **on_device(device(starts))), starts.dtype)
+    seg = xp.sum(xp.astype(starts[None, 1:] <= idx[:, None], starts.dtype), axis=1)
+    n = starts.shape[0] - 1
+    pad = seg >= n
+    pos = idx - xp.take(starts, xp.minimum(seg, n))
+    return xp.where(pad, pad_id, seg), xp.where(pad, 0, pos)
+
+
+def _slots(
+    xp: Any, page_table: Any, kv_lengths: Any, q_starts: Any, t: int, page_size: int, n_req: int
+) -> tuple[Any, Any, Any]:
+    """Physical page and slot of each new row (T,), and whether it is written."""
+    idx = xp.astype(xp.arange(t, **on_device(device(q_starts))), q_starts.dtype)
+    req = xp.sum(xp.astype(q_starts[None, 1:] <= idx[:, None], q_starts.dtype), axis=1)
+    valid = req < n_req
+    req = xp.minimum(req, n_req - 1)
+    n_r = xp.take(q_starts, req + 1) - xp.take(q_starts, req)
+    pos = xp.take(kv_lengths, req) - n_r + (idx - xp.take(q_starts, req))
+    pos = xp.where(valid, pos, 0)
+    max_pages = page_table.shape[1]
+    logical = xp.clip(xp.floor_divide(pos, page_size), 0, max_pages - 1)
+    page = xp.take(xp.reshape(page_table, (-1,)), req * max_pages + logical)
+    return xp.astype(page, q_starts.dtype), pos % page_size, valid
+
+
+def _write_in_place(
+    xp: Any, pools: Any, new: Any, page: Any, slot: Any, valid: Any, q_starts: Any
+) -> tuple[Any, Any]:
+    """NumPy, torch, CuPy: item assignment into the given pools (padding rows left out)."""
+    for name, pool in zip(("key_pages", "value_pages"), pools, strict=True):
+        if getattr(getattr(pool, "flags", None), "writeable", True) is False:
+            msg = f"`{name}` is a read-only NumPy array: paged_kv_write writes into the pools"
+            raise ValueError(msg)
+    n = int(to_host(q_starts[-1:])[0])
+    for pool, x in zip(pools, new, strict=True):
+        pool[page[:n], slot[:n]] = x[:n]
+    return pools[0], pools[1]
+
+
+def _write_jax(
+    xp: Any, pools: Any, new: Any, page: Any, slot: Any, valid: Any, q_starts: Any
+) -> tuple[Any, Any]:
+    """JAX: ``.at[page, slot].set``, padding rows sent out of bounds and dropped."""
+    page = xp.where(valid, page, pools[0].shape[0])
+    out = [pool.at[page, slot].set(x, mode="drop") for pool, x in zip(pools, new, strict=True)]
+    return out[0], out[1]
+
+
+def _write_functional(
+    xp: Any, pools: Any, new: Any, page: Any, slot: Any, valid: Any, q_starts: Any
+) -> tuple[Any, Any]:
+    """Any array-API library: new pools, each slot taking the row written to it (O(slots · T))."""
+    out = []
+    for pool, x in zip(pools, new, strict=True):
+        n_pages, page_size = pool.shape[:2]
+        flat = xp.reshape(pool, (n_pages * page_size, *pool.shape[2:]))
+        target = xp.where(valid, page * page_size + slot, -1)  # (T,)
+        slots = xp.astype(xp.arange(n_pages * page_size, **on_device(device(pool))), target.dtype)
+        hits = slots[:, None] == target[None, :]  # (slots, T)
+        row = xp.argmax(xp.astype(hits, xp.int32), axis=1)
+        written = xp.any(hits, axis=1)[:, None, None]
+        flat = xp.where(written, xp.take(x, row, axis=0), flat)
+        out.append(xp.reshape(flat, pool.shape))
+    return out[0], out[1]
+
+
+#: how each library writes rows into its pools; others: :func:`_write_functional`
+_WRITERS = {
+    "numpy": _write_in_place,
+    "torch": _write_in_place,
+    "cupy": _write_in_place,
+    "jax": _write_jax,
+}
+
+
+def _namespace(
+    *arrays: Any,
+    names: tuple[str, ...] = (
+        "query",
+        "key_pages",
+        "value_pages",
+        "page_table",
+        "kv_lengths",
+        "q_starts",
+        "sinks",
+        "alibi_slopes",
+    ),
+) -> Any:
+    named = dict(zip(names, arrays, strict=True))
+    for name, x in named.items():
+        if x is not None and library_name(x) == "dask":
+            msg = (
+                f"`{name}` is a Dask array: paged and packed serving calls take arrays of "
+                "one device (NumPy, torch, JAX, CuPy); call `.compute()` first"
+            )
+            raise TypeError(msg)
+    return array_namespace(**named)
+
+
+def _check_rank(xp: Any, name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
+    if x.ndim != ndim:
+        msg = f"`{name}` must have shape {layout}, but got shape {tuple(x.shape)}"
+        raise ValueError(msg)
+    check_floating(xp, name, x)
+    return tuple(int(n) for n in x.shape)
+
+
+def _check_pool(xp: Any, name: str, x: Any, layout: str) -> tuple[int, ...]:
+    shape = _check_rank(xp, name, x, 4, layout)
+    if shape[1] < 1 or shape[2] < 1:
+        msg = f"`{name}` must have pages of at least one slot and one head, but got shape {shape}"
+        raise ValueError(msg)
+    return shape
+
+
+def _same_axis(a: str, x: Any, ax: int, b: str, y: Any, ay: int, what: str) -> None:
+    if x.shape[ax] != y.shape[ay]:
+        msg = (
+            f"`{a}` axis {ax} and `{b}` axis {ay} ({what}) must agree, but got {a} shape "
+            f"{tuple(x.shape)} and {b} shape {tuple(y.shape)}"
+        )
+        raise ValueError(msg)
+
+
+def _same_axes(
+    a: str, x: Any, b: str, y: Any, axes: tuple[int, ...], what: tuple[str, ...]
+) -> None:
+    for ax, w in zip(axes, what, strict=True):
+        _same_axis(a, x, ax, b, y, ax, w)
+
+
+def _check_groups(query: Any, keys: Any, hq: int, hkv: int) -> None:
+    if hkv == 0 or hq % hkv:
+        msg = (
+            f"the query heads (Hq={hq}, `query` shape {tuple(query.shape)}) must be a multiple "
+            f"of the key/value heads (Hkv={hkv}, shape {tuple(keys.shape)})"
+        )
+        raise ValueError(msg)
+
+
+def _check_integer(
+    xp: Any,
+    name: str,
+    x: Any,
+    ndim: int,
+    layout: str,
+    shape: tuple[int, ...] | None = None,
+    other: str = "",
+) -> tuple[int, ...]:
+    if not hasattr(x, "dtype") or not xp.isdtype(x.dtype, "integral"):
+        got = getattr(x, "dtype", type(x).__name__)
+        msg = f"`{name}` must be an integer array of shape {layout}, but got {got}"
+        raise TypeError(msg)
+    if x.ndim != ndim or (shape is not None and tuple(x.shape) != shape):
+        msg = f"`{name}` must have shape {layout}, but got shape {tuple(x.shape)}"
+        if shape is not None:
+            msg += f" (R = {shape[0] if layout != '(R + 1,)' else shape[0] - 1} from `{other}`)"
+        raise ValueError(msg)
+    return tuple(int(n) for n in x.shape)
+
+
+def _check_heads(xp: Any, x: Any, name: str, hq: int) -> None:
+    if x is None:
+        return
+    check_floating(xp, name, x)
+    if tuple(x.shape) != (hq,):
+        msg = f"`{name}` must have shape (Hq,) = ({hq},), but got shape {tuple(x.shape)}"
+        raise ValueError(msg)
+
+
+def _check_devices(**named: Any) -> None:
+    """Every array on one device (traced arrays, whose device is None, are not compared)."""
+    placed = [n for n, x in named.items() if x is not None and device(x) is not None]
+    if placed:
+        check_same_device(named, placed[0], device(named[placed[0]]), device)
+
+
+def _check_starts(name: str, starts: Any, limit: int) -> Any:
+    """Check `starts` on the host (when it has values): 0 first, nondecreasing, <= limit."""
+    if not has_concrete_values(starts):
+        return None
+    import numpy as np
+
+    v = np.asarray(to_host(starts), dtype=np.int64)
+    if v[0] != 0 or np.any(np.diff(v) < 0) or v[-1] > limit:
+        msg = (
+            f"`{name}` must start at 0, never decrease and end at most at {limit} (axis 0 of "
+            f"the packed array), but got {v.tolist()}"
+        )
+        raise ValueError(msg)
+    return v
+
+
+def _check_metadata(
+    q_starts: Any,
+    kv_lengths: Any,
+    page_table: Any,
+    t: int,
+    n_pages: int,
+    page_size: int,
+    max_pages: int,
+) -> None:
+    """Check metadata with values: lengths that fit the table and rows, pages in the pool."""
+    import numpy as np
+
+    starts = _check_starts("q_starts", q_starts, t)
+    if starts is None or not has_concrete_values(kv_lengths):
+        return
+    lengths = np.asarray(to_host(kv_lengths), dtype=np.int64)
+    rows = np.diff(starts)
+    capacity = max_pages * page_size
+    bad = np.nonzero((lengths < rows) | (lengths > capacity))[0]
+    if len(bad):
+        r = int(bad[0])
+        msg = (
+            f"`kv_lengths`[{r}] = {lengths[r]} must be at least the request's {rows[r]} new "
+            f"row(s) (`q_starts`) and at most max_pages * page_size = {capacity}"
+        )
+        raise ValueError(msg)
+    if not has_concrete_values(page_table):
+        return
+    table = np.asarray(to_host(page_table), dtype=np.int64)
+    used = np.arange(max_pages)[None, :] < -(-lengths[:, None] // page_size)
+    wrong = used & ((table < 0) | (table >= n_pages))
+    if wrong.any():
+        r, j = (int(i) for i in np.argwhere(wrong)[0])
+        msg = (
+            f"`page_table`[{r}, {j}] = {table[r, j]} is not a page of the pool (0 <= page < "
+            f"P = {n_pages}, axis 0 of `key_pages`), and request {r} uses it"
+        )
+        raise ValueError(msg)
+
+
+def _compute_dtype(xp: Any, dtype: Any) -> Any:
+    """float32 for half inputs, the inputs' dtype otherwise."""
+    return xp.result_type(dtype, xp.float32)
+
+
+def _scalar(xp: Any, name: str, value: Any, compute: Any) -> Any:
+    if hasattr(value, "shape"):
+        if value.ndim != 0:
+            msg = f"`{name}` must be a number or a 0-d array, but got shape {tuple(value.shape)}"
+            raise ValueError(msg)
+        return xp.astype(value, compute)
+    return check_positive_scalar(name, value, xp.finfo(compute))

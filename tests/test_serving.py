@@ -1,0 +1,407 @@
+"""Serving: ragged paged attention, the paged KV write, packed variable-length attention.
+
+Every result against the float64 oracle on each request's own unpaged sequence, on
+every backend (the pool's free slots hold NaN, its pages are shuffled); batch
+invariance bit for bit across batch composition, page placement and prefill/chunk/
+decode splits (under ``jax.jit`` across programs of other shapes too); gradients
+against central differences; the write in place (NumPy, torch) or functional (JAX,
+array-api-strict); bad input named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import assert_close, randn
+from portable_attn.serving import paged_kv_write, ragged_paged_attention, varlen_attention
+from portable_attn.testing import central_differences, reference_attention, reference_lse
+
+pytestmark = pytest.mark.skip_backends("dask", reason="serving calls take one device's arrays")
+
+HQ, HKV, DK, DV = 4, 2, 8, 6
+
+
+class Pool:
+    """Requests' keys/values written into a shuffled pool of pages (NaN in free slots)."""
+
+    def __init__(
+        self,
+        lengths,
+        new_rows,
+        *,
+        page_size=4,
+        num_pages=48,
+        seed=0,
+        pad=2,
+        dtype=np.float64,
+        fill=np.nan,
+        order=None,
+    ):
+        rng = np.random.default_rng(seed)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.page_size = page_size
+        r = len(lengths)
+        max_pages = max(-(-n // page_size) for n in lengths) + 1
+        self.keys = [randn(n, HKV, DK, seed=seed * 100 + i) for i, n in enumerate(lengths)]
+        self.values = [randn(n, HKV, DV, seed=seed * 100 + 50 + i) for i, n in enumerate(lengths)]
+        free = list(rng.permutation(num_pages) if order is None else order)
+        self.table = np.zeros((r, max_pages), dtype=np.int64)
+        kp = np.full((num_pages, page_size, HKV, DK), fill)
+        vp = np.full((num_pages, page_size, HKV, DV), fill)
+        for i, n in enumerate(lengths):
+            for j in range(-(-n // page_size)):
+                self.table[i, j] = free.pop(0)
+            for t in range(n):
+                kp[self.table[i, t // page_size], t % page_size] = self.keys[i][t]
+                vp[self.table[i, t // page_size], t % page_size] = self.values[i][t]
+        self.key_pages, self.value_pages = kp.astype(dtype), vp.astype(dtype)
+        self.starts = np.concatenate([[0], np.cumsum(new_rows)]).astype(np.int64)
+        self.query = randn(int(self.starts[-1]) + pad, HQ, DK, seed=seed + 7).astype(dtype)
+
+    def args(self, backend, dtype="float64"):
+        b = backend.asarray
+        return (
+            b(self.query, dtype),
+            b(self.key_pages, dtype),
+            b(self.value_pages, dtype),
+            b(self.table),
+            b(self.lengths),
+            b(self.starts),
+        )
+
+    def oracle(self, **kw):
+        """out (T, Hq, Dv) and lse (T, Hq) in float64, request by request."""
+        kw = {"is_causal": True, **kw}
+        t = self.query.shape[0]
+        out, lse = np.zeros((t, HQ, DV)), np.full((t, HQ), -np.inf)
+        for r in range(len(self.lengths)):
+            a, b = self.starts[r], self.starts[r + 1]
+            if a == b:
+                continue
+            q = self.query[a:b].astype(np.float64).transpose(1, 0, 2)[None]
+            k = self.keys[r].transpose(1, 0, 2)[None]
+            v = self.values[r].transpose(1, 0, 2)[None]
+            out[a:b] = reference_attention(q, k, v, **kw)[0].transpose(1, 0, 2)
+            lse[a:b] = reference_lse(q, k, **kw)[0].transpose(1, 0)
+        return out, lse
+
+
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
+OPTIONS = {
+    "causal": {},
+    "window": {"window": (6, 0)},
+    "softcap+sinks": {"softcap": 2.0, "sinks": randn(HQ, seed=3), "scale": 0.4},
+    "not-causal": {"is_causal": False},
+    "alibi+window-right": {"alibi_slopes": SLOPES, "is_causal": False, "window": (9, 3)},
+}
+
+
+def _on(backend, kw):
+    return {n: backend.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_paged_against_oracle(backend, xp, name, invariant):
+    # a decode row, prefill chunks longer than a tile, a request with no new row, one
+    # whose window ends before its first chunk, one new row at position 0
+    pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+    kw = OPTIONS[name]
+    out, lse = ragged_paged_attention(
+        *pool.args(backend), return_lse=True, batch_invariant=invariant, **_on(backend, kw)
+    )
+    expected_out, expected_lse = pool.oracle(**kw)
+    assert_close(backend, out, expected_out)
+    assert_close(backend, lse, expected_lse)
+    assert np.all(backend.to_numpy(out)[-2:] == 0.0)  # padding rows
+
+
+def test_half_precision_accumulates_in_float32(backend, xp):
+    if not backend.supports("float16"):
+        pytest.skip(f"{backend.kind} has no float16")
+    pool = Pool([12, 30], [3, 1])
+    out, lse = ragged_paged_attention(*pool.args(backend, "float16"), return_lse=True)
+    assert out.dtype == backend.dtype("float16")
+    assert lse.dtype == backend.dtype("float32")
+    np.testing.assert_allclose(backend.to_numpy(out), pool.oracle()[0], atol=3e-3)
+
+
+@pytest.mark.backends("jax", reason="jax.jit with traced metadata")
+def test_paged_under_jit_matches_the_oracle(backend, xp):
+    import jax
+
+    pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+    kw = OPTIONS["softcap+sinks"] | {"window": (30, 0)}
+
+    @jax.jit
+    def call(*args):
+        return ragged_paged_attention(*args, return_lse=True, **_on(backend, kw))
+
+    out, lse = call(*pool.args(backend))
+    expected_out, expected_lse = pool.oracle(**kw)
+    assert_close(backend, out, expected_out)
+    assert_close(backend, lse, expected_lse)
+
+
+def _decode_rows(backend, pools, *, jit=False):
+    """The last row of request 0 in each of several calls that hold it, as NumPy."""
+    fn = ragged_paged_attention
+    if jit:
+        import jax
+
+        fn = jax.jit(ragged_paged_attention, static_argnames=("batch_invariant", "return_lse"))
+    rows = []
+    for pool, row in pools:
+        out, lse = fn(*pool.args(backend, "float32"), batch_invariant=True, return_lse=True)
+        rows.append((backend.to_numpy(out)[row], backend.to_numpy(lse)[row]))
+    return rows
+
+
+def _holding(lengths, new_rows, target, row, **kw):
+    """A pool whose request `target` has the keys, values and query row of ``_ALONE``."""
+    pool = Pool(lengths, new_rows, **kw)
+    n, ps = len(_ALONE.keys[0]), pool.page_size
+    pool.keys[target][:] = _ALONE.keys[0]
+    pool.values[target][:] = _ALONE.values[0]
+    for t in range(n):
+        page, slot = pool.table[target, t // ps], t % ps
+        pool.key_pages[page, slot] = _ALONE.keys[0][t]
+        pool.value_pages[page, slot] = _ALONE.values[0][t]
+    pool.query[row] = _ALONE.query[0]
+    return pool, row
+
+
+_N = 45  # the request every call below holds: 45 keys; the row of its last token
+_ALONE = Pool([_N], [1], seed=0)
+
+
+@pytest.mark.main_kinds
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_batch_invariant_rows_are_the_same_bits(backend, xp, jit):
+    if jit and backend.family != "jax":
+        pytest.skip("jax.jit only")
+    calls = [
+        (_ALONE, 0),  # alone, decoding
+        _holding(
+            [_N, 300, 7, 64], [1, 1, 7, 1], 0, 0, seed=1, num_pages=128, order=np.arange(128)[::-1]
+        ),
+        _holding([9, _N, 30], [9, 1, 20], 1, 9, seed=2),  # other pages, beside prefills
+        _holding([_N, 20], [12, 3], 0, 11, seed=3),  # the last row of a 12-row chunk
+        _holding([_N], [_N], 0, _N - 1, seed=4),  # the whole prompt at once
+    ]
+    rows = _decode_rows(backend, calls, jit=jit)
+    for out, lse in rows[1:]:
+        np.testing.assert_array_equal(out, rows[0][0])
+        np.testing.assert_array_equal(lse, rows[0][1])
+    expected = _ALONE.oracle()[0][0]
+    np.testing.assert_allclose(rows[0][0], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.autodiff
+def test_paged_gradients_match_central_differences(backend, xp):
+    pool = Pool([5, 3], [2, 1], page_size=2, num_pages=6, fill=0.0, pad=1)
+    pool.query = pool.query[:, :, :3]
+    kp, vp = pool.key_pages[..., :3], pool.value_pages[..., :2]
+    weights_np = randn(pool.query.shape[0], HQ, 2, seed=4)
+    meta = (pool.table, pool.lengths, pool.starts)
+    kw = {"softcap": 3.0, "window": (3, 0)}
+
+    def loss_np(q, k, v):
+        return float(np.sum(ragged_paged_attention(q, k, v, *meta, **kw) * weights_np))
+
+    expected = central_differences(loss_np, [pool.query, kp, vp])
+    weights = backend.asarray(weights_np)
+    meta_b = tuple(backend.asarray(m) for m in meta)
+
+    def loss(q, k, v):
+        return xp.sum(ragged_paged_attention(q, k, v, *meta_b, **kw) * weights)
+
+    grads = backend.grad(loss, *(backend.asarray(a) for a in (pool.query, kp, vp)))
+    for g, e in zip(grads, expected, strict=True):
+        assert_close(backend, g, e, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.autodiff
+def test_paged_gradients_stay_finite_over_nan_slots(backend, xp):
+    pool = Pool([6, 11], [3, 1], page_size=4, num_pages=8)  # NaN in every free slot
+    q, kp, vp, *meta = pool.args(backend)
+
+    def loss(q, k, v):
+        return xp.sum(ragged_paged_attention(q, k, v, *meta, sinks=backend.asarray(randn(HQ))))
+
+    for g in backend.grad(loss, q, kp, vp):
+        g = backend.to_numpy(g)
+        used = np.isfinite(pool.key_pages[..., :1]).all(axis=(1, 2, 3)) if g.ndim == 4 else None
+        assert np.all(np.isfinite(g if used is None else g[used]))
+
+
+# ---------------------------------------------------------------------------
+# the write
+
+
+def test_write_then_attend_equals_the_oracle(backend, xp):
+    lengths_before, new = np.array([3, 0, 9]), np.array([2, 4, 1])
+    pool = Pool(list(lengths_before + new), list(new), num_pages=16, fill=0.0)
+    # the pool as it was before: the new tokens' slots zero, then written
+    kp, vp = pool.key_pages.copy(), pool.value_pages.copy()
+    new_k = np.zeros((pool.query.shape[0], HKV, DK))
+    new_v = np.zeros((pool.query.shape[0], HKV, DV))
+    new_k[-2:] = np.nan  # padding rows: never written
+    for r, (before, n) in enumerate(zip(lengths_before, new, strict=True)):
+        for i in range(n):
+            t, pos = pool.starts[r] + i, before + i
+            page, slot = pool.table[r, pos // 4], pos % 4
+            new_k[t], new_v[t] = kp[page, slot], vp[page, slot]
+            kp[page, slot] = vp[page, slot] = 0.0
+    kb, vb = backend.asarray(kp), backend.asarray(vp)
+    if backend.kind == "numpy_readonly":
+        with pytest.raises(ValueError, match="read-only"):
+            paged_kv_write(
+                kb,
+                vb,
+                *(backend.asarray(m) for m in (pool.table, pool.lengths, pool.starts)),
+                backend.asarray(new_k),
+                backend.asarray(new_v),
+            )
+        return
+    meta = tuple(backend.asarray(m) for m in (pool.table, pool.lengths, pool.starts))
+    k2, v2 = paged_kv_write(kb, vb, *meta, backend.asarray(new_k), backend.asarray(new_v))
+    np.testing.assert_array_equal(backend.to_numpy(k2), pool.key_pages)
+    np.testing.assert_array_equal(backend.to_numpy(v2), pool.value_pages)
+    if backend.family in ("numpy", "torch", "cupy"):
+        assert k2 is kb  # in place, as documented
+        assert v2 is vb
+    else:
+        np.testing.assert_array_equal(backend.to_numpy(kb), kp)  # the given pools unchanged
+    out = ragged_paged_attention(backend.asarray(pool.query), k2, v2, *meta)
+    assert_close(backend, out, pool.oracle()[0])
+
+
+@pytest.mark.backends("jax", reason="jax.jit with donated pools")
+def test_write_under_jit_with_donation(backend, xp):
+    import jax
+
+    pool = Pool([4, 6], [1, 2], num_pages=8, fill=0.0)
+    q, kp, vp, table, lengths, starts = pool.args(backend)
+    new_k = backend.asarray(randn(q.shape[0], HKV, DK, seed=5))
+    new_v = backend.asarray(randn(q.shape[0], HKV, DV, seed=6))
+    step = jax.jit(paged_kv_write, donate_argnums=(0, 1))
+    k2, v2 = step(kp, vp, table, lengths, starts, new_k, new_v)
+    expected = paged_kv_write(*pool.args(backend)[1:], new_k, new_v)
+    np.testing.assert_array_equal(backend.to_numpy(k2), backend.to_numpy(expected[0]))
+    np.testing.assert_array_equal(backend.to_numpy(v2), backend.to_numpy(expected[1]))
+
+
+# ---------------------------------------------------------------------------
+# packed variable-length sequences
+
+
+def _varlen_oracle(q, k, v, qs, ks, **kw):
+    t = q.shape[0]
+    out, lse = np.zeros((t, HQ, v.shape[-1])), np.full((t, HQ), -np.inf)
+    for r in range(len(qs) - 1):
+        a, b, c, d = qs[r], qs[r + 1], ks[r], ks[r + 1]
+        if a == b:
+            continue
+        qr, kr, vr = (x.transpose(1, 0, 2)[None] for x in (q[a:b], k[c:d], v[c:d]))
+        out[a:b] = reference_attention(qr, kr, vr, **kw)[0].transpose(1, 0, 2)
+        lse[a:b] = reference_lse(qr, kr, **kw)[0].transpose(1, 0)
+    return out, lse
+
+
+VARLEN = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "window+sinks": {"is_causal": True, "window": (3, 0), "sinks": randn(HQ, seed=2)},
+    "alibi+softcap": {"alibi_slopes": SLOPES, "softcap": 1.5, "window": (4, 2)},
+}
+
+
+@pytest.mark.parametrize("name", list(VARLEN))
+def test_varlen_against_oracle(backend, xp, name):
+    qs, ks = np.array([0, 5, 6, 6, 14]), np.array([0, 9, 10, 13, 21])  # Lq != Lk per request
+    q, k, v = randn(16, HQ, DK, seed=1), randn(22, HKV, DK, seed=2), randn(22, HKV, DV, seed=3)
+    kw = VARLEN[name]
+    out, lse = varlen_attention(
+        *(backend.asarray(a) for a in (q, k, v, qs, ks)), return_lse=True, **_on(backend, kw)
+    )
+    expected_out, expected_lse = _varlen_oracle(q, k, v, qs, ks, **kw)
+    assert_close(backend, out, expected_out)
+    assert_close(backend, lse, expected_lse)
+    assert np.all(backend.to_numpy(out)[14:] == 0.0)
+
+
+@pytest.mark.autodiff
+def test_varlen_gradients_match_central_differences(backend, xp):
+    qs, ks = np.array([0, 2, 5]), np.array([0, 3, 5])
+    q, k, v = randn(5, HQ, 3, seed=1), randn(5, HKV, 3, seed=2), randn(5, HKV, 2, seed=3)
+    w = randn(5, HQ, 2, seed=4)
+
+    def loss_np(q, k, v):
+        return float(np.sum(varlen_attention(q, k, v, qs, ks, is_causal=True) * w))
+
+    expected = central_differences(loss_np, [q, k, v])
+    qs_b, ks_b, w_b = backend.asarray(qs), backend.asarray(ks), backend.asarray(w)
+
+    def loss(q, k, v):
+        return xp.sum(varlen_attention(q, k, v, qs_b, ks_b, is_causal=True) * w_b)
+
+    grads = backend.grad(loss, *(backend.asarray(a) for a in (q, k, v)))
+    for g, e in zip(grads, expected, strict=True):
+        assert_close(backend, g, e, atol=1e-7, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.main_kinds
+def test_bad_input_is_named(backend, xp):
+    pool = Pool([5, 9], [2, 1], num_pages=8)
+    q, kp, vp, table, lengths, starts = pool.args(backend)
+    cases = [
+        ((q[0, ...], kp, vp, table, lengths, starts), ValueError, "`query` must have shape"),
+        ((q, kp, vp[:, :, :1, :], table, lengths, starts), ValueError, "axis 2"),
+        ((q, kp, vp, table, lengths[:1], starts), ValueError, "`kv_lengths` must have shape"),
+        (
+            (q, kp, vp, table, backend.asarray(np.array([0, 1, 1, 1])), starts),
+            ValueError,
+            "kv_lengths",
+        ),
+        (
+            (q, kp, vp, backend.asarray(pool.table * 1.0), lengths, starts),
+            TypeError,
+            "`page_table`",
+        ),
+        ((q, kp, vp, table, backend.asarray(np.array([1, 9])), starts), ValueError, "at least"),
+        (
+            (q, kp, vp, table, lengths, backend.asarray(np.array([0, 3, 2]))),
+            ValueError,
+            "never decrease",
+        ),
+        (
+            (q, kp, vp, backend.asarray(pool.table + 100), lengths, starts),
+            ValueError,
+            "not a page",
+        ),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            ragged_paged_attention(*args)
+    with pytest.raises(ValueError, match="Hkv"):
+        varlen_attention(q, kp[0, ...], vp[0, :, :1, :], starts, starts)
+
+
+def test_dask_is_refused_with_a_clear_error():
+    da = pytest.importorskip("dask.array")
+    pool = Pool([5], [1])
+    with pytest.raises(TypeError, match="Dask"):
+        ragged_paged_attention(
+            da.from_array(pool.query),
+            pool.key_pages,
+            pool.value_pages,
+            pool.table,
+            pool.lengths,
+            pool.starts,
+        )
