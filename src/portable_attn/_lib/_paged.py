@@ -36,6 +36,7 @@ from ._softmax import finite_shift, safe_denominator, with_sink
 __all__ = [
     "CHUNK_KEYS",
     "INVARIANT_MATMUL_ROWS",
+    "MAX_TILE_ROWS",
     "PagedProblem",
     "PagedState",
     "Tiles",
@@ -56,17 +57,20 @@ gathers 8 MiB of keys per chunk and the Python loop stays short."""
 
 INVARIANT_MATMUL_ROWS = 16
 """With ``batch_invariant=True``, a tile holds ``ceil(16 / G)`` rows: the matrix
-products are ``G · rows`` by ``bk``, the same for every call of the model. Without it,
-a call whose requests have one row each (decoding) tiles one row, others 16 rows."""
+products are ``G · rows`` by ``bk``, the same for every call of the model."""
 
-DEFAULT_TILE_ROWS = 16
+MAX_TILE_ROWS = 128
+"""Without it, a tile holds the mean rows per request rounded up to a power of two, at
+most 128: one row per request when decoding, 128 for prefill chunks of 512 (the keys
+of a chunk are gathered once per tile, so bigger tiles gather less)."""
 
 
 def tile_rows(num_tokens: int, num_requests: int, groups: int, batch_invariant: bool) -> int:
     """Return the rows of a tile: fixed per model with `batch_invariant`, else by shape."""
     if batch_invariant:
         return max(1, math.ceil(INVARIANT_MATMUL_ROWS / groups))
-    return 1 if num_tokens <= num_requests else DEFAULT_TILE_ROWS
+    mean = -(-num_tokens // max(num_requests, 1))
+    return min(MAX_TILE_ROWS, 1 << max(mean - 1, 0).bit_length())
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,7 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     """Return the tiles that hold rows, from host (NumPy) metadata, longest walk first.
 
     Returns the tiles as arrays of `xp` on the problem's device and, as NumPy, the
-    first and last chunk of each tile (for the driver's loop bounds).
+    first and last chunk of each tile and its request's key count (for the driver).
     """
     import numpy as np
 
@@ -210,8 +214,10 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     pos0 = kv - (q_starts[req_a + 1] - q_starts[req_a]) + (first_a - q_starts[req_a])
     lo, hi = _chunk_range(np, p, pos0, pos0 + count - 1, kv)
     hi = np.where(count > 0, hi, -1)
-    order = np.argsort(-hi, kind="stable")  # longest walks first: active tiles are a prefix
-    req_a, first_a, count, lo, hi = (a[order] for a in (req_a, first_a, count, lo, hi))
+    # longest walks first (the active tiles of a chunk are then a range, mostly a prefix),
+    # and among equal walks the longest requests first (those that fill the chunk)
+    order = np.lexsort((-kv, -hi))
+    req_a, first_a, count, lo, hi, kv = (a[order] for a in (req_a, first_a, count, lo, hi, kv))
     t = p.num_tokens
     source = np.zeros(t, dtype=np.int64)
     valid = np.zeros(t, dtype=bool)
@@ -222,7 +228,7 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     kw = on_device(p.device)
     arrays = [xp.asarray(a, **kw) for a in (req_a, first_a, count, lo, hi, source, valid)]
     tiles = Tiles(*arrays)
-    return tiles, (lo, hi)
+    return tiles, (lo, hi, kv)
 
 
 class PagedState(NamedTuple):
@@ -253,7 +259,7 @@ def tile_queries(xp: Any, p: PagedProblem, query: Any, tiles: Tiles) -> tuple[An
     offs = xp.astype(offs, tiles.first.dtype)
     idx = xp.clip(tiles.first[:, None] + offs[None, :], 0, max(t - 1, 0))  # (N, rows)
     q = xp.take(query, xp.reshape(idx, (-1,)), axis=0)  # (N·rows, Hq, Dk)
-    q = xp.astype(q, p.compute_dtype) * p.scale
+    q = xp.astype(q, p.compute_dtype, copy=False) * p.scale
     q = xp.reshape(q, (n, rows, hkv, g, dk))
     q = xp.reshape(xp.permute_dims(q, (0, 2, 1, 3, 4)), (n, hkv, rows * g, dk))
     return q, offs
@@ -294,13 +300,18 @@ def step(
     request: Any,
     pools: tuple[Any, Any, Any, Any],
     alibi: Any | None,
+    *,
+    sanitize: bool = True,
 ) -> PagedState:
     """Fold key chunk `chunk` (an int, or a traced 0-d integer) into the tiles' state.
 
     `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles, `request` (N,)
     their requests; `pools` is ``(key_pages, value_pages, page_table, kv_lengths)``;
-    `alibi` the slopes as :func:`head_rows` lays them out, or None.
+    `alibi` the slopes as :func:`head_rows` lays them out, or None. `sanitize`: zero the
+    gathered slots past a request's length; False only where the caller knows every
+    tile's length covers the whole chunk (then no slot is past it).
     """
+    dt = p.compute_dtype
     key_pages, value_pages, page_table, kv_lengths = pools
     n = request.shape[0]
     c, ps, bk, hkv = p.chunk_pages, p.page_size, p.chunk_keys, p.num_kv_heads
@@ -315,10 +326,13 @@ def step(
         xp.reshape(xp.broadcast_to(in_table[:, None], (c, ps)), (1, bk)),
     )
     keep = key_ok[:, :, None, None]
-    k = xp.reshape(xp.take(key_pages, pages, axis=0), (n, bk, hkv, -1))
-    k = xp.where(keep, xp.astype(k, p.compute_dtype), 0.0)  # whatever a free slot holds
-    v = xp.reshape(xp.take(value_pages, pages, axis=0), (n, bk, hkv, -1))
-    v = xp.where(keep, xp.astype(v, p.compute_dtype), 0.0)
+    k = xp.astype(xp.reshape(xp.take(key_pages, pages, axis=0), (n, bk, hkv, -1)), dt, copy=False)
+    v = xp.astype(
+        xp.reshape(xp.take(value_pages, pages, axis=0), (n, bk, hkv, -1)), dt, copy=False
+    )
+    if sanitize:  # slots past a length: zero, whatever they hold (NaN in values or gradients)
+        k = xp.where(keep, k, 0.0)
+        v = xp.where(keep, v, 0.0)
     s = q @ xp.permute_dims(k, (0, 2, 3, 1))  # (N, Hkv, rows·G, bk)
     if p.softcap is not None:
         s = p.softcap * xp.tanh(s / p.softcap)
@@ -367,4 +381,4 @@ def finish(
     valid = tiles.valid
     out = xp.where(valid[:, None, None], out, 0.0)
     lse = xp.where(valid[:, None], lse, -xp.inf)
-    return xp.astype(out, dtype), lse
+    return xp.astype(out, dtype, copy=False), lse

@@ -42,10 +42,11 @@ def paged_attention(
     if alibi_slopes is not None:
         alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
     if has_concrete_values(q_starts) and has_concrete_values(kv_lengths):
-        tiles, (lo, hi) = _paged.host_tiles(xp, p, to_host(q_starts), to_host(kv_lengths))
+        host_lengths = to_host(kv_lengths)
+        tiles, (lo, hi, lengths) = _paged.host_tiles(xp, p, to_host(q_starts), host_lengths)
         q, offs = _paged.tile_queries(xp, p, query, tiles)
         pos = _paged.row_positions(xp, p, tiles, q_starts, kv_lengths, offs)
-        state = _host_walk(xp, p, q, pos, tiles, pools, alibi, lo, hi)
+        state = _host_walk(xp, p, q, pos, tiles, pools, alibi, lo, hi, lengths)
         return _paged.finish(xp, p, state, tiles, sinks, dtype)
     tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, num_requests)
     q, offs = _paged.tile_queries(xp, p, query, tiles)
@@ -74,33 +75,72 @@ def _host_walk(
     alibi: Any | None,
     lo: Any,
     hi: Any,
+    lengths: Any,
 ) -> PagedState:
-    """Fold every chunk some tile may see, each into the range of tiles that may see it."""
+    """Fold every chunk some tile may see, each into the range of tiles that may see it.
+
+    `lo`, `hi` and `lengths` (the key count of each tile's request) are NumPy arrays.
+    """
     import numpy as np
 
     n = len(lo)
     state = _paged.start(xp, p, n)
     if n == 0 or int(hi.max()) < 0:
         return state
+    bk = p.chunk_keys
     for j in range(max(int(lo.min()), 0), min(int(hi.max()), p.num_chunks - 1) + 1):
         active = np.nonzero((lo <= j) & (j <= hi))[0]
         if len(active) == 0:
             continue
         a, b = int(active[0]), int(active[-1]) + 1
-        if (a, b) == (0, n):
-            state = _paged.step(xp, p, state, j, q, pos, tiles.request, pools, alibi)
-            continue
-        part = PagedState(*(x[a:b, ...] for x in state))
-        part = _paged.step(
-            xp, p, part, j, q[a:b, ...], pos[a:b, ...], tiles.request[a:b], pools, alibi
-        )
-        state = PagedState(
-            *(
-                xp.concat([x[:a, ...], y, x[b:, ...]], axis=0)
-                for x, y in zip(state, part, strict=True)
-            )
-        )
+        # tiles whose request's keys fill the chunk need no zeroing of free slots: split
+        # the range where they end (sorted by last chunk, they come first, mostly)
+        full = lengths[a:b] >= (j + 1) * bk
+        cut = a + int(np.argmin(full)) if not full.all() else b
+        if full[cut - a :].any():
+            cut = a  # not a prefix: zero the whole range
+        for lo_t, hi_t, sanitize in ((a, cut, False), (cut, b, True)):
+            if lo_t < hi_t:
+                state = _fold(
+                    xp, p, state, j, lo_t, hi_t, n, q, pos, tiles, pools, alibi, sanitize
+                )
     return state
+
+
+def _fold(
+    xp: Any,
+    p: PagedProblem,
+    state: PagedState,
+    j: int,
+    a: int,
+    b: int,
+    n: int,
+    q: Any,
+    pos: Any,
+    tiles: _paged.Tiles,
+    pools: tuple[Any, Any, Any, Any],
+    alibi: Any | None,
+    sanitize: bool,
+) -> PagedState:
+    """Fold chunk `j` into tiles ``a:b`` of `n`; the others' state stays as it is."""
+    if (a, b) == (0, n):
+        return _paged.step(xp, p, state, j, q, pos, tiles.request, pools, alibi, sanitize=sanitize)
+    part = PagedState(*(x[a:b, ...] for x in state))
+    part = _paged.step(
+        xp,
+        p,
+        part,
+        j,
+        q[a:b, ...],
+        pos[a:b, ...],
+        tiles.request[a:b],
+        pools,
+        alibi,
+        sanitize=sanitize,
+    )
+    return PagedState(
+        *(xp.concat([x[:a, ...], y, x[b:, ...]], axis=0) for x, y in zip(state, part, strict=True))
+    )
 
 
 def _jax_walk(p: PagedProblem, state: PagedState, tiles: _paged.Tiles, fold: Any) -> PagedState:

@@ -1,0 +1,506 @@
+"""Serving over a paged KV cache: correctness, batch invariance, speed, memory.
+
+    python benchmarks/serving.py               # writes benchmarks/results/serving.json
+    python benchmarks/serving.py --only decode --repeats 5
+
+The targets of issue 39 (float32, this machine's CPUs):
+
+- ``simulation``: 24 scheduler steps over 32 requests (prompts of 1-2048 tokens,
+  ``page_size`` 16, pages shuffled in the pool, prefill chunks of up to 256 tokens
+  mixed with decode steps; Hq=8, Hkv=2, D=64), with and without a window, sinks and a
+  softcap: the largest error of every row against a float64 oracle on each request's
+  own unpaged keys, on NumPy, torch and JAX under ``jit``. The same steps with
+  ``batch_invariant=True``, then each of 4 requests replayed alone, on other pages and
+  with its prompt in other chunks: whether every replayed row is the same bits.
+- ``decode``: one decode step, R=32 requests with 512-4096 keys (spread evenly),
+  Hq=32, Hkv=8, D=128, ``page_size`` 16: ours (default and ``batch_invariant``)
+  against torch SDPA on the padded contiguous cache (B=32, Lk=4096) given the padding
+  mask, against gathering each request's pages and calling SDPA per request, and
+  under ``jax.jit`` against ``jax.nn.dot_product_attention`` on the padded cache with
+  ``key_value_seq_lengths``. Medians of interleaved rounds, and per-round ratios.
+- ``prefill``: 4 requests each prefilling a chunk of 512 tokens over 1-3k cached
+  keys: ours against one padded SDPA call (B=4, Lq=512, Lk=the longest) with the mask.
+- ``memory``: the peak memory NumPy allocates during our decode step (tracemalloc),
+  against the padded cache's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _timing import interleaved_seconds  # noqa: E402
+from report import git_state  # noqa: E402
+
+from portable_attn import ragged_paged_attention  # noqa: E402
+
+PAGE = 16
+
+
+# ---------------------------------------------------------------------------
+# a pool of pages, as a serving engine keeps it
+
+
+def build_pool(lengths, hkv, d, *, seed=0, spare=8, dtype=np.float32):
+    """Keys/values of each request written to shuffled pages; NaN in the free slots."""
+    rng = np.random.default_rng(seed)
+    pages_of = [-(-n // PAGE) for n in lengths]
+    n_pages = sum(pages_of) + spare
+    order = rng.permutation(n_pages)
+    table = np.zeros((len(lengths), max(pages_of)), dtype=np.int32)
+    kp = np.full((n_pages, PAGE, hkv, d), np.nan, dtype=dtype)
+    vp = np.full((n_pages, PAGE, hkv, d), np.nan, dtype=dtype)
+    keys, values, at = [], [], 0
+    for r, n in enumerate(lengths):
+        table[r, : pages_of[r]] = order[at : at + pages_of[r]]
+        at += pages_of[r]
+        k = rng.standard_normal((n, hkv, d), dtype=np.float32).astype(dtype)
+        v = rng.standard_normal((n, hkv, d), dtype=np.float32).astype(dtype)
+        pos = np.arange(n)
+        kp[table[r, pos // PAGE], pos % PAGE] = k
+        vp[table[r, pos // PAGE], pos % PAGE] = v
+        keys.append(k)
+        values.append(v)
+    return kp, vp, table, keys, values
+
+
+def oracle_rows(q, k, v, positions, *, window=None, sinks=None, softcap=None):
+    """float64 attention of rows `q` (n, Hq, D) at `positions` over keys (L, Hkv, D)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    j = np.arange(k.shape[0])
+    ok = j[None, :] <= positions[:, None]
+    if window is not None:
+        ok &= j[None, :] >= positions[:, None] - window
+    s = np.where(ok[None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, sinks[:, None, None])
+    e = np.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks[:, None, None] - m)
+    return np.einsum("hqk,khd->qhd", e / total, v)
+
+
+# ---------------------------------------------------------------------------
+# the simulation: a scheduler's steps
+
+
+def schedule(prompts, steps, chunk=256, seed=0):
+    """Per step: (request, rows) pairs; prefill in chunks up to `chunk`, then decode."""
+    rng = np.random.default_rng(seed)
+    done = [0] * len(prompts)
+    plan = []
+    for _ in range(steps):
+        batch = []
+        for r, n in enumerate(prompts):
+            rows = int(min(n - done[r], rng.integers(1, chunk + 1))) if done[r] < n else 1
+            batch.append((r, rows))
+        rng.shuffle(batch)
+        for r, rows in batch:
+            done[r] += rows
+        plan.append(batch)
+    return plan
+
+
+def simulate(lib, prompts, plan, options, *, invariant, hq=8, hkv=2, d=64, seed=0, replay=()):
+    """Run `plan` on `lib`; return the max error against the oracle and the rows produced."""
+    total = [
+        sum(rows for r2, rows in (x for b in plan for x in b) if r2 == r)
+        for r in range(len(prompts))
+    ]
+    kp, vp, table, keys, values = build_pool(total, hkv, d, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    queries = [rng.standard_normal((n, hq, d), dtype=np.float32) for n in total]
+    kv_written = np.zeros(len(prompts), dtype=np.int64)
+    conv, fn = LIBS[lib]
+    sinks = options.get("sinks")
+    kw = {k: (conv(x) if isinstance(x, np.ndarray) else x) for k, x in options.items()}
+    err, rows_out = 0.0, {}
+    for batch in plan:
+        reqs = [r for r, _ in batch]
+        n_rows = [rows for _, rows in batch]
+        starts = np.concatenate([[0], np.cumsum(n_rows)]).astype(np.int32)
+        lengths = np.array([kv_written[r] + n for r, n in batch], dtype=np.int32)
+        q = np.concatenate([queries[r][kv_written[r] : kv_written[r] + n] for r, n in batch])
+        out = np.asarray(
+            fn(
+                conv(q),
+                conv(kp),
+                conv(vp),
+                conv(table[reqs]),
+                conv(lengths),
+                conv(starts),
+                batch_invariant=invariant,
+                **kw,
+            )
+        )
+        for i, (r, n) in enumerate(batch):
+            pos = np.arange(kv_written[r], kv_written[r] + n)
+            got = out[starts[i] : starts[i + 1]]
+            expected = oracle_rows(
+                queries[r][pos],
+                keys[r][: pos[-1] + 1],
+                values[r][: pos[-1] + 1],
+                pos,
+                window=options.get("window", (None,))[0],
+                sinks=sinks,
+                softcap=options.get("softcap"),
+            )
+            err = max(err, float(np.abs(got - expected).max()))
+            if r in replay:
+                for p, row in zip(pos, got, strict=True):
+                    rows_out[(r, int(p))] = row
+        kv_written += np.bincount(reqs, weights=n_rows, minlength=len(prompts)).astype(np.int64)
+    return err, rows_out
+
+
+def _numpy_lib():
+    return (lambda x: x, ragged_paged_attention)
+
+
+def _torch_lib():
+    import torch
+
+    def fn(*a, **kw):
+        with torch.no_grad():
+            return ragged_paged_attention(*a, **kw).numpy()
+
+    return (torch.from_numpy, fn)
+
+
+def _jax_lib():
+    import jax
+    import jax.numpy as jnp
+
+    jitted = jax.jit(
+        ragged_paged_attention,
+        static_argnames=("batch_invariant", "window", "softcap", "is_causal"),
+    )
+    return (jnp.asarray, jitted)
+
+
+LIBS: dict[str, Any] = {}
+
+
+def simulation(libs, steps=24, requests=32):
+    rng = np.random.default_rng(0)
+    prompts = [int(n) for n in np.linspace(1, 2048, requests).round()]
+    rng.shuffle(prompts)
+    plan = schedule(prompts, steps)
+    variants = {
+        "plain": {},
+        "window": {"window": (128, 0)},
+        "sinks": {"sinks": rng.standard_normal(8).astype(np.float32)},
+        "softcap": {"softcap": 30.0},
+    }
+    replay = [0, 1, 2, 3]
+    result: dict[str, Any] = {"prompts": prompts, "steps": steps, "errors": {}, "invariance": {}}
+    for lib in libs:
+        for name, opts in variants.items():
+            err, _ = simulate(lib, prompts, plan, opts, invariant=False)
+            result["errors"][f"{lib}/{name}"] = err
+            print(f"simulation {lib:6s} {name:8s} max error {err:.2e}", flush=True)
+        # invariance: the batched run, then each of 4 requests alone, other pages and chunks
+        err, rows = simulate(lib, prompts, plan, {}, invariant=True, replay=replay)
+        same = True
+        for r in replay:
+            alone_plan = schedule([prompts[r]], steps, chunk=97, seed=r + 5)
+            total = sum(n for b in alone_plan for _, n in b)
+            ref_total = sum(n for b in plan for rr, n in b if rr == r)
+            alone_plan = _truncate(alone_plan, min(total, ref_total))
+            _, alone = simulate_alone(lib, prompts, plan, r, alone_plan)
+            for key, row in alone.items():
+                if key in rows and not np.array_equal(rows[key], row):
+                    same = False
+        result["invariance"][lib] = {"bitwise_equal": same, "error": err}
+        print(f"invariance {lib}: bitwise {same}", flush=True)
+    return result
+
+
+def _truncate(plan, total):
+    out, done = [], 0
+    for batch in plan:
+        ((r, n),) = batch
+        n = min(n, total - done)
+        if n <= 0:
+            break
+        out.append([(r, n)])
+        done += n
+    return out
+
+
+def simulate_alone(lib, prompts, plan, r, alone_plan):
+    """Request `r` of the batched run, alone: its keys in other pages, its rows in other steps."""
+    total = [
+        sum(rows for r2, rows in (x for b in plan for x in b) if r2 == q)
+        for q in range(len(prompts))
+    ]
+    kp, vp, table, _, _ = build_pool(total, 2, 64, seed=0)  # the same data...
+    rng = np.random.default_rng(1)
+    queries = [rng.standard_normal((n, 8, 64), dtype=np.float32) for n in total]
+    # ...moved to other pages: reversed page order inside a bigger pool
+    n_pages = kp.shape[0] + 16
+    kp2 = np.full((n_pages, PAGE, 2, 64), np.nan, dtype=np.float32)
+    vp2 = np.full_like(kp2, np.nan)
+    mine = table[r, : -(-total[r] // PAGE)]
+    new = (n_pages - 1 - np.arange(len(mine))).astype(np.int32)
+    kp2[new], vp2[new] = kp[mine], vp[mine]
+    conv, fn = LIBS[lib]
+    rows_out, written = {}, 0
+    for batch in alone_plan:
+        ((_, n),) = batch
+        q = queries[r][written : written + n]
+        out = np.asarray(
+            fn(
+                conv(q),
+                conv(kp2),
+                conv(vp2),
+                conv(new[None, :]),
+                conv(np.array([written + n], dtype=np.int32)),
+                conv(np.array([0, n], dtype=np.int32)),
+                batch_invariant=True,
+            )
+        )
+        for i in range(n):
+            rows_out[(r, written + i)] = out[i]
+        written += n
+    return None, rows_out
+
+
+# ---------------------------------------------------------------------------
+# speed
+
+
+def decode_case(r=32, hq=32, hkv=8, d=128, lo=512, hi=4096, seed=0):
+    lengths = [int(n) for n in np.linspace(lo, hi, r).round()]
+    kp, vp, table, keys, values = build_pool(lengths, hkv, d, seed=seed, spare=0)
+    kp = np.nan_to_num(kp)
+    vp = np.nan_to_num(vp)
+    q = np.random.default_rng(seed + 1).standard_normal((r, hq, d), dtype=np.float32)
+    padded_k = np.zeros((r, hkv, hi, d), dtype=np.float32)
+    padded_v = np.zeros((r, hkv, hi, d), dtype=np.float32)
+    for i, n in enumerate(lengths):
+        padded_k[i, :, :n] = keys[i].transpose(1, 0, 2)
+        padded_v[i, :, :n] = values[i].transpose(1, 0, 2)
+    starts = np.arange(r + 1, dtype=np.int32)
+    return dict(
+        q=q,
+        kp=kp,
+        vp=vp,
+        table=table,
+        lengths=np.array(lengths, dtype=np.int32),
+        starts=starts,
+        padded_k=padded_k,
+        padded_v=padded_v,
+        hi=hi,
+    )
+
+
+def decode(repeats):
+    import torch
+    import torch.nn.functional as F
+
+    c = decode_case()
+    r = c["q"].shape[0]
+    t = {k: torch.from_numpy(v) for k, v in c.items() if isinstance(v, np.ndarray)}
+    mask = (torch.arange(c["hi"])[None, :] < t["lengths"][:, None].long())[:, None, None, :]
+    q4 = t["q"][:, :, None, :]  # (B, Hq, 1, D)
+
+    def ours(inv):
+        return lambda: ragged_paged_attention(
+            t["q"], t["kp"], t["vp"], t["table"], t["lengths"], t["starts"], batch_invariant=inv
+        )
+
+    def padded():
+        return F.scaled_dot_product_attention(
+            q4, t["padded_k"], t["padded_v"], attn_mask=mask, enable_gqa=True
+        )
+
+    table = c["table"]
+    lengths = c["lengths"]
+
+    def per_request():
+        outs = []
+        for i in range(r):
+            n = int(lengths[i])
+            pages = t["table"][i, : -(-n // PAGE)].long()
+            k = t["kp"][pages].reshape(-1, *t["kp"].shape[2:])[:n].transpose(0, 1)
+            v = t["vp"][pages].reshape(-1, *t["vp"].shape[2:])[:n].transpose(0, 1)
+            outs.append(
+                F.scaled_dot_product_attention(q4[i : i + 1], k[None], v[None], enable_gqa=True)
+            )
+        return torch.cat(outs)
+
+    del table
+    # the same answer first
+    a = ours(False)().numpy()
+    b = padded()[:, :, 0].numpy()
+    cc = per_request()[:, :, 0].numpy()
+    assert np.abs(a - b).max() < 1e-4
+    assert np.abs(a - cc).max() < 1e-4
+    with torch.no_grad():
+        timed = interleaved_seconds(
+            {
+                "ours": ours(False),
+                "ours_invariant": ours(True),
+                "sdpa_padded": padded,
+                "sdpa_per_request": per_request,
+            },
+            repeats=repeats,
+            warmup=1,
+        )
+    med = timed.medians
+    result = {
+        "torch": {
+            "median_s": med,
+            "ratio_vs_padded": float(np.median(timed.ratios("ours", "sdpa_padded"))),
+            "ratio_vs_per_request": float(np.median(timed.ratios("ours", "sdpa_per_request"))),
+            "invariant_vs_default": float(np.median(timed.ratios("ours_invariant", "ours"))),
+        }
+    }
+    print("decode torch", json.dumps(result["torch"], indent=1), flush=True)
+    result["jax"] = decode_jax(c, repeats)
+    return result
+
+
+def decode_jax(c, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    j = {k: jnp.asarray(v) for k, v in c.items() if isinstance(v, np.ndarray)}
+    ours = jax.jit(ragged_paged_attention, static_argnames=("batch_invariant",))
+    q4 = j["q"][:, None, :, :]  # (B, 1, Hq, D): jax.nn's (B, T, N, H)
+    pk = jnp.swapaxes(j["padded_k"], 1, 2)
+    pv = jnp.swapaxes(j["padded_v"], 1, 2)
+    peer = jax.jit(
+        lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n)
+    )
+    args = (j["q"], j["kp"], j["vp"], j["table"], j["lengths"], j["starts"])
+    a = np.asarray(ours(*args))
+    b = np.asarray(peer(q4, pk, pv, j["lengths"]))[:, 0]
+    assert np.abs(a - b).max() < 1e-4
+    timed = interleaved_seconds(
+        {
+            "ours": lambda: ours(*args),
+            "ours_invariant": lambda: ours(*args, batch_invariant=True),
+            "jax_nn_padded": lambda: peer(q4, pk, pv, j["lengths"]),
+        },
+        repeats=repeats,
+        warmup=1,
+        sync=lambda x: x.block_until_ready(),
+    )
+    out = {
+        "median_s": timed.medians,
+        "ratio_vs_padded": float(np.median(timed.ratios("ours", "jax_nn_padded"))),
+        "invariant_vs_default": float(np.median(timed.ratios("ours_invariant", "ours"))),
+    }
+    print("decode jax", json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def prefill(repeats, chunk=512, hq=32, hkv=8, d=128):
+    import torch
+    import torch.nn.functional as F
+
+    cached = [1000, 1700, 2300, 3000]
+    lengths = [n + chunk for n in cached]
+    kp, vp, table, keys, values = build_pool(lengths, hkv, d, spare=0)
+    kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)
+    q = np.random.default_rng(3).standard_normal((4 * chunk, hq, d), dtype=np.float32)
+    starts = np.arange(5, dtype=np.int32) * chunk
+    lk = max(lengths)
+    pk = np.zeros((4, hkv, lk, d), dtype=np.float32)
+    pv = np.zeros_like(pk)
+    for i, n in enumerate(lengths):
+        pk[i, :, :n] = keys[i].transpose(1, 0, 2)
+        pv[i, :, :n] = values[i].transpose(1, 0, 2)
+    t = [torch.from_numpy(x) for x in (q, kp, vp, table, np.array(lengths, np.int32), starts)]
+    qp = torch.from_numpy(q).reshape(4, chunk, hq, d).transpose(1, 2)
+    pos = torch.tensor(cached)[:, None] + torch.arange(chunk)[None, :]  # (4, chunk)
+    mask = (torch.arange(lk)[None, None, :] <= pos[:, :, None])[:, None]  # (4, 1, chunk, lk)
+    pkt, pvt = torch.from_numpy(pk), torch.from_numpy(pv)
+
+    def ours(inv):
+        return lambda: ragged_paged_attention(*t, batch_invariant=inv)
+
+    def padded():
+        return F.scaled_dot_product_attention(qp, pkt, pvt, attn_mask=mask, enable_gqa=True)
+
+    a = ours(False)().numpy()
+    b = padded().transpose(1, 2).reshape(4 * chunk, hq, d).numpy()
+    assert np.abs(a - b).max() < 1e-4
+    with torch.no_grad():
+        timed = interleaved_seconds(
+            {"ours": ours(False), "ours_invariant": ours(True), "sdpa_padded": padded},
+            repeats=repeats,
+            warmup=1,
+        )
+    out = {
+        "median_s": timed.medians,
+        "ratio_vs_padded": float(np.median(timed.ratios("ours", "sdpa_padded"))),
+        "invariant_vs_default": float(np.median(timed.ratios("ours_invariant", "ours"))),
+    }
+    print("prefill torch", json.dumps(out, indent=1), flush=True)
+    return {"torch": out}
+
+
+def memory():
+    c = decode_case()
+    args = (c["q"], c["kp"], c["vp"], c["table"], c["lengths"], c["starts"])
+    ragged_paged_attention(*args)
+    tracemalloc.start()
+    ragged_paged_attention(*args)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    padded = c["padded_k"].nbytes + c["padded_v"].nbytes
+    out = {
+        "peak_extra_mib": peak / 2**20,
+        "padded_cache_mib": padded / 2**20,
+        "fraction_of_padded": peak / padded,
+    }
+    print("memory", out, flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="simulation,decode,prefill,memory")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default=str(HERE / "results" / "serving.json"))
+    args = parser.parse_args()
+    import jax
+
+    jax.config.update("jax_enable_x64", False)
+    LIBS.update(numpy=_numpy_lib(), torch=_torch_lib(), jax=_jax_lib())
+    result: dict[str, Any] = {"git": git_state()}
+    parts = args.only.split(",")
+    if "simulation" in parts:
+        result["simulation"] = simulation(["numpy", "torch", "jax"])
+    if "decode" in parts:
+        result["decode"] = decode(args.repeats)
+    if "prefill" in parts:
+        result["prefill"] = prefill(args.repeats)
+    if "memory" in parts:
+        result["memory"] = memory()
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
