@@ -31,6 +31,7 @@ from ._lib._compat import (
     on_device,
     to_host,
 )
+from ._lib._route import library
 from ._lib._validation import (
     check_floating,
     check_is_flag,
@@ -190,6 +191,7 @@ def ragged_paged_attention(
         softcap=None if softcap is None else _scalar(xp, "softcap", softcap, compute),
         compute_dtype=compute,
         device=device(query),
+        head_major=library(query).gathers_strided,
     )
     if t == 0:
         kw = on_device(device(query))

@@ -42,6 +42,7 @@ __all__ = [
     "Tiles",
     "bounded_tiles",
     "finish",
+    "HostWalk",
     "host_tiles",
     "start",
     "step",
@@ -92,6 +93,7 @@ class PagedProblem:
     softcap: Any  # None, float or 0-d array
     compute_dtype: Any
     device: Any
+    head_major: bool = False  # the pools given to the walk are (P, Hkv, page_size, D) views
 
     @property
     def groups(self) -> int:
@@ -112,6 +114,16 @@ class PagedProblem:
     @property
     def matmul_rows(self) -> int:
         return self.groups * self.rows
+
+    @property
+    def by_page(self) -> bool:
+        """Multiply each page on its own: no copy of the gathered keys and values.
+
+        Its products are (rows·G) by page_size each, summed over the chunk's pages
+        afterwards; worth it while a tile has fewer rows (rows·G) than a page has slots
+        (decoding), as the copy it saves is page_size / (rows·G) times what the sum adds.
+        """
+        return self.matmul_rows <= self.page_size or self.chunk_pages == 1
 
 
 class Tiles(NamedTuple):
@@ -186,11 +198,45 @@ def bounded_tiles(
     return Tiles(req, first, count, lo, hi, source, valid)
 
 
-def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tuple[Tiles, Any]:
+class HostWalk(NamedTuple):
+    """What the host knows of each tile (NumPy arrays, in the tiles' order).
+
+    ``first_chunk``/``last_chunk`` the chunks its rows may see, ``length`` its request's
+    keys, ``first_pos``/``last_pos`` the positions of its first and last rows.
+    """
+
+    first_chunk: Any
+    last_chunk: Any
+    length: Any
+    first_pos: Any
+    last_pos: Any
+
+    def kinds(self, p: PagedProblem, j: int, a: int, b: int) -> Any:
+        """How tiles ``a:b`` see chunk `j`: 0 whole, 1 in part (every key valid), 2 past a length.
+
+        0: every row sees every key of the chunk (no mask to build); 1: the chunk holds
+        only valid keys, but causal or window structure hides some; 2: the chunk holds
+        slots past the request's length (zeroed before use).
+        """
+        import numpy as np
+
+        lo_key, hi_key = j * p.chunk_keys, (j + 1) * p.chunk_keys - 1
+        valid = self.length[a:b] > hi_key
+        whole = valid.copy()
+        if p.is_causal:
+            whole &= self.first_pos[a:b] >= hi_key
+        if p.left is not None:
+            whole &= self.last_pos[a:b] - p.left <= lo_key
+        if p.right is not None:
+            whole &= self.first_pos[a:b] + p.right >= hi_key
+        return np.where(whole, 0, np.where(valid, 1, 2))
+
+
+def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tuple[Tiles, HostWalk]:
     """Return the tiles that hold rows, from host (NumPy) metadata, longest walk first.
 
-    Returns the tiles as arrays of `xp` on the problem's device and, as NumPy, the
-    first and last chunk of each tile and its request's key count (for the driver).
+    Returns the tiles as arrays of `xp` on the problem's device, and what the driver's
+    loop needs to know of them (:class:`HostWalk`).
     """
     import numpy as np
 
@@ -214,6 +260,7 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     pos0 = kv - (q_starts[req_a + 1] - q_starts[req_a]) + (first_a - q_starts[req_a])
     lo, hi = _chunk_range(np, p, pos0, pos0 + count - 1, kv)
     hi = np.where(count > 0, hi, -1)
+    pos0 = np.asarray(pos0)
     # longest walks first (the active tiles of a chunk are then a range, mostly a prefix),
     # and among equal walks the longest requests first (those that fill the chunk)
     order = np.lexsort((-kv, -hi))
@@ -228,11 +275,14 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     kw = on_device(p.device)
     arrays = [xp.asarray(a, **kw) for a in (req_a, first_a, count, lo, hi, source, valid)]
     tiles = Tiles(*arrays)
-    return tiles, (lo, hi, kv)
+    first_pos = pos0
+    last_pos = pos0 + np.maximum(count, 1) - 1
+    walk = HostWalk(lo, hi, kv, first_pos[order], last_pos[order])
+    return tiles, walk
 
 
 class PagedState(NamedTuple):
-    """The online softmax of the tiles' rows: (N, Hkv, G·rows, 1), (…, 1), (…, Dv)."""
+    """The online softmax of the tiles' rows: (N, 1, Hkv, G·rows, 1), (…, 1), (…, Dv)."""
 
     m: Any
     l_sum: Any
@@ -242,7 +292,7 @@ class PagedState(NamedTuple):
 def start(xp: Any, p: PagedProblem, n_tiles: int) -> PagedState:
     """Rows that saw nothing: max -inf, sum 0, accumulator 0."""
     kw = {"dtype": p.compute_dtype, **on_device(p.device)}
-    rows = (n_tiles, p.num_kv_heads, p.matmul_rows)
+    rows = (n_tiles, 1, p.num_kv_heads, p.matmul_rows)
     return PagedState(
         xp.full((*rows, 1), -xp.inf, **kw),
         xp.zeros((*rows, 1), **kw),
@@ -302,59 +352,77 @@ def step(
     alibi: Any | None,
     *,
     sanitize: bool = True,
+    masked: bool = True,
 ) -> PagedState:
     """Fold key chunk `chunk` (an int, or a traced 0-d integer) into the tiles' state.
 
     `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles, `request` (N,)
     their requests; `pools` is ``(key_pages, value_pages, page_table, kv_lengths)``;
     `alibi` the slopes as :func:`head_rows` lays them out, or None. `sanitize`: zero the
-    gathered slots past a request's length; False only where the caller knows every
-    tile's length covers the whole chunk (then no slot is past it).
+    gathered slots past a request's length; `masked`: hide the keys past a length and
+    those causal or window structure hides. Either False only where the caller knows
+    there is nothing to zero or hide in any of these tiles (:meth:`HostWalk.kinds`).
     """
     dt = p.compute_dtype
     key_pages, value_pages, page_table, kv_lengths = pools
     n = request.shape[0]
-    c, ps, bk, hkv = p.chunk_pages, p.page_size, p.chunk_keys, p.num_kv_heads
+    c, ps, bk = p.chunk_pages, p.page_size, p.chunk_keys
     logical = chunk * c + xp.astype(arange(xp, 0, c, p.device), request.dtype)  # (c,)
-    in_table = logical < p.max_pages
     flat = request[:, None] * p.max_pages + xp.clip(logical, 0, p.max_pages - 1)[None, :]
     pages = xp.take(xp.reshape(page_table, (-1,)), xp.reshape(flat, (-1,)))  # (N·c,)
     pages = xp.clip(xp.astype(pages, request.dtype), 0, p.num_pages - 1)
     kpos = chunk * bk + xp.astype(arange(xp, 0, bk, p.device), request.dtype)  # (bk,)
     key_ok = xp.logical_and(
         kpos[None, :] < xp.take(kv_lengths, request)[:, None],  # (N, bk)
-        xp.reshape(xp.broadcast_to(in_table[:, None], (c, ps)), (1, bk)),
+        xp.reshape(xp.broadcast_to((logical < p.max_pages)[:, None], (c, ps)), (1, bk)),
     )
-    keep = key_ok[:, :, None, None]
-    k = xp.astype(xp.reshape(xp.take(key_pages, pages, axis=0), (n, bk, hkv, -1)), dt, copy=False)
-    v = xp.astype(
-        xp.reshape(xp.take(value_pages, pages, axis=0), (n, bk, hkv, -1)), dt, copy=False
-    )
+    # keys as (N, c', Hkv, b, D): c' = c pages of b = page_size keys (each page its own
+    # product: no copy of the gathered keys), or c' = 1 of b = bk keys (one product)
+    c2, b = (c, ps) if p.by_page else (1, bk)
+    k = _gathered(xp, p, key_pages, pages, n)
+    v = _gathered(xp, p, value_pages, pages, n)
     if sanitize:  # slots past a length: zero, whatever they hold (NaN in values or gradients)
+        keep = xp.reshape(key_ok, (n, c2, 1, b, 1))
         k = xp.where(keep, k, 0.0)
         v = xp.where(keep, v, 0.0)
-    s = q @ xp.permute_dims(k, (0, 2, 3, 1))  # (N, Hkv, rows·G, bk)
+    s = q[:, None, ...] @ xp.matrix_transpose(k)  # (N, c', Hkv, rows·G, b)
     if p.softcap is not None:
         s = p.softcap * xp.tanh(s / p.softcap)
-    kp = kpos[None, None, None, :]
+    kp = xp.reshape(kpos, (1, c2, 1, 1, b))
+    pos = pos[:, None, ...]  # (N, 1, 1, rows·G, 1)
     if alibi is not None:
-        s = s - alibi * xp.astype(xp.abs(pos - kp), p.compute_dtype)
-    allowed = key_ok[:, None, None, :]
-    if p.is_causal:
-        allowed = xp.logical_and(allowed, kp <= pos)
-    if p.left is not None:
-        allowed = xp.logical_and(allowed, kp >= pos - p.left)
-    if p.right is not None:
-        allowed = xp.logical_and(allowed, kp <= pos + p.right)
-    s = xp.where(allowed, s, -xp.inf)
+        s = s - alibi[:, None, ...] * xp.astype(xp.abs(pos - kp), dt)
+    if masked:
+        allowed = xp.reshape(key_ok, (n, c2, 1, 1, b))
+        if p.is_causal:
+            allowed = xp.logical_and(allowed, kp <= pos)
+        if p.left is not None:
+            allowed = xp.logical_and(allowed, kp >= pos - p.left)
+        if p.right is not None:
+            allowed = xp.logical_and(allowed, kp <= pos + p.right)
+        s = xp.where(allowed, s, -xp.inf)
     m, l_sum, acc = state
-    m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+    m_new = xp.maximum(m, xp.max(s, axis=(1, 4), keepdims=True))
     shift = finite_shift(xp, m_new)
     e = xp.exp(s - shift)  # hidden keys: exactly 0
     alpha = xp.exp(finite_shift(xp, m) - shift)
-    l_sum = alpha * l_sum + xp.sum(e, axis=-1, keepdims=True)
-    acc = alpha * acc + e @ xp.permute_dims(v, (0, 2, 1, 3))
-    return PagedState(m_new, l_sum, acc)
+    l_sum = alpha * l_sum + xp.sum(e, axis=(1, 4), keepdims=True)
+    pv = e @ v  # (N, c', Hkv, rows·G, Dv)
+    if c2 > 1:
+        pv = xp.sum(pv, axis=1, keepdims=True)
+    return PagedState(m_new, l_sum, alpha * acc + pv)
+
+
+def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
+    """Gather the chunk's pages of a pool, as (N, c', Hkv, b, D)."""
+    x = xp.astype(xp.take(pool, pages, axis=0), p.compute_dtype, copy=False)
+    if not p.head_major:
+        x = xp.permute_dims(x, (0, 2, 1, 3))  # (N·c, Hkv, page_size, D)
+    x = xp.reshape(x, (n, p.chunk_pages, p.num_kv_heads, p.page_size, -1))
+    if p.by_page:
+        return x
+    x = xp.permute_dims(x, (0, 2, 1, 3, 4))
+    return xp.reshape(x, (n, 1, p.num_kv_heads, p.chunk_keys, -1))
 
 
 def finish(
@@ -364,7 +432,7 @@ def finish(
 
     Padding rows are zeros with lse ``-inf``; a row that sees no key (and no sink) too.
     """
-    m, l_sum, acc = state
+    m, l_sum, acc = (x[:, 0, ...] for x in state)
     denominator = safe_denominator(xp, l_sum)
     out = acc / denominator
     lse = xp.where(l_sum == 0.0, -xp.inf, finite_shift(xp, m) + xp.log(denominator))

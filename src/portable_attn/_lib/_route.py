@@ -152,6 +152,13 @@ class Library:
         places and shards arrays itself).
     task_graphs : bool
         Arrays are lazy task graphs (Dask): a call becomes tasks on their chunks.
+    gathers_strided : bool
+        Its ``take`` reads a permuted view as fast as contiguous memory, so a paged call
+        gathers pages from the pool's head-major view (P, Hkv, page_size, D) and
+        multiplies them without a copy; the others gather token-major pages and permute
+        them after. The decode step of ``benchmarks/serving.py`` took 0.21 s against
+        0.45 s on torch, 3.7 s against 0.16 s on NumPy, 0.45 s against 0.28 s under
+        ``jax.jit``.
     """
 
     dense_limit: int
@@ -166,6 +173,7 @@ class Library:
     half_matmul: bool = False
     pins_devices: bool = False
     task_graphs: bool = False
+    gathers_strided: bool = False
 
 
 #: ``block_size=None`` keeps the dense path while its logits would take at most this
@@ -187,7 +195,12 @@ AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
 LIBRARIES: dict[str, Library] = {
     "numpy": Library(2 * 2**20, walk="buffered", threads=True),
     "torch": Library(
-        4 * 2**20, native="sdpa", native_default=True, autodiff="torch", pins_devices=True
+        4 * 2**20,
+        native="sdpa",
+        native_default=True,
+        autodiff="torch",
+        pins_devices=True,
+        gathers_strided=True,
     ),
     "jax": Library(
         AUTO_DENSE_LIMIT_BYTES,

@@ -16,6 +16,7 @@ Gradients elsewhere are the library's autodiff through the walk (torch autograd)
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from .._lib import _paged
@@ -37,16 +38,22 @@ def paged_attention(
     dtype: Any,
 ) -> tuple[Any, Any]:
     """Return (out (T, Hq, Dv), lse (T, Hq)) of a paged call; see ``ragged_paged_attention``."""
-    kv_lengths = pools[3]
+    key_pages, value_pages, page_table, kv_lengths = pools
+    if p.head_major:  # (P, Hkv, page_size, D) views: a gathered page is a head's keys
+        pools = (
+            xp.permute_dims(key_pages, (0, 2, 1, 3)),
+            xp.permute_dims(value_pages, (0, 2, 1, 3)),
+            page_table,
+            kv_lengths,
+        )
     alibi = None
     if alibi_slopes is not None:
         alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
     if has_concrete_values(q_starts) and has_concrete_values(kv_lengths):
-        host_lengths = to_host(kv_lengths)
-        tiles, (lo, hi, lengths) = _paged.host_tiles(xp, p, to_host(q_starts), host_lengths)
+        tiles, walk = _paged.host_tiles(xp, p, to_host(q_starts), to_host(kv_lengths))
         q, offs = _paged.tile_queries(xp, p, query, tiles)
         pos = _paged.row_positions(xp, p, tiles, q_starts, kv_lengths, offs)
-        state = _host_walk(xp, p, q, pos, tiles, pools, alibi, lo, hi, lengths)
+        state = _host_walk(xp, p, q, pos, tiles, pools, alibi, walk)
         return _paged.finish(xp, p, state, tiles, sinks, dtype)
     tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, num_requests)
     q, offs = _paged.tile_queries(xp, p, query, tiles)
@@ -73,37 +80,35 @@ def _host_walk(
     tiles: _paged.Tiles,
     pools: tuple[Any, Any, Any, Any],
     alibi: Any | None,
-    lo: Any,
-    hi: Any,
-    lengths: Any,
+    walk: _paged.HostWalk,
 ) -> PagedState:
-    """Fold every chunk some tile may see, each into the range of tiles that may see it.
+    """Fold every chunk some tile may see, each into the tiles that may see it.
 
-    `lo`, `hi` and `lengths` (the key count of each tile's request) are NumPy arrays.
+    The tiles that may see a chunk are a range (sorted by last chunk); the range is cut
+    where the tiles' kinds change (:meth:`~._paged.HostWalk.kinds`: seen whole, in part,
+    past a length), so tiles that see a whole chunk build no mask and zero nothing:
+    most of a prefill's chunks. More than three runs of kinds fold as one, the most
+    careful kind.
     """
     import numpy as np
 
+    lo, hi = walk.first_chunk, walk.last_chunk
     n = len(lo)
     state = _paged.start(xp, p, n)
     if n == 0 or int(hi.max()) < 0:
         return state
-    bk = p.chunk_keys
     for j in range(max(int(lo.min()), 0), min(int(hi.max()), p.num_chunks - 1) + 1):
         active = np.nonzero((lo <= j) & (j <= hi))[0]
         if len(active) == 0:
             continue
         a, b = int(active[0]), int(active[-1]) + 1
-        # tiles whose request's keys fill the chunk need no zeroing of free slots: split
-        # the range where they end (sorted by last chunk, they come first, mostly)
-        full = lengths[a:b] >= (j + 1) * bk
-        cut = a + int(np.argmin(full)) if not full.all() else b
-        if full[cut - a :].any():
-            cut = a  # not a prefix: zero the whole range
-        for lo_t, hi_t, sanitize in ((a, cut, False), (cut, b, True)):
-            if lo_t < hi_t:
-                state = _fold(
-                    xp, p, state, j, lo_t, hi_t, n, q, pos, tiles, pools, alibi, sanitize
-                )
+        kinds = walk.kinds(p, j, a, b)
+        cuts = [0, *(np.nonzero(np.diff(kinds))[0] + 1).tolist(), b - a]
+        runs = [(a + x, a + y, int(kinds[x])) for x, y in itertools.pairwise(cuts)]
+        if len(runs) > 3:
+            runs = [(a, b, int(kinds.max()))]
+        for lo_t, hi_t, kind in runs:
+            state = _fold(xp, p, state, j, lo_t, hi_t, n, q, pos, tiles, pools, alibi, kind)
     return state
 
 
@@ -120,11 +125,12 @@ def _fold(
     tiles: _paged.Tiles,
     pools: tuple[Any, Any, Any, Any],
     alibi: Any | None,
-    sanitize: bool,
+    kind: int,
 ) -> PagedState:
-    """Fold chunk `j` into tiles ``a:b`` of `n`; the others' state stays as it is."""
+    """Fold chunk `j` into tiles ``a:b`` of `n`, which see it as `kind`; the others stay."""
+    flags = {"sanitize": kind == 2, "masked": kind > 0}
     if (a, b) == (0, n):
-        return _paged.step(xp, p, state, j, q, pos, tiles.request, pools, alibi, sanitize=sanitize)
+        return _paged.step(xp, p, state, j, q, pos, tiles.request, pools, alibi, **flags)
     part = PagedState(*(x[a:b, ...] for x in state))
     part = _paged.step(
         xp,
@@ -136,7 +142,7 @@ def _fold(
         tiles.request[a:b],
         pools,
         alibi,
-        sanitize=sanitize,
+        **flags,
     )
     return PagedState(
         *(xp.concat([x[:a, ...], y, x[b:, ...]], axis=0) for x, y in zip(state, part, strict=True))
