@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from _helpers import assert_close, randn
+from portable_attn._lib import _paged
+from portable_attn._paths import _paged as paged_driver
 from portable_attn.serving import paged_kv_write, ragged_paged_attention, varlen_attention
 from portable_attn.testing import central_differences, reference_attention, reference_lse
 
@@ -127,6 +131,83 @@ def test_half_precision_accumulates_in_float32(backend, xp):
     np.testing.assert_allclose(backend.to_numpy(out), pool.oracle()[0], atol=3e-3)
 
 
+@pytest.mark.parametrize("page_size", [2, 8])
+@pytest.mark.parametrize("rows", ["decode", "prefill"])
+def test_both_products_against_oracle(backend, xp, page_size, rows):
+    # a tile of fewer rows (rows·G) than a page has slots multiplies page by page; other
+    # tiles multiply the chunk's keys at once: each case below takes the one it names
+    new = [1, 1, 1, 1] if rows == "decode" else [3, 9, 1, 6]
+    pool = Pool([7, 30, 2, 19], new, page_size=page_size, num_pages=40)
+    t, r, g = pool.query.shape[0], len(new), HQ // HKV
+    tile = _paged.tile_rows(t, r, g, batch_invariant=False)
+    by_page = g * tile <= page_size
+    assert by_page == (rows == "decode" and page_size == 8)
+    kw = {"window": (11, 0), "softcap": 3.0}
+    out, lse = ragged_paged_attention(*pool.args(backend), return_lse=True, **kw)
+    expected_out, expected_lse = pool.oracle(**kw)
+    assert_close(backend, out, expected_out)
+    assert_close(backend, lse, expected_lse)
+
+
+@pytest.mark.parametrize("name", ["causal", "window", "alibi+window-right"])
+def test_traced_plan_matches_the_oracle(backend, xp, name, monkeypatch):
+    # the walk over every chunk and as many tiles as the shapes allow, which jax.jit and
+    # torch's tracers take, run eagerly on every backend
+    monkeypatch.setattr(paged_driver, "has_concrete_values", lambda x: False)
+    pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+    kw = OPTIONS[name]
+    out, lse = ragged_paged_attention(*pool.args(backend), return_lse=True, **_on(backend, kw))
+    expected_out, expected_lse = pool.oracle(**kw)
+    assert_close(backend, out, expected_out)
+    assert_close(backend, lse, expected_lse)
+
+
+@st.composite
+def ragged_batches(draw):
+    r = draw(st.integers(1, 4))
+    lengths = [draw(st.integers(1, 24)) for _ in range(r)]
+    new = [draw(st.integers(0, n)) for n in lengths]
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    seed = draw(st.integers(0, 2**16))
+    window = draw(st.sampled_from([None, (3, 0), (0, 2), (5, 5)]))
+    causal = draw(st.booleans())
+    return lengths, new, page_size, seed, window, causal
+
+
+@pytest.mark.main_kinds
+@given(ragged_batches())
+def test_property_any_ragged_batch_matches_the_oracle_and_each_request_alone(backend, xp, case):
+    lengths, new, page_size, seed, window, causal = case
+    pages = sum(-(-n // page_size) for n in lengths) + 2
+    pool = Pool(lengths, new, page_size=page_size, num_pages=pages, seed=seed, dtype=np.float32)
+    kw = {"window": window, "is_causal": causal}
+    out, lse = ragged_paged_attention(
+        *pool.args(backend, "float32"), return_lse=True, batch_invariant=True, **kw
+    )
+    out, lse = backend.to_numpy(out), backend.to_numpy(lse)
+    expected_out, expected_lse = pool.oracle(**kw)
+    np.testing.assert_allclose(out, expected_out, atol=2e-5, rtol=1e-5)
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], expected_lse[finite], atol=2e-5, rtol=1e-5)
+    # each request alone, its pages reversed in a pool of its own: the same bits
+    for r, n in enumerate(lengths):
+        a, b = pool.starts[r], pool.starts[r + 1]
+        if a == b:
+            continue
+        own = pool.table[r, : -(-n // page_size)]
+        table = np.arange(len(own))[::-1][None, :]
+        kp = np.zeros((len(own), page_size, HKV, DK), np.float32)
+        vp = np.zeros((len(own), page_size, HKV, DV), np.float32)
+        kp[table[0]], vp[table[0]] = pool.key_pages[own], pool.value_pages[own]
+        arrays = (pool.query[a:b], kp, vp, table, np.array([n]), np.array([0, b - a]))
+        alone = ragged_paged_attention(
+            *(backend.asarray(x) for x in arrays), return_lse=True, batch_invariant=True, **kw
+        )
+        np.testing.assert_array_equal(backend.to_numpy(alone[0]), out[a:b])
+        np.testing.assert_array_equal(backend.to_numpy(alone[1]), lse[a:b])
+
+
 @pytest.mark.backends("jax", reason="jax.jit with traced metadata")
 def test_paged_under_jit_matches_the_oracle(backend, xp):
     import jax
@@ -205,19 +286,27 @@ def test_paged_gradients_match_central_differences(backend, xp):
     kp, vp = pool.key_pages[..., :3], pool.value_pages[..., :2]
     weights_np = randn(pool.query.shape[0], HQ, 2, seed=4)
     meta = (pool.table, pool.lengths, pool.starts)
-    kw = {"softcap": 3.0, "window": (3, 0)}
+    sinks, softcap, slopes = randn(HQ, seed=5), np.asarray(3.0), SLOPES
+    kw = {"window": (3, 0)}
 
-    def loss_np(q, k, v):
-        return float(np.sum(ragged_paged_attention(q, k, v, *meta, **kw) * weights_np))
+    def loss_np(q, k, v, sinks, softcap, slopes):
+        out = ragged_paged_attention(
+            q, k, v, *meta, sinks=sinks, softcap=softcap, alibi_slopes=slopes, **kw
+        )
+        return float(np.sum(out * weights_np))
 
-    expected = central_differences(loss_np, [pool.query, kp, vp])
+    args = [pool.query, kp, vp, sinks, softcap, slopes]
+    expected = central_differences(loss_np, args)
     weights = backend.asarray(weights_np)
     meta_b = tuple(backend.asarray(m) for m in meta)
 
-    def loss(q, k, v):
-        return xp.sum(ragged_paged_attention(q, k, v, *meta_b, **kw) * weights)
+    def loss(q, k, v, sinks, softcap, slopes):
+        out = ragged_paged_attention(
+            q, k, v, *meta_b, sinks=sinks, softcap=softcap, alibi_slopes=slopes, **kw
+        )
+        return xp.sum(out * weights)
 
-    grads = backend.grad(loss, *(backend.asarray(a) for a in (pool.query, kp, vp)))
+    grads = backend.grad(loss, *(backend.asarray(a) for a in args))
     for g, e in zip(grads, expected, strict=True):
         assert_close(backend, g, e, atol=1e-7, rtol=1e-6)
 
@@ -330,6 +419,27 @@ def test_varlen_against_oracle(backend, xp, name):
     assert_close(backend, out, expected_out)
     assert_close(backend, lse, expected_lse)
     assert np.all(backend.to_numpy(out)[14:] == 0.0)
+
+
+def test_varlen_long_enough_to_tile(backend, xp):
+    # 4 heads x 600 x 600 float64 scores: past NumPy's and torch's dense limit, the tiled
+    # path, whose blocks across two sequences are skipped
+    qs = np.array([0, 250, 251, 600])
+    q, k, v = randn(600, HQ, DK, seed=1), randn(600, HKV, DK, seed=2), randn(600, HKV, DV, seed=3)
+    kw = {"is_causal": True, "window": (40, 0)}
+    out = varlen_attention(*(backend.asarray(a) for a in (q, k, v, qs, qs)), **kw)
+    assert_close(backend, out, _varlen_oracle(q, k, v, qs, qs, **kw)[0])
+
+
+@pytest.mark.backends("jax", reason="jax.jit with traced starts")
+def test_varlen_under_jit(backend, xp):
+    import jax
+
+    qs, ks = np.array([0, 5, 6, 6, 14]), np.array([0, 9, 10, 13, 21])
+    q, k, v = randn(16, HQ, DK, seed=1), randn(22, HKV, DK, seed=2), randn(22, HKV, DV, seed=3)
+    call = jax.jit(lambda *a: varlen_attention(*a, is_causal=True, window=(3, 0)))
+    out = call(*(backend.asarray(a) for a in (q, k, v, qs, ks)))
+    assert_close(backend, out, _varlen_oracle(q, k, v, qs, ks, is_causal=True, window=(3, 0))[0])
 
 
 @pytest.mark.autodiff

@@ -192,6 +192,7 @@ def ragged_paged_attention(
         compute_dtype=compute,
         device=device(query),
         head_major=library(query).gathers_strided,
+        sums_by_product=library(query).sums_by_program,
     )
     if t == 0:
         kw = on_device(device(query))

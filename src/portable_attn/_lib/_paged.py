@@ -94,6 +94,7 @@ class PagedProblem:
     compute_dtype: Any
     device: Any
     head_major: bool = False  # the pools given to the walk are (P, Hkv, page_size, D) views
+    sums_by_product: bool = False  # sums as products with ones (Library.sums_by_program)
 
     @property
     def groups(self) -> int:
@@ -406,11 +407,25 @@ def step(
     shift = finite_shift(xp, m_new)
     e = xp.exp(s - shift)  # hidden keys: exactly 0
     alpha = xp.exp(finite_shift(xp, m) - shift)
-    l_sum = alpha * l_sum + xp.sum(e, axis=(1, 4), keepdims=True)
-    pv = e @ v  # (N, c', Hkv, rows·G, Dv)
-    if c2 > 1:
-        pv = xp.sum(pv, axis=1, keepdims=True)
-    return PagedState(m_new, l_sum, alpha * acc + pv)
+    pv = _over_pages(xp, p, e @ v)  # (N, 1, Hkv, rows·G, Dv)
+    if p.sums_by_product:
+        p_sum = e @ xp.ones((b, 1), dtype=dt, **on_device(p.device))
+    else:
+        p_sum = xp.sum(e, axis=-1, keepdims=True)
+    p_sum = _over_pages(xp, p, p_sum)
+    return PagedState(m_new, alpha * l_sum + p_sum, alpha * acc + pv)
+
+
+def _over_pages(xp: Any, p: PagedProblem, x: Any) -> Any:
+    """Sum (N, c', Hkv, rows·G, W) over its pages c': (N, 1, Hkv, rows·G, W)."""
+    n, c2 = x.shape[0], x.shape[1]
+    if c2 == 1:
+        return x
+    if not p.sums_by_product:
+        return xp.sum(x, axis=1, keepdims=True)
+    ones = xp.ones((1, c2), dtype=x.dtype, **on_device(p.device))
+    summed = ones @ xp.reshape(x, (n, c2, -1))  # (N, 1, Hkv·rows·G·W)
+    return xp.reshape(summed, (n, 1, *x.shape[2:]))
 
 
 def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:

@@ -152,6 +152,14 @@ class Library:
         places and shards arrays itself).
     task_graphs : bool
         Arrays are lazy task graphs (Dask): a call becomes tasks on their chunks.
+    sums_by_program : bool
+        Its compiler adds up a fused reduction in an order that depends on the whole
+        program (XLA: ``jnp.sum`` over the same values gave other bits in programs
+        compiled for other batches), while a matrix product's order depends on its
+        shapes alone. The paged walk then takes its sums as products with ones, so
+        that ``batch_invariant=True`` holds under ``jax.jit`` across programs; elsewhere
+        ``xp.sum``, as cheap and already invariant in eager libraries (torch's decode
+        step took 1.20x SDPA's time with products, 0.96x with sums).
     gathers_strided : bool
         Its ``take`` reads a permuted view as fast as contiguous memory, so a paged call
         gathers pages from the pool's head-major view (P, Hkv, page_size, D) and
@@ -174,6 +182,7 @@ class Library:
     pins_devices: bool = False
     task_graphs: bool = False
     gathers_strided: bool = False
+    sums_by_program: bool = False
 
 
 #: ``block_size=None`` keeps the dense path while its logits would take at most this
@@ -211,6 +220,7 @@ LIBRARIES: dict[str, Library] = {
         compiles_eager=True,
         fuses_softmax=True,
         half_matmul=True,
+        sums_by_program=True,
     ),
     "cupy": Library(AUTO_DENSE_LIMIT_BYTES, pins_devices=True),
     "array_api_strict": Library(AUTO_DENSE_LIMIT_BYTES),
