@@ -121,6 +121,23 @@ def test_paged_against_oracle(backend, xp, name, invariant):
     assert np.all(backend.to_numpy(out)[-2:] == 0.0)  # padding rows
 
 
+def test_no_rows_or_no_requests(backend, xp):
+    pool = Pool([5, 9], [2, 1])
+    q, kp, vp, table, lengths, _ = pool.args(backend)
+    out, lse = ragged_paged_attention(
+        q[:0, ...], kp, vp, table, lengths, backend.asarray(np.zeros(3, np.int64)), return_lse=True
+    )
+    assert tuple(out.shape) == (0, HQ, DV)
+    assert tuple(lse.shape) == (0, HQ)
+    empty = backend.asarray(np.zeros((0, 3), np.int64))
+    none = backend.asarray(np.zeros(0, np.int64))
+    out, lse = ragged_paged_attention(
+        q, kp, vp, empty, none, backend.asarray(np.zeros(1, np.int64)), return_lse=True
+    )
+    assert np.all(backend.to_numpy(out) == 0.0)
+    assert np.all(backend.to_numpy(lse) == -np.inf)
+
+
 def test_half_precision_accumulates_in_float32(backend, xp):
     if not backend.supports("float16"):
         pytest.skip(f"{backend.kind} has no float16")

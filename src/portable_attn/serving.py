@@ -194,10 +194,10 @@ def ragged_paged_attention(
         head_major=library(query).gathers_strided,
         sums_by_product=library(query).sums_by_program,
     )
-    if t == 0:
+    if t == 0 or n_req == 0:  # no row, or every row padding
         kw = on_device(device(query))
-        out = xp.zeros((0, hq, dv), dtype=dtype, **kw)
-        lse = xp.zeros((0, hq), dtype=compute, **kw)
+        out = xp.zeros((t, hq, dv), dtype=dtype, **kw)
+        lse = xp.full((t, hq), -xp.inf, dtype=compute, **kw)
         return (out, lse) if return_lse else out
     pools = (key_pages, value_pages, page_table, kv_lengths)
     out, lse = paged_attention(
@@ -289,7 +289,7 @@ def paged_kv_write(
     _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
     if t == 0:
         return key_pages, value_pages
-    page, slot, valid = _slots(xp, page_table, kv_lengths, q_starts, t, page_size, n_req)
+    page, slot, valid = _slots(xp, page_table, kv_lengths, q_starts, t, page_size)
     new_k = xp.astype(new_keys, key_pages.dtype)
     new_v = xp.astype(new_values, value_pages.dtype)
     write = _WRITERS.get(library_name(key_pages), _write_functional)
@@ -432,22 +432,16 @@ def varlen_attention(
 
 def _segments(xp: Any, starts: Any, length: int, pad_id: int) -> tuple[Any, Any]:
     """Segment id (`pad_id` past the last request) and position within it, (length,) each."""
-    idx = xp.astype(xp.arange(length, **on_device(device(starts))), starts.dtype)
-    seg = xp.sum(xp.astype(starts[None, 1:] <= idx[:, None], starts.dtype), axis=1)
-    n = starts.shape[0] - 1
-    pad = seg >= n
-    pos = idx - xp.take(starts, xp.minimum(seg, n))
-    return xp.where(pad, pad_id, seg), xp.where(pad, 0, pos)
+    seg, inside, idx = _paged.owners(xp, starts[1:], length, device(starts))
+    pos = idx - xp.take(starts, seg)
+    return xp.where(inside, seg, pad_id), xp.where(inside, pos, 0)
 
 
 def _slots(
-    xp: Any, page_table: Any, kv_lengths: Any, q_starts: Any, t: int, page_size: int, n_req: int
+    xp: Any, page_table: Any, kv_lengths: Any, q_starts: Any, t: int, page_size: int
 ) -> tuple[Any, Any, Any]:
     """Physical page and slot of each new row (T,), and whether it is written."""
-    idx = xp.astype(xp.arange(t, **on_device(device(q_starts))), q_starts.dtype)
-    req = xp.sum(xp.astype(q_starts[None, 1:] <= idx[:, None], q_starts.dtype), axis=1)
-    valid = req < n_req
-    req = xp.minimum(req, n_req - 1)
+    req, valid, idx = _paged.owners(xp, q_starts[1:], t, device(q_starts))
     n_r = xp.take(q_starts, req + 1) - xp.take(q_starts, req)
     pos = xp.take(kv_lengths, req) - n_r + (idx - xp.take(q_starts, req))
     pos = xp.where(valid, pos, 0)

@@ -44,6 +44,7 @@ __all__ = [
     "finish",
     "HostWalk",
     "host_tiles",
+    "owners",
     "start",
     "step",
     "tile_rows",
@@ -163,6 +164,19 @@ def _chunk_range(
     return xp.floor_divide(first, bk), xp.floor_divide(last, bk)
 
 
+def owners(xp: Any, ends: Any, length: int, device: Any) -> tuple[Any, Any, Any]:
+    """Which part each of ``0 .. length-1`` falls in, parts ending at `ends` (R,).
+
+    Returns the part (clipped to the last), whether the index is inside a part (below
+    ``ends[-1]``), and the index itself, each (length,), in the dtype of `ends`. By
+    comparisons, not a search: the ends may be traced (``jax.jit``).
+    """
+    idx = xp.astype(arange(xp, 0, length, device), ends.dtype)
+    part = xp.sum(xp.astype(ends[None, :] <= idx[:, None], ends.dtype), axis=1)
+    n = ends.shape[0]
+    return xp.clip(part, 0, max(n - 1, 0)), part < n, idx
+
+
 def bounded_tiles(
     xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any, num_requests: int
 ) -> Tiles:
@@ -177,11 +191,7 @@ def bounded_tiles(
     per_request = xp.floor_divide(counts + (rows - 1), rows)  # tiles of each request
     ends = xp.cumulative_sum(per_request)  # (R,)
     starts = ends - per_request
-    dev = p.device
-    i = xp.astype(arange(xp, 0, n_tiles, dev), q_starts.dtype)
-    req = xp.sum(xp.astype(ends[None, :] <= i[:, None], q_starts.dtype), axis=1)  # (N,)
-    real = req < num_requests
-    req = xp.minimum(req, num_requests - 1)
+    req, real, i = owners(xp, ends, n_tiles, p.device)  # (N,)
     first = xp.take(q_starts, req) + (i - xp.take(starts, req)) * rows
     count = xp.where(real, xp.clip(xp.take(q_starts, req + 1) - first, 0, rows), 0)
     kv = xp.take(kv_lengths, req)
@@ -189,10 +199,7 @@ def bounded_tiles(
     lo, hi = _chunk_range(xp, p, pos0, pos0 + count - 1, kv)
     hi = xp.where(count > 0, hi, -1)
     # packed row -> (tile, offset)
-    r_all = xp.astype(arange(xp, 0, t, dev), q_starts.dtype)
-    row_req = xp.sum(xp.astype(q_starts[None, 1:] <= r_all[:, None], q_starts.dtype), axis=1)
-    valid = row_req < num_requests
-    row_req = xp.minimum(row_req, num_requests - 1)
+    row_req, valid, r_all = owners(xp, q_starts[1:], t, p.device)
     within = r_all - xp.take(q_starts, row_req)
     tile = xp.take(starts, row_req) + xp.floor_divide(within, rows)
     source = xp.where(valid, tile * rows + within % rows, 0)
