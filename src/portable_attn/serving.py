@@ -105,8 +105,10 @@ def ragged_paged_attention(
         backend and device (under ``jax.jit`` across programs compiled for other
         ``T`` and ``R`` too). Every call's key chunks are the same; the flag also
         fixes the rows of a tile per model (``ceil(16 / G)``), so the matrix products
-        have the same shapes in every call. Without it a decode batch tiles one row
-        per request, a prefill 16, and results may differ in the last bits.
+        have the same shapes in every call (a CPU's matrix product rounds a row
+        differently with the number of rows it holds). Without it a tile holds the
+        mean rows per request (one when decoding, up to 128), faster, and results may
+        differ in the last bits.
 
     Returns
     -------
