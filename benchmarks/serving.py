@@ -22,6 +22,10 @@ The targets of issue 39 (float32, this machine's CPUs):
   keys: ours against one padded SDPA call (B=4, Lq=512, Lk=the longest) with the mask.
 - ``memory``: the peak memory NumPy allocates during our decode step (tracemalloc),
   against the padded cache's size.
+- ``lanes`` (``--only lanes --out benchmarks/results/serving-lanes.json``): the decode
+  step with each of the router table's two paged settings on and off, side by side:
+  ``gathers_strided`` (gather from the pool's head-major view) on torch and NumPy,
+  ``sums_by_program`` (sums as products with ones) on torch.
 """
 
 from __future__ import annotations
@@ -478,6 +482,50 @@ def memory():
     return out
 
 
+def lanes(repeats):
+    """The decode step with each paged setting of the router's table on and off."""
+    import dataclasses
+
+    import torch
+
+    from portable_attn._lib import _route
+
+    c = decode_case()
+    host = (c["q"], c["kp"], c["vp"], c["table"], c["lengths"], c["starts"])
+    tensors = tuple(torch.from_numpy(x) for x in host)
+    rows = _route.LIBRARIES
+
+    def with_row(lib, args, **fields):
+        def call():
+            saved = rows[lib]
+            rows[lib] = dataclasses.replace(saved, **fields)
+            try:
+                return ragged_paged_attention(*args)
+            finally:
+                rows[lib] = saved
+
+        return call
+
+    out = {}
+    for lib, args, field, reps in (
+        ("torch", tensors, "gathers_strided", repeats),
+        ("numpy", host, "gathers_strided", 3),
+        ("torch", tensors, "sums_by_program", repeats),
+    ):
+        timed = interleaved_seconds(
+            {on: with_row(lib, args, **{field: on}) for on in (True, False)},
+            repeats=reps,
+            warmup=1,
+        )
+        out[f"{lib}/{field}"] = {
+            "median_s": {str(k): v for k, v in timed.medians.items()},
+            "on_vs_off": float(np.median(timed.ratios(True, False))),
+            "default": getattr(rows[lib], field),
+        }
+        print("lane", lib, field, out[f"{lib}/{field}"], flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="simulation,decode,prefill,memory")
@@ -498,6 +546,8 @@ def main() -> None:
         result["prefill"] = prefill(args.repeats)
     if "memory" in parts:
         result["memory"] = memory()
+    if "lanes" in parts:
+        result["lanes"] = lanes(args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from ._attention import scaled_dot_product_attention
 from ._lib import _paged
+from ._lib._call import compute_dtype_of, scalar_option
 from ._lib._compat import (
     array_namespace,
     device,
@@ -35,7 +36,6 @@ from ._lib._route import library
 from ._lib._validation import (
     check_floating,
     check_is_flag,
-    check_positive_scalar,
     check_same_device,
     check_window,
 )
@@ -148,16 +148,11 @@ def ragged_paged_attention(
         query, key_pages, value_pages, page_table, kv_lengths, q_starts, sinks, alibi_slopes
     )
     t, hq, dk = _check_rank(xp, "query", query, 3, "(T, Hq, Dk)")
-    n_pages, page_size, hkv, _ = _check_pool(xp, "key_pages", key_pages, "(P, page_size, Hkv, Dk)")
-    dv = _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")[3]
-    _same_axes(
-        "key_pages", key_pages, "value_pages", value_pages, (0, 1, 2), ("P", "page_size", "Hkv")
-    )
     _same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
+    n_pages, page_size, hkv, dv, n_req, max_pages = _check_paged(
+        xp, key_pages, value_pages, page_table, kv_lengths, q_starts
+    )
     _check_groups(query, key_pages, hq, hkv)
-    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
-    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
-    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
     _check_heads(xp, sinks, "sinks", hq)
     _check_heads(xp, alibi_slopes, "alibi_slopes", hq)
     is_causal = check_is_flag("is_causal", is_causal)
@@ -176,7 +171,7 @@ def ragged_paged_attention(
     )
     _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
     dtype = xp.result_type(query.dtype, key_pages.dtype, value_pages.dtype)
-    compute = _compute_dtype(xp, dtype)
+    compute = compute_dtype_of(xp, dtype)
     problem = _paged.PagedProblem(
         num_tokens=t,
         num_pages=n_pages,
@@ -189,8 +184,8 @@ def ragged_paged_attention(
         is_causal=is_causal,
         left=left,
         right=right,
-        scale=_scalar(xp, "scale", 1.0 / math.sqrt(dk) if scale is None else scale, compute),
-        softcap=None if softcap is None else _scalar(xp, "softcap", softcap, compute),
+        scale=1.0 / math.sqrt(dk) if scale is None else scalar_option(xp, "scale", scale, compute),
+        softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
         compute_dtype=compute,
         device=device(query),
         head_major=library(query).gathers_strided,
@@ -264,10 +259,8 @@ def paged_kv_write(
             "new_values",
         ),
     )
-    n_pages, page_size = _check_pool(xp, "key_pages", key_pages, "(P, page_size, Hkv, Dk)")[:2]
-    _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")
-    _same_axes(
-        "key_pages", key_pages, "value_pages", value_pages, (0, 1, 2), ("P", "page_size", "Hkv")
+    n_pages, page_size, _, _, _, max_pages = _check_paged(
+        xp, key_pages, value_pages, page_table, kv_lengths, q_starts
     )
     t = _check_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
     _check_rank(xp, "new_values", new_values, 3, "(T, Hkv, Dv)")
@@ -276,9 +269,6 @@ def paged_kv_write(
     _same_axis("new_keys", new_keys, 2, "key_pages", key_pages, 3, "Dk")
     _same_axis("new_values", new_values, 1, "value_pages", value_pages, 2, "Hkv")
     _same_axis("new_values", new_values, 2, "value_pages", value_pages, 3, "Dv")
-    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
-    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
-    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
     _check_devices(
         key_pages=key_pages,
         value_pages=value_pages,
@@ -373,6 +363,15 @@ def varlen_attention(
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
     left, right = (None, None) if window is None else check_window(window)
+    _check_devices(
+        query=query,
+        key=key,
+        value=value,
+        q_starts=q_starts,
+        kv_starts=kv_starts,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+    )
     for name, starts, limit in (("q_starts", q_starts, t), ("kv_starts", kv_starts, s)):
         _check_starts(name, starts, limit)
     seg_q, pos_q = _segments(xp, q_starts, t, -1)
@@ -390,13 +389,12 @@ def varlen_attention(
 
     def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
         qp, kp = rows(qi, pos_q), rows(ki, pos_k)
-        ok = xp.ones_like(qp >= kp)
-        if is_causal:
-            ok = xp.logical_and(ok, kp <= qp)
-        if left is not None:
-            ok = xp.logical_and(ok, kp >= qp - left)
+        last = qp if is_causal else None
         if right is not None:
-            ok = xp.logical_and(ok, kp <= qp + right)
+            last = qp + right if last is None else xp.minimum(last, qp + right)
+        ok = None if last is None else kp <= last
+        if left is not None:
+            ok = kp >= qp - left if ok is None else xp.logical_and(ok, kp >= qp - left)
         return ok
 
     score_mod = None
@@ -525,6 +523,21 @@ def _namespace(
             )
             raise TypeError(msg)
     return array_namespace(**named)
+
+
+def _check_paged(
+    xp: Any, key_pages: Any, value_pages: Any, page_table: Any, kv_lengths: Any, q_starts: Any
+) -> tuple[int, int, int, int, int, int]:
+    """Check the pools and the metadata; return P, page_size, Hkv, Dv, R, max_pages."""
+    n_pages, page_size, hkv, _ = _check_pool(xp, "key_pages", key_pages, "(P, page_size, Hkv, Dk)")
+    dv = _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")[3]
+    _same_axes(
+        "key_pages", key_pages, "value_pages", value_pages, (0, 1, 2), ("P", "page_size", "Hkv")
+    )
+    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
+    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
+    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
+    return n_pages, page_size, hkv, dv, n_req, max_pages
 
 
 def _check_rank(xp: Any, name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
@@ -659,17 +672,3 @@ def _check_metadata(
             f"P = {n_pages}, axis 0 of `key_pages`), and request {r} uses it"
         )
         raise ValueError(msg)
-
-
-def _compute_dtype(xp: Any, dtype: Any) -> Any:
-    """float32 for half inputs, the inputs' dtype otherwise."""
-    return xp.result_type(dtype, xp.float32)
-
-
-def _scalar(xp: Any, name: str, value: Any, compute: Any) -> Any:
-    if hasattr(value, "shape"):
-        if value.ndim != 0:
-            msg = f"`{name}` must be a number or a 0-d array, but got shape {tuple(value.shape)}"
-            raise ValueError(msg)
-        return xp.astype(value, compute)
-    return check_positive_scalar(name, value, xp.finfo(compute))

@@ -55,8 +55,10 @@ from ._scores import PLAIN_TERMS, AttentionPlan, ScoreTerms, empty_result
 __all__ = [
     "ATTENTION_KEYWORDS",
     "AttentionCall",
+    "compute_dtype_of",
     "no_dropout_and_none_of",
     "prepare",
+    "scalar_option",
     "signed_lengths",
 ]
 
@@ -358,14 +360,13 @@ def _build_plan(
     is_causal = v.check_is_causal(is_causal)
     dtypes = [query.dtype, key.dtype] + ([value.dtype] if value is not None else [])
     result_dtype = xp.result_type(*dtypes)
-    # float16/bfloat16 accumulate in float32; float32 and float64 stay as they are.
-    compute_dtype = xp.result_type(result_dtype, xp.float32)
+    compute_dtype = compute_dtype_of(xp, result_dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(dk)
     else:
-        scale = _scalar_option(xp, "scale", scale, compute_dtype)
+        scale = scalar_option(xp, "scale", scale, compute_dtype)
     if softcap is not None:
-        softcap = _scalar_option(xp, "softcap", softcap, compute_dtype)
+        softcap = scalar_option(xp, "softcap", softcap, compute_dtype)
     if window is not None:
         window = v.check_window(window)
     return AttentionPlan(
@@ -386,7 +387,12 @@ def _build_plan(
     )
 
 
-def _scalar_option(xp: Any, name: str, value: Any, compute_dtype: Any) -> Any:
+def compute_dtype_of(xp: Any, dtype: Any) -> Any:
+    """Return the dtype a call computes in: float16/bfloat16 in float32, others as is."""
+    return xp.result_type(dtype, xp.float32)
+
+
+def scalar_option(xp: Any, name: str, value: Any, compute_dtype: Any) -> Any:
     """`scale` / `softcap` as a float, or as a 0-d array in the compute dtype (learned)."""
     read = concrete_float if v.array_or_none(value) is None or has_concrete_values(value) else None
     return v.check_scalar_option(xp, name, value, compute_dtype, read=read)

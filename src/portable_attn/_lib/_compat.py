@@ -33,7 +33,6 @@ __all__ = [
     "ids_in_one_dtype",
     "is_array_api_obj",
     "is_compiling",
-    "torch_records",
     "is_traced",
     "jax_placeable",
     "library_name",
@@ -47,6 +46,7 @@ __all__ = [
     "standard_namespace",
     "stop_gradient",
     "to_host",
+    "torch_records",
     "torch_release",
 ]
 

@@ -18,9 +18,12 @@ number of tiles batched with it (NumPy, torch and XLA CPU, checked by
 as it was (``max(m, -inf) = m``, ``exp(0) = 1``, ``+ 0``), so visiting or skipping
 it, which depends on the other requests, changes no bit. With ``rows`` fixed per
 model (:func:`tile_rows`), a row's bits depend only on its own keys and position.
+Where a compiler sums a fused reduction in an order that depends on the program (XLA),
+the sums are products with ones too (``PagedProblem.sums_by_product``).
 
-Only array-API functions: the drivers that loop over the chunks are in
-``_paths/_paged.py``.
+The walk's arithmetic is array-API functions only; the host plan
+(:func:`host_tiles`, :class:`HostWalk`) is NumPy on small integer metadata, and the
+drivers that loop over the chunks are in ``_paths/_paged.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ._compat import on_device
+from ._compat import on_device, stop_gradient
 from ._masks import arange
 from ._softmax import finite_shift, safe_denominator, with_sink
 
@@ -37,16 +40,19 @@ __all__ = [
     "CHUNK_KEYS",
     "INVARIANT_MATMUL_ROWS",
     "MAX_TILE_ROWS",
+    "HostWalk",
     "PagedProblem",
     "PagedState",
     "Tiles",
     "bounded_tiles",
     "finish",
-    "HostWalk",
+    "head_rows",
     "host_tiles",
     "owners",
+    "row_positions",
     "start",
     "step",
+    "tile_queries",
     "tile_rows",
 ]
 
@@ -410,7 +416,9 @@ def step(
             allowed = xp.logical_and(allowed, kp <= pos + p.right)
         s = xp.where(allowed, s, -xp.inf)
     m, l_sum, acc = state
-    m_new = xp.maximum(m, xp.max(s, axis=(1, 4), keepdims=True))
+    # the running max only shifts the exponents (it cancels exactly): no gradient through
+    # it, as in the engine's walk (compiled backwards turned that gradient into NaN)
+    m_new = stop_gradient(xp.maximum(m, xp.max(s, axis=(1, 4), keepdims=True)))
     shift = finite_shift(xp, m_new)
     e = xp.exp(s - shift)  # hidden keys: exactly 0
     alpha = xp.exp(finite_shift(xp, m) - shift)
