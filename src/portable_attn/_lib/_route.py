@@ -158,15 +158,15 @@ class Library:
         compiled for other batches), while a matrix product's order depends on its
         shapes alone. The paged walk then takes its sums as products with ones, so
         that ``batch_invariant=True`` holds under ``jax.jit`` across programs; elsewhere
-        ``xp.sum``, as cheap and already invariant in eager libraries (torch's decode
-        step took 1.20x SDPA's time with products, 0.96x with sums).
+        ``xp.sum``, already invariant in eager libraries and cheaper (torch's decode step
+        took 1.16x its time with products; benchmarks/results/serving-lanes.json).
     gathers_strided : bool
         Its ``take`` reads a permuted view as fast as contiguous memory, so a paged call
         gathers pages from the pool's head-major view (P, Hkv, page_size, D) and
         multiplies them without a copy; the others gather token-major pages and permute
-        them after. The decode step of ``benchmarks/serving.py`` took 0.21 s against
-        0.45 s on torch, 3.7 s against 0.16 s on NumPy, 0.45 s against 0.28 s under
-        ``jax.jit``.
+        them after. The decode step of ``benchmarks/serving.py`` took 0.53x its time
+        with it on torch, 21.6x on NumPy (benchmarks/results/serving-lanes.json); XLA
+        fuses the permutation into its gather either way.
     """
 
     dense_limit: int
