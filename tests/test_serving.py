@@ -150,17 +150,22 @@ def test_half_precision_accumulates_in_float32(backend, xp):
 
 @pytest.mark.parametrize("page_size", [2, 8])
 @pytest.mark.parametrize("rows", ["decode", "prefill"])
-def test_both_products_against_oracle(backend, xp, page_size, rows):
-    # a tile of fewer rows (rows·G) than a page has slots multiplies page by page; other
-    # tiles multiply the chunk's keys at once: each case below takes the one it names
+def test_both_products_against_oracle(backend, xp, page_size, rows, monkeypatch):
+    # a tile of no more rows (rows·G) than a page has slots multiplies page by page;
+    # other tiles multiply the chunk's keys at once: each case takes the one it names
     new = [1, 1, 1, 1] if rows == "decode" else [3, 9, 1, 6]
     pool = Pool([7, 30, 2, 19], new, page_size=page_size, num_pages=40)
-    t, r, g = pool.query.shape[0], len(new), HQ // HKV
-    tile = _paged.tile_rows(t, r, g, batch_invariant=False)
-    by_page = g * tile <= page_size
-    assert by_page == (rows == "decode" and page_size == 8)
+    taken = set()
+    step = _paged.step
+
+    def spy(xp_, p, *args, **kwargs):
+        taken.add(p.by_page)
+        return step(xp_, p, *args, **kwargs)
+
+    monkeypatch.setattr(_paged, "step", spy)
     kw = {"window": (11, 0), "softcap": 3.0}
     out, lse = ragged_paged_attention(*pool.args(backend), return_lse=True, **kw)
+    assert taken == {rows == "decode" and page_size == 8}
     expected_out, expected_lse = pool.oracle(**kw)
     assert_close(backend, out, expected_out)
     assert_close(backend, lse, expected_lse)
