@@ -36,6 +36,10 @@ are not repeated. The result is what HF expects: ``(attn_output of shape
 the library's default path, which on torch is SDPA for everything it can
 express (not softcap, sinks or dropout).
 
+Current families (Llama 4, Gemma 3, gpt-oss, Qwen3, Qwen2-VL, DeepSeek V3,
+ModernBERT) are checked end to end against "eager" in
+``tests/integrations/test_architectures.py``.
+
 A query row that sees no key (a left-padding position) comes out as zeros, as
 with torch SDPA; HF "eager" gives it uniform weights. Only padding positions
 differ, and their outputs are not used.
@@ -134,7 +138,8 @@ def attention_forward(
     key : torch.Tensor, shape (B, Hkv, Lk, Dk)
         Keys; ``Hq`` a multiple of ``Hkv`` (not repeated).
     value : torch.Tensor, shape (B, Hkv, Lk, Dv)
-        Values.
+        Values; ``Dv`` may differ from ``Dk`` (DeepSeek's multi-head latent
+        attention).
     attention_mask : torch.Tensor, broadcastable to (B, Hq, Lq, Lk), or None
         Boolean (True = attend) as built by ``sdpa_mask``, or floating and
         additive; None: see the module docstring (top-left causal for a causal
@@ -155,8 +160,9 @@ def attention_forward(
         one logit per head in every row's denominator (not scaled or masked,
         as in HF eager).
     **kwargs
-        The rest of the model's keyword arguments (``sliding_window`` among
-        them: the window is already in the mask), ignored.
+        The rest of the model's keyword arguments, ignored: ``sliding_window``
+        among them (sliding windows and Llama 4's attention chunks are already
+        in the mask that the registered mask function builds).
 
     Returns
     -------
