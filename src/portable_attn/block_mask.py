@@ -31,6 +31,7 @@ the two agree when ``Lq == Lk``.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from ._lib import _route
@@ -38,6 +39,19 @@ from ._lib import _validation as v
 from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, MaskMod, build_states
 from ._lib._compat import array_namespace, namespace_or_numpy, on_device
 from ._lib._cpu import available_workers
+from ._lib._rules import (
+    Band,
+    Both,
+    Chunk,
+    Document,
+    Either,
+    MaskRule,
+    Opaque,
+    Prefix,
+    Rule,
+    RuleStates,
+    replace_offset,
+)
 from ._paths._threads import tile_map
 
 __all__ = [
@@ -46,9 +60,15 @@ __all__ = [
     "HIDDEN",
     "PARTIAL",
     "BlockMask",
+    "MaskRule",
     "and_masks",
+    "causal_mask_mod",
+    "chunked_mask_mod",
     "create_block_mask",
+    "document_mask_mod",
     "or_masks",
+    "prefix_lm_mask_mod",
+    "sliding_window_mask_mod",
 ]
 
 Array = Any
@@ -108,6 +128,8 @@ def create_block_mask(
     """
     v.check_mask_mod(mask_mod)
     xp = namespace_or_numpy(xp, caller="create_block_mask")
+    if isinstance(mask_mod, MaskRule):
+        return _rule_block_mask(mask_mod, xp, batch, heads, q_len, kv_len, block_size, device)
     for name, n in (("batch", batch), ("heads", heads)):
         if n is not None:
             v.check_count(name, n, minimum=1)
@@ -128,6 +150,37 @@ def create_block_mask(
         xp, rule, batch_index, h, q_len, kv_len, block, device, check, tile_map(workers)
     )
     return BlockMask(states, mask_mod, q_len, kv_len, block)
+
+
+def _rule_block_mask(
+    rule: MaskRule,
+    xp: Any,
+    batch: int | None,
+    heads: int | None,
+    q_len: int,
+    kv_len: int,
+    block_size: Any,
+    device: Any,
+) -> BlockMask:
+    """Build a ready rule's block mask, aligned to (q_len, kv_len); positional: arithmetic."""
+    q_len = v.check_count("q_len", q_len, minimum=0)
+    kv_len = v.check_count("kv_len", kv_len, minimum=0)
+    aligned = rule.aligned(q_len, kv_len)
+    aligned.source = rule  # type: ignore[attr-defined]  # a call given both drops the rule
+    if not aligned.rule.positional:
+        return create_block_mask(
+            aligned, batch, heads, q_len, kv_len, block_size=block_size, xp=xp, device=device
+        )
+    for name, n in (("batch", batch), ("heads", heads)):
+        if n is not None:
+            v.check_count(name, n, minimum=1)
+    block = v.check_block_pair("block_size", block_size, DEFAULT_BLOCK_SIZE)
+    host = RuleStates(aligned.rule, 0, q_len, kv_len).states(block)
+    states = xp.asarray(host, **on_device(device))
+    states = xp.broadcast_to(
+        xp.reshape(states, (1, 1, *host.shape)), (batch or 1, heads or 1, *host.shape)
+    )
+    return BlockMask(states, aligned, q_len, kv_len, block)
 
 
 def _check_broadcast_axes(
@@ -187,6 +240,10 @@ def or_masks(*mask_mods: MaskMod) -> MaskMod:
 def _combine(name: str, mask_mods: tuple[MaskMod, ...], *, all_of: bool) -> MaskMod:
     for i, mod in enumerate(mask_mods):
         v.check_mask_mod(mod, name=f"{name} argument {i}")
+    names = ", ".join(getattr(m, "__name__", type(m).__name__) for m in mask_mods)
+    if any(isinstance(m, MaskRule) for m in mask_mods):  # a rule: the combination is one
+        parts = tuple(m.rule if isinstance(m, MaskRule) else Opaque(m) for m in mask_mods)
+        return MaskRule(Both(parts) if all_of else Either(parts), f"{name}({names})")
 
     def combined(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
         xp = array_namespace(q_idx=q_idx)
@@ -198,6 +255,130 @@ def _combine(name: str, mask_mods: tuple[MaskMod, ...], *, all_of: bool) -> Mask
             result = xp.logical_and(result, part) if all_of else xp.logical_or(result, part)
         return result
 
-    names = ", ".join(getattr(m, "__name__", type(m).__name__) for m in mask_mods)
     combined.__name__ = f"{name}({names})"
     return combined
+
+
+# ---------------------------------------------------------------------------
+# ready rules
+
+
+def causal_mask_mod(*, offset: int | None = None) -> MaskRule:
+    """Causal: the query at aligned position ``p`` sees the keys ``j <= p``.
+
+    Parameters
+    ----------
+    offset : int, optional
+        None (default): ``p = i + Lk - Lq`` from the call's lengths, bottom-right like
+        ``is_causal`` (with ``q_lengths`` / ``kv_lengths``, the valid lengths), so one
+        query decoding over a cache sees the whole cache. An int: ``p = i + offset``
+        (``offset=0`` is FlexAttention's and PyTorch's top-left ``q_idx >= kv_idx``).
+
+    Returns
+    -------
+    MaskRule
+        A ``mask_mod`` the call lowers to ``is_causal`` (the same route and speed).
+    """
+    return _rule(Band(None, 0), "causal_mask_mod", offset)
+
+
+def sliding_window_mask_mod(
+    left: int | None, right: int | None = 0, *, offset: int | None = None
+) -> MaskRule:
+    """Sliding window: the query at ``p`` sees the keys ``p - left <= j <= p + right``.
+
+    The call's ``window=(left, right)`` as a rule; a None side is unbounded. Lowered to
+    the call's band, so blocks outside the window are skipped on every path.
+
+    Parameters
+    ----------
+    left, right : int or None
+        Keys before and after the query's position it sees (``right=0``: causal).
+    offset : int, optional
+        As in :func:`causal_mask_mod`.
+    """
+    sides = [
+        None if w is None else v.check_count(n, w, minimum=0)
+        for n, w in (("left", left), ("right", right))
+    ]
+    return _rule(Band(*sides), f"sliding_window_mask_mod({left}, {right})", offset)
+
+
+def chunked_mask_mod(chunk_size: int, *, offset: int | None = None) -> MaskRule:
+    """Chunked local attention (Llama 4): the query at ``p`` sees the keys of its chunk.
+
+    Key ``j`` is visible iff ``j // chunk_size == p // chunk_size``. Not causal by
+    itself: combine with ``is_causal=True`` (or ``and_masks(causal_mask_mod(), ...)``)
+    for Llama 4's chunked layers. Blocks of other chunks are skipped on every path
+    (their states come from arithmetic on the block bounds, also under ``jax.jit``).
+
+    Parameters
+    ----------
+    chunk_size : int
+        Positions per chunk, > 0.
+    offset : int, optional
+        As in :func:`causal_mask_mod`.
+    """
+    size = v.check_count("chunk_size", chunk_size, minimum=1)
+    return _rule(Chunk(size), f"chunked_mask_mod({size})", offset)
+
+
+def prefix_lm_mask_mod(prefix_length: int, *, offset: int | None = None) -> MaskRule:
+    """Prefix-LM: every query sees the first `prefix_length` keys, and causally after them.
+
+    Key ``j`` is visible iff ``j < prefix_length`` or ``j <= p``.
+
+    Parameters
+    ----------
+    prefix_length : int
+        Keys seen by every query (bidirectional prefix), >= 0.
+    offset : int, optional
+        As in :func:`causal_mask_mod`.
+    """
+    n = v.check_count("prefix_length", prefix_length, minimum=0)
+    return _rule(Prefix(n), f"prefix_lm_mask_mod({n})", offset)
+
+
+def document_mask_mod(
+    q_segment_ids: Array, kv_segment_ids: Array | None = None, *, offset: int | None = None
+) -> MaskRule:
+    """Document masking: a query sees the keys of its own document (packed sequences).
+
+    Parameters
+    ----------
+    q_segment_ids : integer array, shape (L,) or (B, L)
+        Without `kv_segment_ids`: the document of every position (``L >= Lk``); a key's
+        is read at ``j``, a query's at its aligned position ``p``.
+        With `kv_segment_ids`: the document of every query row (``L = Lq``).
+    kv_segment_ids : integer array, shape (Lk,) or (B, Lk), optional
+        The document of every key.
+    offset : int, optional
+        As in :func:`causal_mask_mod` (used with one array only).
+
+    Returns
+    -------
+    MaskRule
+        Lowered to the call's ``q_segment_ids`` / ``kv_segment_ids``, which skip the
+        block pairs of two documents.
+    """
+    for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if ids is None:
+            continue
+        xp = array_namespace(**{name: ids})
+        if not xp.isdtype(ids.dtype, "integral") or ids.ndim not in (1, 2):
+            msg = (
+                f"document_mask_mod: `{name}` must be an integer array of shape (L,) or "
+                f"(B, L), but got shape {tuple(ids.shape)} and dtype {ids.dtype}"
+            )
+            raise TypeError(msg)
+    return _rule(Document(q_segment_ids, kv_segment_ids), "document_mask_mod", offset)
+
+
+def _rule(rule: Rule, name: str, offset: int | None) -> MaskRule:
+    if offset is not None:
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+            msg = f"`offset` must be None or an integer, but got {offset!r}"
+            raise TypeError(msg)
+        offset = int(offset)
+        rule = replace_offset(rule, offset)
+    return MaskRule(rule, name if offset is None else f"{name}[offset={offset}]")

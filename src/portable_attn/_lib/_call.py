@@ -562,6 +562,8 @@ def _mask_mod_terms(
             b = states.shape[0]
             lead = plan.batch if b != 1 else (1,) * len(plan.batch)
             out["block_states"] = xp.reshape(states, (*lead, *states.shape[1:]))
+    elif getattr(mask_mod, "block_states", None) is not None:  # a ready rule's, by arithmetic
+        out["block_host"] = mask_mod.block_states
     elif has_concrete_values(batch_index) and not _route.library(batch_index).task_graphs:
         out["block_host"] = LazyHostStates(
             xp, checked, batch_index, plan.num_q_heads, plan.q_len, plan.kv_len, plan.device
