@@ -909,6 +909,36 @@ def causal_block(results: Path) -> str:
     return "\n".join(lines)
 
 
+def rules_block(results: Path) -> str:
+    data = _read(results, "rules.json")
+    if data is None:
+        return _not_measured("rules.json", "`python benchmarks/rules.py`")
+    names = {"numpy": "NumPy", "torch": "torch", "jax": "JAX, `jax.jit`"}
+    lines = [
+        "| library | causal (ms) | chunked (ms) | chunked / causal |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label in names.items():
+        if key not in data:
+            continue
+        m = data[key]["median_s"]
+        lines.append(
+            f"| {label} | {m['causal'] * 1e3:.0f} | {m['chunked'] * 1e3:.0f} "
+            f"| {data[key]['chunked_vs_causal']:.2f}x |"
+        )
+    torch_row = data.get("torch", {})
+    if "chunked_vs_sdpa_per_chunk" in torch_row:
+        lines += [
+            "",
+            "On torch the chunked call takes "
+            f"{torch_row['chunked_vs_sdpa_per_chunk']:.2f}x the time of torch SDPA called on "
+            "each chunk alone (causal) with the outputs concatenated.",
+        ]
+    cpu = (data.get("git") or {}).get("cpu") or {}
+    model = cpu.get("model")
+    return "\n".join(lines) + (f"\n\nMeasured on {model}." if model else "")
+
+
 def half_block(results: Path) -> str:
     half_torch, half_jax = _read(results, "half-torch.json"), _read(results, "half-jax.json")
     if half_torch is None or half_jax is None:
@@ -1210,6 +1240,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "loop": loop_block,
     "causal": causal_block,
     "half": half_block,
+    "rules": rules_block,
     "flex": flex_block,
     "integrations": integrations_block,
     "dask-throughput": dask_block,
