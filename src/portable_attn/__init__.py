@@ -11,7 +11,7 @@ from .masks import causal_mask
 from .merge import merge_attention
 from .mha import init_mha_params, multi_head_attention
 from .norms import l2_normalize, rms_norm
-from .rope import apply_rope
+from .rope import apply_rope, rope_frequencies
 from .serving import paged_kv_write, ragged_paged_attention, varlen_attention
 
 __version__ = "0.1.0"
@@ -33,6 +33,7 @@ __all__ = [
     "paged_kv_write",
     "ragged_paged_attention",
     "rms_norm",
+    "rope_frequencies",
     "scaled_dot_product_attention",
     "varlen_attention",
 ]
