@@ -200,7 +200,7 @@ class TestScaledKinds:
         ],
     )
     def test_yarn(self, backend, extra, oracle_kw, attention):
-        x, pos = randn(2, 2, 5, 12), np.arange(5) * 9
+        x, pos = randn(2, 2, 4, 12), np.arange(4) * 9
         out = apply_rope(
             backend.asarray(x), backend.asarray(pos), base=500.0, scaling={**YARN, **extra}
         )
@@ -212,12 +212,12 @@ class TestScaledKinds:
 
     @pytest.mark.parametrize("interleaved", [False, True])
     def test_llama3(self, backend, interleaved):
-        x, pos = randn(1, 2, 4, 16), np.array([0, 3, 50, 400])
+        x, pos = randn(2, 2, 4, 12), np.array([0, 3, 50, 400])
         out = apply_rope(
             backend.asarray(x), backend.asarray(pos), scaling=LLAMA3, interleaved=interleaved
         )
-        freqs = llama3_oracle(16, 10000.0, 8.0, 1.0, 4.0, 64)
-        ratio = np.array(plain_freqs(16)) / freqs  # all three regimes occur
+        freqs = llama3_oracle(12, 10000.0, 8.0, 1.0, 4.0, 64)
+        ratio = np.array(plain_freqs(12)) / freqs  # all three regimes occur
         assert np.isclose(ratio, 1).any()
         assert np.isclose(ratio, 8).any()
         assert ((ratio > 1.01) & (ratio < 7.99)).any()
@@ -226,8 +226,10 @@ class TestScaledKinds:
 
     @pytest.mark.parametrize(("last", "factors"), [(15, SHORT), (16, LONG), (40, LONG)])
     def test_longrope_picks_short_or_long_factors(self, backend, last, factors):
-        x = randn(2, 1, 3, 12)
-        pos = np.array([[0, 1, 2], [last - 2, last - 1, last]])  # max(positions) + 1 decides
+        x = randn(2, 2, 4, 12)
+        pos = np.array(
+            [[0, 1, 2, 3], [last - 3, last - 2, last - 1, last]]
+        )  # max(positions) + 1 decides
         out = apply_rope(backend.asarray(x), backend.asarray(pos), scaling=LONGROPE)
         freqs = [f / e for f, e in zip(plain_freqs(12), factors, strict=True)]
         attention = np.sqrt(1 + np.log(8.0) / np.log(16))
@@ -235,12 +237,12 @@ class TestScaledKinds:
 
     @pytest.mark.parametrize("last", [3, 15, 16, 40])
     def test_dynamic_below_and_above_the_original_length(self, backend, last):
-        x = randn(2, 2, 4, 8)
+        x = randn(2, 2, 4, 12)
         pos = np.array([[0, 1, 2, 3], [last - 3, last - 2, last - 1, last]])
         out = apply_rope(backend.asarray(x), backend.asarray(pos), scaling=DYNAMIC)
         seq = last + 1  # over the whole batch: the first row too
-        base = 10000.0 if seq <= 16 else 10000.0 * (4.0 * seq / 16 - 3.0) ** (8 / 6)
-        expected = rotate_oracle(x, in_all_rows(pos), plain_freqs(8, base))
+        base = 10000.0 if seq <= 16 else 10000.0 * (4.0 * seq / 16 - 3.0) ** (12 / 10)
+        expected = rotate_oracle(x, in_all_rows(pos), plain_freqs(12, base))
         assert_close(backend, out, expected)
         if seq <= 16:
             assert_close(backend, out, rope_oracle(x, pos))
@@ -251,18 +253,18 @@ class TestScaledKinds:
         ids=lambda s: s.get("type", s.get("rope_type")),
     )
     def test_rope_frequencies_is_what_apply_rope_rotates_by(self, backend, xp, scaling):
-        pos = np.arange(20, 23)
+        pos = np.arange(20, 24)
         inv_freq, attention = rope_frequencies(
             12,
             scaling=scaling,
-            seq_len=backend.asarray(np.array(23)),
+            seq_len=backend.asarray(np.array(24)),
             xp=xp,
             device=backend.device,
             dtype=backend.dtype("float64"),
         )
         assert inv_freq.shape == (6,)
         assert inv_freq.dtype == backend.dtype("float64")
-        x = randn(1, 3, 12)
+        x = randn(2, 2, 4, 12)
         freqs = backend.to_numpy(inv_freq)
         out = apply_rope(backend.asarray(x), backend.asarray(pos), scaling=scaling)
         expected = rotate_oracle(x, in_all_rows(pos), freqs, attention=attention)
@@ -283,19 +285,19 @@ class TestScaledKinds:
 
     def test_transformers_dict_as_it_is(self, backend):
         """rope_type, rope_theta, partial_rotary_factor, and keys not read."""
-        x, pos = randn(1, 4, 10), np.arange(4)
+        x, pos = randn(2, 2, 4, 12), np.arange(4)
         params = {
             "rope_type": "yarn",
             "factor": 4.0,
             "original_max_position_embeddings": 32,
             "rope_theta": 500.0,
-            "partial_rotary_factor": 0.8,  # int(10 * 0.8) = 8 features rotated
+            "partial_rotary_factor": 0.5,  # int(12 * 0.5) = 6 features rotated
             "some_other_key": 1,
         }
         out = apply_rope(backend.asarray(x), backend.asarray(pos), scaling=params)
-        freqs = yarn_oracle(8, 500.0, 4.0, 32)
+        freqs = yarn_oracle(6, 500.0, 4.0, 32)
         expected = rotate_oracle(
-            x, in_all_rows(pos), freqs, attention=yarn_mscale(4.0), rotary_dim=8
+            x, in_all_rows(pos), freqs, attention=yarn_mscale(4.0), rotary_dim=6
         )
         assert_close(backend, out, expected)
 
@@ -321,20 +323,20 @@ class TestScaledKinds:
             attention = np.sqrt(1 + np.log(8.0) / np.log(16))
             return rotate_oracle(x, in_all_rows(pos), freqs, attention=attention)
 
-        x = randn(1, 3, 12)
+        x = randn(2, 2, 4, 12)
         outs = []
         for start in (0, 30):  # below and above the original length, one trace
-            pos = np.arange(start, start + 3)
+            pos = np.arange(start, start + 4)
             outs.append(rope(backend.asarray(x), backend.asarray(pos)))
             assert_close(backend, outs[-1], expected(x, pos))
         assert len(traces) == 1
-        assert not np.allclose(backend.to_numpy(outs[1]), rope_oracle(x, np.arange(30, 33)))
+        assert not np.allclose(backend.to_numpy(outs[1]), rope_oracle(x, np.arange(30, 34)))
 
 
 class TestPartialRotary:
     @pytest.mark.parametrize("interleaved", [False, True])
     def test_rotates_the_first_features_and_passes_the_rest(self, backend, interleaved):
-        x, pos = randn(2, 2, 5, 7), np.arange(3, 8)  # odd D: only R = 4 must be even
+        x, pos = randn(2, 2, 4, 7), np.arange(3, 7)  # odd D: only R = 4 must be even
         out = apply_rope(
             backend.asarray(x), backend.asarray(pos), rotary_dim=4, interleaved=interleaved
         )
@@ -345,22 +347,22 @@ class TestPartialRotary:
         np.testing.assert_array_equal(backend.to_numpy(out)[..., 4:], x[..., 4:])
 
     def test_full_rotary_dim_is_plain_rope(self, backend):
-        x, pos = randn(1, 3, 8), np.arange(3)
-        out = apply_rope(backend.asarray(x), backend.asarray(pos), rotary_dim=8)
+        x, pos = randn(2, 2, 4, 12), np.arange(4)
+        out = apply_rope(backend.asarray(x), backend.asarray(pos), rotary_dim=12)
         assert_close(backend, out, rope_oracle(x, pos))
 
 
 class TestMRope:
     def test_each_section_takes_its_row_of_positions(self, backend):
-        x = randn(2, 3, 5, 12)  # D/2 = 6 pairs: 1 temporal, 2 height, 3 width
-        pos = np.random.default_rng(3).integers(0, 40, (3, 2, 5))
+        x = randn(2, 2, 4, 12)  # D/2 = 6 pairs: 1 temporal, 2 height, 3 width
+        pos = np.random.default_rng(3).integers(0, 40, (3, 2, 4))
         out = apply_rope(backend.asarray(x), backend.asarray(pos), mrope_section=[1, 2, 3])
         row = [0, 1, 1, 2, 2, 2]
         expected = rotate_oracle(x, lambda p: pos[row[p]], plain_freqs(12))
         assert_close(backend, out, expected)
 
     def test_with_partial_rotary_and_scaling(self, backend):
-        x = randn(1, 2, 4, 10)
+        x = randn(2, 2, 4, 12)
         pos = np.random.default_rng(4).integers(0, 40, (3, 4))  # (3, L): one sequence
         scaling = {"type": "linear", "factor": 2.0, "mrope_section": [2, 0, 1]}
         out = apply_rope(backend.asarray(x), backend.asarray(pos), scaling=scaling, rotary_dim=6)
@@ -370,11 +372,11 @@ class TestMRope:
 
     @pytest.mark.parametrize("interleaved", [False, True])
     def test_equal_rows_are_plain_rope(self, backend, interleaved):
-        x, pos = randn(2, 1, 4, 8), np.array([[4, 5, 6, 7], [0, 2, 4, 6]])
+        x, pos = randn(2, 2, 4, 12), np.array([[4, 5, 6, 7], [0, 2, 4, 6]])
         out = apply_rope(
             backend.asarray(x),
             backend.asarray(np.stack([pos] * 3)),
-            mrope_section=(1, 1, 2),
+            mrope_section=(1, 2, 3),
             interleaved=interleaved,
         )
         assert_close(backend, out, rope_oracle(x, pos, interleaved=interleaved))
