@@ -37,6 +37,7 @@ from portable_attn.testing import reference_attention, reference_weights
 B, HQ, HKV, LQ, LK, D = 2, 4, 2, 12, 20, 4
 OFF = LK - LQ  # the bottom-right alignment: query i sits at i + OFF
 DOC = np.repeat(np.arange(4), [6, 3, 7, 4])  # the document of each of the LK positions
+DOC2 = np.stack([np.repeat(np.arange(3), [5, 6, 5]), np.repeat(np.arange(4), [2, 7, 3, 4])])
 Q_DOC, KV_DOC = np.repeat(np.arange(3), [5, 3, 4]), np.repeat(np.arange(3), [8, 6, 6])
 
 
@@ -132,14 +133,20 @@ def test_block_mask_of_a_rule(backend, xp, name):
         ),
         (prefix_lm_mask_mod(3), lambda off, i, j: (j < 3) | (j <= i + off)),
         (sliding_window_mask_mod(2, 1), lambda off, i, j: (j >= i + off - 2) & (j <= i + off + 1)),
+        ("doc", lambda off, i, j: DOC2[0, i + off] == DOC2[0, j]),
+        ("docs", lambda off, i, j: DOC2[off % 2, i + off] == DOC2[off % 2, j]),
     ],
-    ids=["causal", "chunked", "prefix_lm", "window"],
+    ids=["causal", "chunked", "prefix_lm", "window", "document", "document_per_sequence"],
 )
 def test_offset_none_follows_the_valid_lengths(backend, xp, rule, hand):
     """Decoding 3 queries over a padded cache: aligned at each sequence's valid end."""
     lq, lk, q_len, kv_len = 3, 16, np.array([3, 2]), np.array([16, 9])
     q, k, v = qkv(batch=(B,), hq=HQ, hkv=HKV, lq=lq, lk=lk, dk=D, dv=D)
     qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
+    if rule == "doc":  # one row of ids, read at each sequence's own positions
+        rule = document_mask_mod(backend.asarray(DOC2[0]))
+    elif rule == "docs":  # the ids of each sequence (offsets 13 and 7: rows 1 and 1)
+        rule = document_mask_mod(backend.asarray(DOC2[[1, 1]]))
     lengths = {"q_lengths": backend.asarray(q_len), "kv_lengths": backend.asarray(kv_len)}
     out = scaled_dot_product_attention(qb, kb, vb, mask_mod=rule, **lengths)
     i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]

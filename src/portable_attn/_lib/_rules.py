@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ._block_states import FULL, HIDDEN, PARTIAL, HostStates
-from ._compat import array_namespace
+from ._compat import array_namespace, device, on_device
 
 __all__ = [
     "Band",
@@ -206,10 +206,13 @@ def _read(xp: Any, ids: Array, pos: Array) -> tuple[Array, Array]:
     if where.ndim == 2:  # one row of positions for every sequence's ids
         got = xp.take(ids, xp.reshape(where, (-1,)), axis=-1)  # (*batch, n)
         return xp.reshape(got, (*got.shape[:-1], 1, n, 1)), inside
-    # per sequence: each sequence's ids at its positions
-    rows = xp.reshape(where, (*where.shape[:-3], n))
-    table = xp.broadcast_to(ids, (*rows.shape[:-1], length))
-    return xp.reshape(xp.take_along_axis(table, rows, axis=-1), where.shape), inside
+    # per sequence: each sequence's ids at its positions, read from the flat table
+    batch = where.shape[:-3]
+    table = xp.reshape(xp.broadcast_to(ids, (*batch, length)), (-1,))
+    count = table.shape[0] // length
+    steps = xp.arange(0, count, dtype=where.dtype, **on_device(device(where)))
+    start = xp.reshape(steps * length, (*batch, 1, 1, 1))
+    return xp.reshape(xp.take(table, xp.reshape(where + start, (-1,))), where.shape), inside
 
 
 @dataclass(frozen=True)
