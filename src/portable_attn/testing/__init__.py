@@ -10,6 +10,9 @@ what a user testing a model on several backends can use too:
   :func:`reference_weights`, :func:`reference_lse`,
   :func:`reference_max_logit`) and finite differences
   (:func:`central_differences`), written independently of the library;
+- :func:`conformance`, which checks anyone's attention function against the
+  oracle on random small cases and shrinks each failure to a small repro
+  (:class:`ConformanceReport`, :class:`ConformanceFailure`);
 - :func:`assert_close`, which checks an array's namespace, device, shape and
   dtype before its values (as ``array_api_extra``'s ``xp_assert_close`` does).
 
@@ -55,6 +58,13 @@ from ._backends import (
     to_numpy,
     unavailable_reason,
 )
+from ._conformance import (
+    ALIGNMENTS,
+    FEATURES,
+    ConformanceFailure,
+    ConformanceReport,
+    conformance,
+)
 from ._reference import (
     central_differences,
     reference_attention,
@@ -65,6 +75,7 @@ from ._reference import (
 )
 
 __all__ = [
+    "ALIGNMENTS",
     "ALL_KINDS",
     "AUTODIFF_FAMILIES",
     "DTYPES",
@@ -73,10 +84,14 @@ __all__ = [
     "GPU_KINDS",
     "MODULES",
     "TEST_ONLY_KINDS",
+    "FEATURES",
     "Backend",
+    "ConformanceFailure",
+    "ConformanceReport",
     "assert_close",
     "central_differences",
     "configure",
+    "conformance",
     "family_installed",
     "family_of",
     "has_autodiff",
