@@ -418,3 +418,94 @@ def test_an_adapter_extra_that_installs_torch_gets_the_cpu_build_first(clone_ins
     )
     assert extra_hint("transformers", gpu=True) == 'pip install ".[transformers]"'
     assert extra_hint("flax", gpu=False) == 'pip install ".[flax]"'
+
+
+# ---------------------------------------------------------------------------
+# portable-attn conformance MODULE:FUNCTION
+
+_WRAPPERS = """
+from portable_attn import scaled_dot_product_attention
+
+
+def good(query, key, value, **options):
+    return scaled_dot_product_attention(query, key, value, **options)
+
+
+def no_sinks(query, key, value, *, sinks=None, **options):
+    return scaled_dot_product_attention(query, key, value, **options)
+"""
+
+
+@pytest.fixture
+def wrappers(tmp_path, monkeypatch):
+    (tmp_path / "cli_conformance_wrappers.py").write_text(_WRAPPERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "cli_conformance_wrappers"
+
+
+def test_conformance_passes_a_correct_function(wrappers, capsys):
+    args = ["conformance", f"{wrappers}:good", "--features", "mask,causal,lq_ne_lk", "--n", "12"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("12 cases, seed 0, bottom-right causal alignment: ok")
+    assert re.search(r"^causal\s+\d+\s+0$", out, re.M)
+    assert "FAIL" not in out
+
+
+def test_conformance_fails_with_a_repro(wrappers, capsys):
+    args = ["conformance", f"{wrappers}:no_sinks", "--features", "sinks", "--n", "3"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^sinks\s+3\s+3$", out, re.M)
+    assert "FAIL 1/3: case" in out
+    assert "out = fn(query, key, value, sinks=np.array([" in out
+
+
+@pytest.mark.backends("torch", reason="the torch namespace")
+def test_conformance_on_torch_with_top_left_alignment(wrappers, capsys):
+    args = [
+        "conformance",
+        f"{wrappers}:good",
+        "--backend",
+        "torch",
+        "--features",
+        "causal,lq_ne_lk",
+        "--causal-alignment",
+        "top-left",
+        "--n",
+        "6",
+    ]
+    assert main(args) == 1  # the library is bottom-right: a top-left declaration is wrong
+    out = capsys.readouterr().out
+    assert "on torch" in out.splitlines()[0]
+    assert "is_causal=True" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["nowhere_module_xyz:f"], "cannot import 'nowhere_module_xyz'"),
+        (["portable_attn"], "expected MODULE:FUNCTION"),
+        (["portable_attn:no_such_name"], "module 'portable_attn' has no attribute"),
+        (["portable_attn:__version__"], "is a str, not a function"),
+        (["portable_attn:scaled_dot_product_attention", "--features", "mask,alibi"], "alibi"),
+        (["portable_attn:scaled_dot_product_attention", "--n", "0"], "expected an integer >= 1"),
+        (["portable_attn:scaled_dot_product_attention", "--backend", "mxnet"], "unknown backend"),
+        (
+            ["portable_attn:scaled_dot_product_attention", "--causal-alignment", "left"],
+            "invalid choice",
+        ),
+    ],
+)
+def test_conformance_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["conformance", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_conformance_features_that_clash_exit_2(capsys):
+    target = "portable_attn:scaled_dot_product_attention"
+    args = ["conformance", target, "--features", "empty_rows"]
+    assert main(args) == 2
+    assert "'empty_rows' needs a feature" in capsys.readouterr().err

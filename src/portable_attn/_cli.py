@@ -60,6 +60,47 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _feature_names(text: str) -> list[str]:
+    """Parse ``--features a,b``: known feature names of ``conformance``, deduplicated."""
+    from .testing._conformance import FEATURES
+
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown or not names:
+        plural = "s" if len(unknown) > 1 else ""
+        what = f"unknown feature{plural} {', '.join(map(repr, unknown))}" if unknown else "none"
+        msg = f"{what}; choose from {', '.join(FEATURES)}"
+        raise argparse.ArgumentTypeError(msg)
+    return names
+
+
+def _function(text: str) -> Callable[..., object]:
+    """Parse ``MODULE:FUNCTION``: import the module (the current directory first) and get it."""
+    import importlib
+    import os
+
+    module_name, sep, attr = text.partition(":")
+    if not sep or not module_name or not attr:
+        msg = f"expected MODULE:FUNCTION, such as mypkg.attention:flash, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: a module next to the user
+    try:
+        found: object = importlib.import_module(module_name)
+    except Exception as exc:
+        msg = f"cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+        raise argparse.ArgumentTypeError(msg) from None
+    for part in attr.split("."):
+        if not hasattr(found, part):
+            msg = f"module {module_name!r} has no attribute {attr!r}"
+            raise argparse.ArgumentTypeError(msg)
+        found = getattr(found, part)
+    if not callable(found):
+        msg = f"{text!r} is a {type(found).__name__}, not a function"
+        raise argparse.ArgumentTypeError(msg)
+    return found
+
+
 def _fmt_err(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1e}"
 
@@ -166,6 +207,26 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from .testing import conformance, make_backend
+
+    try:
+        backend = make_backend(FAMILIES[args.backend][0], exact=False)
+        report = conformance(
+            args.function,
+            xp=backend.xp,
+            features=args.features,
+            causal_alignment=args.causal_alignment,
+            n=args.n,
+            seed=args.seed,
+        )
+    except (RuntimeError, ValueError) as exc:  # a backend that cannot run, features that clash
+        print(f"portable-attn conformance: error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``portable-attn``."""
     parser = argparse.ArgumentParser(
@@ -220,6 +281,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--plot", metavar="PNG", help="also write the entropy-vs-d_k plot")
     explain.set_defaults(func=_cmd_explain)
+    conf = sub.add_parser(
+        "conformance",
+        help="check your attention function against the float64 oracle, feature by feature",
+        description="Call MODULE:FUNCTION as fn(query, key, value, **options) on random small "
+        "cases that use the named features, in portable_attn's keyword names, and compare "
+        "each output with the float64 NumPy oracle. Prints cases run and failed per feature "
+        "and a small repro of each failing case. Exits 1 if any case failed, 2 on bad "
+        "arguments.",
+    )
+    conf.add_argument("function", type=_function, metavar="MODULE:FUNCTION")
+    conf.add_argument(
+        "--backend",
+        type=_backend_name,
+        default="numpy",
+        metavar="NAME",
+        help=f"the library FUNCTION takes, one of: {_BACKENDS} (default numpy)",
+    )
+    conf.add_argument(
+        "--features",
+        type=_feature_names,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated features FUNCTION supports (default: every one)",
+    )
+    conf.add_argument(
+        "--n", type=_int_in(1), default=200, metavar="N", help="cases, at least 1 (default 200)"
+    )
+    conf.add_argument("--seed", type=_int_in(0), default=0, metavar="S", help="(default 0)")
+    conf.add_argument(
+        "--causal-alignment",
+        choices=("bottom-right", "top-left"),
+        default="bottom-right",
+        help="how FUNCTION aligns is_causal and window: portable_attn's bottom-right "
+        "(default), or top-left as torch's and jax.nn's",
+    )
+    conf.set_defaults(func=_cmd_conformance)
     return parser
 
 
