@@ -318,3 +318,27 @@ def test_jax_nn_conforms_on_the_features_it_declares():
     assert report.ok, str(report)
     assert {"window", "kv_lengths", "causal"} <= set(report.features)
     assert report.causal_alignment == "top-left"
+
+
+@pytest.mark.backends("jax", reason="jax.nn.dot_product_attention")
+def test_jax_nn_disagrees_where_the_page_says():
+    code = _page_block("jax_nn")
+    namespace: dict = {"__name__": "__docs__"}
+    exec(compile(code.split("features = ")[0], str(DOCS), "exec"), namespace)
+    import jax.numpy as jnp
+
+    jax_nn = namespace["jax_nn"]
+
+    def run(features, n):
+        return conformance(
+            jax_nn, xp=jnp, features=features, causal_alignment="top-left", n=n
+        ).failures
+
+    empty = run(["mask", "empty_rows"], 2)
+    assert empty
+    assert all(np.isfinite(f.actual).all() and f.actual.any() for f in empty)  # not zeros
+    assert all("value shape should be" in f.error for f in run(["dv_ne_dk"], 1))
+    if namespace["jax"].default_backend() == "cpu":
+        half = run(["half"], 2)
+        assert half
+        assert any("not supported" in f.error for f in half)
