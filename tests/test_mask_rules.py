@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from _helpers import assert_close, qkv
 from portable_attn import attention_weights, scaled_dot_product_attention
-from portable_attn._lib._rules import RuleStates, lower_call
+from portable_attn._lib._rules import lower_call, rule_states
 from portable_attn.block_mask import (
     FULL,
     HIDDEN,
@@ -287,7 +287,7 @@ def test_rule_states_agree_with_the_dense_mask(
     combined = {"and": and_masks, "or": or_masks}.get(combine)
     rule = parts[combine] if combined is None else combined(*parts.values())
     rule = rule.aligned(lq, lk)
-    states = RuleStates(rule.rule, 0, lq, lk).states((bq, bk))
+    states = rule_states(np, rule.rule, 0, lq, lk, (bq, bk))
     allowed = np.broadcast_to(rule(0, 0, np.arange(lq)[:, None], np.arange(lk)[None, :]), (lq, lk))
     for i in range(states.shape[0]):
         for j in range(states.shape[1]):
@@ -320,6 +320,8 @@ def test_bad_arguments():
         causal_mask_mod(offset=1.0)
     with pytest.raises(TypeError, match="`q_segment_ids` must be an integer array"):
         document_mask_mod(np.zeros(4))
+    with pytest.raises(ValueError, match="drop `offset`"):
+        document_mask_mod(Q_DOC, KV_DOC, offset=1)
     q = np.zeros((1, LQ, D))
     k = np.zeros((1, LK, D))
     with pytest.raises(ValueError, match="Lk=20"):
@@ -329,3 +331,83 @@ def test_bad_arguments():
     assert isinstance(and_masks(causal_mask_mod(), _strided), MaskRule)
     assert causal_mask_mod() == causal_mask_mod()
     assert hash(causal_mask_mod()) == hash(causal_mask_mod())
+
+
+# combinations with values (found in review)
+
+
+@pytest.mark.parametrize("form", ["with_user_ids", "two_documents", "or", "block_mask"])
+def test_documents_combined(backend, xp, form):
+    """A document rule next to the call's own segment ids, another document, in OR, built."""
+    n = 12
+    q, k, v = qkv(batch=(1,), hq=2, hkv=2, lq=n, lk=n, dk=4, dv=4)
+    qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
+    a = np.repeat(np.arange(3), [4, 5, 3])
+    b = np.repeat(np.arange(2), [7, 5])
+    same_a, same_b = a[:, None] == a[None, :], b[:, None] == b[None, :]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    kw: dict = {}
+    if form == "with_user_ids":
+        kw = {"mask_mod": document_mask_mod(backend.asarray(a))}
+        kw["q_segment_ids"] = backend.asarray(b[None])
+        mask = same_a & same_b
+    elif form == "two_documents":
+        docs = (document_mask_mod(backend.asarray(x)) for x in (a, b))
+        kw = {"mask_mod": and_masks(*docs)}
+        mask = same_a & same_b
+    elif form == "or":
+        kw = {"mask_mod": or_masks(document_mask_mod(backend.asarray(a)), causal_mask_mod())}
+        mask = same_a | (j <= i)
+    else:
+        if backend.family == "dask":
+            pytest.skip("a block mask is built eagerly: a rule closing over Dask ids cannot")
+        rule = and_masks(document_mask_mod(backend.asarray(a)), _strided)
+        on = {"xp": xp, "device": backend.device}
+        kw = {"block_mask": create_block_mask(rule, None, None, n, n, block_size=4, **on)}
+        mask = same_a & (((i - j) % 3) == 0)
+    out = scaled_dot_product_attention(qb, kb, vb, **kw)
+    assert_close(backend, out, reference_attention(q, k, v, mask=mask))
+
+
+def test_a_document_in_or_masks_is_checked():
+    q = np.zeros((1, 8, 4))
+    rule = or_masks(document_mask_mod(np.arange(6)), chunked_mask_mod(100, offset=-200))
+    with pytest.raises(ValueError, match="Lk=8"):
+        scaled_dot_product_attention(q, q, q, mask_mod=rule)
+
+
+@pytest.mark.backends("jax", reason="states by value from traced lengths")
+def test_chunks_skip_with_traced_lengths_under_jit(backend, xp, monkeypatch):
+    import jax
+
+    from portable_attn._lib import _route
+    from portable_attn._lib._call import prepare
+    from portable_attn._paths._loop import _Grid, _states
+
+    monkeypatch.setattr(_route, "MASK_LOOP_MIN_TILE", 64)
+    n, chunk = 512, 128
+    q, k, v = qkv(batch=(1,), hq=1, hkv=1, lq=n, lk=n, dk=4, dv=4, backend=backend)
+    rule = chunked_mask_mod(chunk)
+    call = {"is_causal": True, "window": None, "q_segment_ids": None, "kv_segment_ids": None}
+
+    def counts(q, k, v, lengths):
+        given = lower_call({**call, "mask_mod": rule, "kv_lengths": lengths}, n, n)
+        prepared = prepare(q, k, v, **given)
+        arrays, skeleton = prepared.flatten()
+        states = _states(skeleton, arrays, _Grid(64, 64, n, n))
+        return (states != 0).sum(axis=1)
+
+    lengths = backend.asarray(np.array([n]))
+    np.testing.assert_array_equal(np.asarray(jax.jit(counts)(q, k, v, lengths)), [1, 2] * 4)
+    f = jax.jit(
+        lambda q, k, v, lengths: scaled_dot_product_attention(
+            q, k, v, mask_mod=and_masks(causal_mask_mod(), rule), kv_lengths=lengths
+        )
+    )
+    short = backend.asarray(np.array([300]))  # aligned at the valid end: p = i + 300 - 512
+    qn, kn, vn = (backend.to_numpy(a) for a in (q, k, v))
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    p = i + 300 - n
+    hand = (p // chunk == j // chunk) & (j <= p)
+    expected = reference_attention(qn, kn, vn, mask=hand, kv_lengths=np.array([300]))
+    assert_close(backend, f(q, k, v, short), expected)

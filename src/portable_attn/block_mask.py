@@ -34,6 +34,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import numpy as np
+
 from ._lib import _route
 from ._lib import _validation as v
 from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, MaskMod, build_states
@@ -49,8 +51,8 @@ from ._lib._rules import (
     Opaque,
     Prefix,
     Rule,
-    RuleStates,
     replace_offset,
+    rule_states,
 )
 from ._paths._threads import tile_map
 
@@ -97,6 +99,9 @@ def create_block_mask(
         (B, H, bq, bk), from ``batch`` (B, 1, 1, 1), ``head`` (H, 1, 1), ``q_idx``
         (bq, 1) and ``kv_idx`` (1, bk): raw positions (FlexAttention's convention).
         True where the query may attend to the key.
+        A ready rule (:func:`causal_mask_mod` ...) is aligned to `q_len` and `kv_len`
+        (bottom-right, not to a call's ``q_lengths`` / ``kv_lengths``), and a positional
+        one gets its states from arithmetic on the block bounds, without evaluating it.
     batch, heads : int or None
         The batch size (the flat number of sequences, for several batch axes) and
         query heads the mask differs over; None: the same for every sequence /
@@ -128,14 +133,18 @@ def create_block_mask(
     """
     v.check_mask_mod(mask_mod)
     xp = namespace_or_numpy(xp, caller="create_block_mask")
-    if isinstance(mask_mod, MaskRule):
-        return _rule_block_mask(mask_mod, xp, batch, heads, q_len, kv_len, block_size, device)
     for name, n in (("batch", batch), ("heads", heads)):
         if n is not None:
             v.check_count(name, n, minimum=1)
     q_len = v.check_count("q_len", q_len, minimum=0)
     kv_len = v.check_count("kv_len", kv_len, minimum=0)
     block = v.check_block_pair("block_size", block_size, DEFAULT_BLOCK_SIZE)
+    if isinstance(mask_mod, MaskRule):  # aligned to these lengths; a call given both drops it
+        aligned = mask_mod.aligned(q_len, kv_len)
+        aligned.source = mask_mod  # type: ignore[attr-defined]
+        if aligned.rule.positional:
+            return _positional(aligned, xp, batch, heads, q_len, kv_len, block, device)
+        mask_mod = aligned
     b, h = batch or 1, heads or 1
     batch_index = xp.reshape(xp.arange(0, b, **on_device(device)), (b, 1, 1, 1))
 
@@ -152,35 +161,21 @@ def create_block_mask(
     return BlockMask(states, mask_mod, q_len, kv_len, block)
 
 
-def _rule_block_mask(
+def _positional(
     rule: MaskRule,
     xp: Any,
     batch: int | None,
     heads: int | None,
     q_len: int,
     kv_len: int,
-    block_size: Any,
+    block: tuple[int, int],
     device: Any,
 ) -> BlockMask:
-    """Build a ready rule's block mask, aligned to (q_len, kv_len); positional: arithmetic."""
-    q_len = v.check_count("q_len", q_len, minimum=0)
-    kv_len = v.check_count("kv_len", kv_len, minimum=0)
-    aligned = rule.aligned(q_len, kv_len)
-    aligned.source = rule  # type: ignore[attr-defined]  # a call given both drops the rule
-    if not aligned.rule.positional:
-        return create_block_mask(
-            aligned, batch, heads, q_len, kv_len, block_size=block_size, xp=xp, device=device
-        )
-    for name, n in (("batch", batch), ("heads", heads)):
-        if n is not None:
-            v.check_count(name, n, minimum=1)
-    block = v.check_block_pair("block_size", block_size, DEFAULT_BLOCK_SIZE)
-    host = RuleStates(aligned.rule, 0, q_len, kv_len).states(block)
-    states = xp.asarray(host, **on_device(device))
-    states = xp.broadcast_to(
-        xp.reshape(states, (1, 1, *host.shape)), (batch or 1, heads or 1, *host.shape)
-    )
-    return BlockMask(states, aligned, q_len, kv_len, block)
+    """Build the block mask of an aligned positional rule by arithmetic on block bounds."""
+    host = rule_states(np, rule.rule, 0, q_len, kv_len, block)
+    states = xp.reshape(xp.asarray(host, **on_device(device)), (1, 1, *host.shape))
+    states = xp.broadcast_to(states, (batch or 1, heads or 1, *host.shape))
+    return BlockMask(states, rule, q_len, kv_len, block)
 
 
 def _check_broadcast_axes(
@@ -277,7 +272,8 @@ def causal_mask_mod(*, offset: int | None = None) -> MaskRule:
     Returns
     -------
     MaskRule
-        A ``mask_mod`` the call lowers to ``is_causal`` (the same route and speed).
+        A ``mask_mod`` the call lowers to ``is_causal`` (the same route and speed) at
+        ``offset=None``; at another offset, to a window where it can express it.
     """
     return _rule(Band(None, 0), "causal_mask_mod", offset)
 
@@ -371,6 +367,12 @@ def document_mask_mod(
                 f"(B, L), but got shape {tuple(ids.shape)} and dtype {ids.dtype}"
             )
             raise TypeError(msg)
+    if kv_segment_ids is not None and offset is not None:
+        msg = (
+            "document_mask_mod: `offset` applies to one array of ids (read at the query's "
+            "position); with `kv_segment_ids`, a query's id is read at its row: drop `offset`"
+        )
+        raise ValueError(msg)
     return _rule(Document(q_segment_ids, kv_segment_ids), "document_mask_mod", offset)
 
 

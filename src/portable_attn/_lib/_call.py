@@ -518,7 +518,9 @@ def _mask_mod_terms(
 
     A `block_mask` gives its states: NumPy copies read on the host for the eager
     paths (its cached :meth:`BlockMask.host`), and for libraries that trace loops
-    (JAX) the states themselves, which the traced loop reads by value. A `mask_mod`
+    (JAX) the states themselves, which the traced loop reads by value. A ready rule
+    (``_lib/_rules.py``) brings states from arithmetic on the block bounds (exact at a
+    static alignment; per sequence, by value, with traced lengths). A `mask_mod`
     alone gets states built lazily, on the host, the first time a tiled path asks
     (eager libraries with concrete values only; under ``jax.jit`` and for Dask it is
     evaluated per block, and only the band skips blocks).
@@ -568,6 +570,18 @@ def _mask_mod_terms(
         out["block_host"] = LazyHostStates(
             xp, checked, batch_index, plan.num_q_heads, plan.q_len, plan.kv_len, plan.device
         )
+    elif getattr(mask_mod, "rough_states", None) is not None:  # a rule with values: sound
+        out["block_host"] = mask_mod.rough_states
+    elif (
+        getattr(mask_mod, "length_states", None) is not None
+        and _route.library(batch_index).walk == "traced"
+    ):  # a rule aligned by traced lengths: its states by value, in the program
+        block = (_route.DEFAULT_MASK_BLOCK, _route.DEFAULT_MASK_BLOCK)
+        states = mask_mod.length_states(xp, block)  # (*lengths' batch, nq, nk)
+        grid = tuple(states.shape[-2:])
+        states = xp.reshape(states, (*states.shape[:-2], 1, *grid))  # a head axis
+        out["block_states"] = xp.broadcast_to(states, (*plan.batch, 1, *grid))
+        out["state_block"] = block
     return out
 
 

@@ -110,8 +110,8 @@ class Band(Rule):
         return ok
 
     def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
-        hidden = np.zeros((1, 1), dtype=bool)
-        full = np.ones((1, 1), dtype=bool)
+        hidden: Any = False
+        full: Any = True
         if self.right is not None:
             hidden = hidden | (k_lo > q_hi + self.right)
             full = full & (k_hi <= q_lo + self.right)
@@ -181,14 +181,15 @@ class Document(Rule):
             xp = array_namespace(q_idx=q_idx)
             q_pos = _at(q_idx, offset) if own else q_idx
             q_doc, inside = _read(xp, self.q_ids, q_pos)  # (*batch, 1, bq, 1)
-            k_doc, _ = _read(xp, kv_ids, xp.reshape(kv_idx, (-1,))[:, None])
+            k_doc, k_inside = _read(xp, kv_ids, xp.reshape(kv_idx, (-1,))[:, None])
             k_doc = xp.matrix_transpose(k_doc)  # (*batch, 1, 1, bk)
-            return xp.logical_and(q_doc == k_doc, inside)
+            k_inside = xp.matrix_transpose(k_inside)
+            return xp.logical_and(xp.logical_and(q_doc == k_doc, inside), k_inside)
 
         return mask_mod
 
     def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
-        raise NotImplementedError  # lowered to segment ids, or evaluated
+        return False, False  # values: nothing known from positions (sound in AND and OR)
 
 
 def _read(xp: Any, ids: Array, pos: Array) -> tuple[Array, Array]:
@@ -226,6 +227,9 @@ class Opaque(Rule):
     def shifted(self, default: Any) -> Callable[..., Array]:
         return self.mask_mod
 
+    def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
+        return False, False  # nothing known (sound in AND and OR)
+
 
 @dataclass(frozen=True)
 class Both(Rule):
@@ -244,7 +248,8 @@ class Both(Rule):
         return _combined([p.shifted(default) for p in self.parts], all_of=True)
 
     def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
-        hidden, full = np.zeros((1, 1), dtype=bool), np.ones((1, 1), dtype=bool)
+        hidden: Any = False
+        full: Any = True
         for part in self.parts:
             h, f = part.blocks(q_lo, q_hi, k_lo, k_hi)
             hidden, full = hidden | h, full & f
@@ -265,7 +270,8 @@ class Either(Rule):
         return _combined([p.shifted(default) for p in self.parts], all_of=False)
 
     def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
-        hidden, full = np.ones((1, 1), dtype=bool), np.zeros((1, 1), dtype=bool)
+        hidden: Any = True
+        full: Any = False
         for part in self.parts:
             h, f = part.blocks(q_lo, q_hi, k_lo, k_hi)
             hidden, full = hidden & h, full | f
@@ -289,10 +295,12 @@ def _combined(mods: list[Callable[..., Array]], *, all_of: bool) -> Callable[...
 
 
 class RuleStates:
-    """:class:`~._block_states.HostStates` of a positional rule, from block bounds alone.
+    """:class:`~._block_states.HostStates` of a rule, from block bounds alone.
 
     Built for the block size a path asks for (cached per size): O(nq · nk), no mask
-    evaluated, the same on the host for every library, traced or not.
+    evaluated, the same on the host for every library, traced or not. Exact for a
+    positional rule; for one with values (documents, plain functions) sound but coarse
+    (what positions alone show: :meth:`Rule.blocks` of such a part knows nothing).
     """
 
     def __init__(self, rule: Rule, default: int, q_len: int, kv_len: int) -> None:
@@ -304,29 +312,41 @@ class RuleStates:
         """Return the states in blocks of `block` (cached)."""
         block = (max(1, block[0]), max(1, block[1]))
         if block not in self._built:
-            self._built[block] = HostStates(self.states(block)[None, None], block)
+            states = rule_states(np, self._rule, self._default, *self._lengths, block)
+            self._built[block] = HostStates(states[None, None], block)
         return self._built[block]
 
-    def states(self, block: tuple[int, int]) -> Any:
-        """(nq, nk) int8 NumPy states: HIDDEN, PARTIAL or FULL per block pair."""
-        (bq, bk), (lq, lk) = block, self._lengths
-        q_start = np.arange(0, lq, bq).reshape(-1, 1)
-        k_start = np.arange(0, lk, bk).reshape(1, -1)
-        q_stop = np.minimum(q_start + bq, lq) - 1
-        k_stop = np.minimum(k_start + bk, lk) - 1
-        hidden, full = _blocks_at(self._rule, self._default, q_start, q_stop, k_start, k_stop)
-        shape = (q_start.shape[0], k_start.shape[1])
-        hidden, full = np.broadcast_to(hidden, shape), np.broadcast_to(full, shape)
-        return np.where(hidden, HIDDEN, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+def rule_states(
+    ns: Any, rule: Rule, default: Any, q_len: int, kv_len: int, block: tuple[int, int]
+) -> Any:
+    """(..., nq, nk) int8 states of `rule` in namespace `ns`: HIDDEN, PARTIAL or FULL.
+
+    `default`: the offset of the parts without one: an int, or per sequence an integer
+    array (..., 1, 1) (the states then have its leading axes).
+    """
+    (bq, bk), (lq, lk) = block, (q_len, kv_len)
+    q_start = np.arange(0, lq, bq).reshape(-1, 1)
+    k_start = np.arange(0, lk, bk).reshape(1, -1)
+    q_stop = np.minimum(q_start + bq, lq) - 1
+    k_stop = np.minimum(k_start + bk, lk) - 1
+    hidden, full = _blocks_at(rule, default, q_start, q_stop, k_start, k_stop)
+    lead = tuple(getattr(default, "shape", ())[:-2])
+    shape = (*lead, q_start.shape[0], k_start.shape[1])
+    hidden = ns.broadcast_to(ns.asarray(hidden), shape)
+    full = ns.broadcast_to(ns.asarray(full), shape)
+    states = ns.where(hidden, HIDDEN, ns.where(full, FULL, PARTIAL))
+    return ns.astype(states, ns.int8)
 
 
 def _blocks_at(
-    rule: Rule, default: int, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any
+    rule: Rule, default: Any, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any
 ) -> tuple[Any, Any]:
     """:meth:`Rule.blocks` of raw query rows, each part at its own offset."""
     if isinstance(rule, (Both, Either)):
         first = isinstance(rule, Either)
-        hidden, full = np.full((1, 1), first), np.full((1, 1), not first)
+        hidden: Any = first
+        full: Any = not first
         for part in rule.parts:
             h, f = _blocks_at(part, default, q_lo, q_hi, k_lo, k_hi)
             hidden, full = (hidden & h, full | f) if first else (hidden | h, full & f)
@@ -336,7 +356,7 @@ def _blocks_at(
 
 
 def states_of(rule: Rule, default: int, q_len: int, kv_len: int) -> RuleStates | None:
-    """Return the block answer of `rule` at a static alignment, or None (values, opaque)."""
+    """Return the exact block answer of `rule` at a static alignment, or None (values)."""
     return RuleStates(rule, default, q_len, kv_len) if rule.positional else None
 
 
@@ -384,7 +404,7 @@ def lower(
         if band is not None:
             bands.append(band)
             continue
-        if isinstance(leaf, Document) and ids == (None, None) and static:
+        if isinstance(leaf, Document) and ids[0] is None and ids[1] is None and static:
             found = _as_segments(leaf, q_len, kv_len, offset)
             if found is not None:
                 ids = found
@@ -397,11 +417,7 @@ def lower(
     residual = None
     if rest:
         left = rest[0] if len(rest) == 1 else Both(tuple(rest))
-        residual = left.shifted(offset)
-        if static:
-            states = states_of(left, offset, q_len, kv_len)
-            if states is not None:
-                residual = _with_states(residual, states)
+        residual = _with_states(left.shifted(offset), left, offset, q_len, kv_len)
     return Lowered(window, is_causal, ids[0], ids[1], residual)
 
 
@@ -440,11 +456,31 @@ def _as_segments(doc: Document, q_len: int, kv_len: int, offset: int) -> tuple[A
     return ids[..., shift : shift + q_len], ids[..., :kv_len]
 
 
-def _with_states(mask_mod: Callable[..., Array], states: RuleStates) -> Callable[..., Array]:
+def _with_states(
+    mask_mod: Callable[..., Array], rule: Rule, offset: Any, q_len: int, kv_len: int
+) -> Callable[..., Array]:
+    """`mask_mod` carrying what arithmetic on block bounds says of `rule`'s blocks.
+
+    ``block_states``: exact states at a static alignment (every offset known);
+    ``rough_states``: sound ones of a rule with values (documents, plain functions),
+    for where the rule cannot be evaluated on the host; ``length_states(xp, block)``:
+    per-sequence states from the lengths, for a traced program.
+    """
+
     def ruled(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
         return mask_mod(batch, head, q_idx, kv_idx)
 
-    ruled.block_states = states  # type: ignore[attr-defined]
+    static = isinstance(offset, int)
+    if static or not _unset(rule):
+        states = RuleStates(rule, offset if static else 0, q_len, kv_len)
+        name = "block_states" if rule.positional else "rough_states"
+        setattr(ruled, name, states)
+    else:  # aligned by the lengths: per sequence, by value
+
+        def length_states(xp: Any, block: tuple[int, int]) -> Any:
+            return rule_states(xp, rule, offset.per_sequence(xp), q_len, kv_len, block)
+
+        ruled.length_states = length_states  # type: ignore[attr-defined]
     return ruled
 
 
@@ -524,16 +560,15 @@ def lower_call(given: dict[str, Any], q_len: int, kv_len: int) -> dict[str, Any]
         return given
     block_mask = given.get("block_mask")
     if block_mask is not None:
-        if getattr(block_mask.mask_mod, "source", None) is rule:
+        if getattr(block_mask.mask_mod, "source", None) == rule:
             return {**given, "mask_mod": None}
         return given
     q_lengths, kv_lengths = given.get("q_lengths"), given.get("kv_lengths")
     offset: Any = kv_len - q_len
     if q_lengths is not None or kv_lengths is not None:
         offset = _LengthOffset(q_lengths, kv_lengths, q_len, kv_len)
-    for leaf in rule.rule.leaves():
-        if isinstance(leaf, Document):
-            _check_document(leaf, q_len, kv_len)
+    for doc in _documents(rule.rule):
+        _check_document(doc, q_len, kv_len)
     low = lower(
         rule.rule,
         q_len,
@@ -563,6 +598,11 @@ class _LengthOffset:
     def __init__(self, q_lengths: Any, kv_lengths: Any, q_len: int, kv_len: int) -> None:
         self._args = (q_lengths, kv_lengths, q_len, kv_len)
 
+    def per_sequence(self, xp: Any) -> Array:
+        """``kv_len[b] - q_len[b]`` as (*batch, 1, 1) integers (for block states)."""
+        rows = self(xp.zeros((1, 1), dtype=xp.int32))  # (*batch, 1, 1, 1)
+        return xp.reshape(rows, rows.shape[:-1])
+
     def __call__(self, positions: Array) -> Array:
         q_lengths, kv_lengths, q_len, kv_len = self._args
         xp = array_namespace(positions=positions)
@@ -573,6 +613,12 @@ class _LengthOffset:
 
 def _column(xp: Any, lengths: Array, dtype: Any) -> Array:
     return xp.reshape(xp.astype(lengths, dtype), (*lengths.shape, 1, 1, 1))
+
+
+def _documents(rule: Rule) -> list[Document]:
+    if isinstance(rule, (Both, Either)):
+        return [d for p in rule.parts for d in _documents(p)]
+    return [rule] if isinstance(rule, Document) else []
 
 
 def _check_document(doc: Document, q_len: int, kv_len: int) -> None:
