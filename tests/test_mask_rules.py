@@ -204,7 +204,9 @@ def test_chunked_visits_only_its_chunks(backend, xp):
 
 
 @pytest.mark.backends("jax", reason="the traced loop under jit skips by the rule's states")
-def test_chunked_under_jit_visits_only_its_chunks(backend, xp, monkeypatch):
+@pytest.mark.parametrize("valid", [None, 300], ids=["no_lengths", "traced_lengths"])
+def test_chunked_under_jit_visits_only_its_chunks(backend, xp, monkeypatch, valid):
+    """By arithmetic at a static alignment; by value, per sequence, from traced lengths."""
     import jax
 
     from portable_attn._lib import _route
@@ -215,33 +217,29 @@ def test_chunked_under_jit_visits_only_its_chunks(backend, xp, monkeypatch):
     n, chunk = 512, 128
     q, k, v = qkv(batch=(1,), hq=1, hkv=1, lq=n, lk=n, dk=4, dv=4, backend=backend)
     rule = chunked_mask_mod(chunk)
+    call = {"is_causal": True, "window": None, "q_segment_ids": None, "kv_segment_ids": None}
+    lengths = None if valid is None else backend.asarray(np.array([n]))
 
-    def counts(q, k, v):
-        given = lower_call(
-            {
-                "is_causal": True,
-                "window": None,
-                "q_segment_ids": None,
-                "kv_segment_ids": None,
-                "mask_mod": rule,
-            },
-            n,
-            n,
-        )
-        call = prepare(q, k, v, **given)
-        grid = _Grid(64, 64, n, n)
-        states = _states(call.flatten()[1], call.flatten()[0], grid)
-        return (states != 0).sum(axis=1)
+    def counts(q, k, v, lengths):
+        given = lower_call({**call, "mask_mod": rule, "kv_lengths": lengths}, n, n)
+        arrays, skeleton = prepare(q, k, v, **given).flatten()
+        return (_states(skeleton, arrays, _Grid(64, 64, n, n)) != 0).sum(axis=1)
 
-    visible = jax.jit(counts)(q, k, v)
     # 8 query blocks of 64 in 4 chunks of 2: each sees 1 or 2 blocks of its chunk
-    np.testing.assert_array_equal(np.asarray(visible), [1, 2] * 4)
+    np.testing.assert_array_equal(np.asarray(jax.jit(counts)(q, k, v, lengths)), [1, 2] * 4)
     f = jax.jit(
-        lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True, mask_mod=rule)
+        lambda q, k, v, lengths: scaled_dot_product_attention(
+            q, k, v, is_causal=True, mask_mod=rule, kv_lengths=lengths
+        )
     )
     qn, kn, vn = (backend.to_numpy(a) for a in (q, k, v))
-    hand = dense(lambda b, h, i, j: (i // chunk == j // chunk) & (j <= i), n, n)
-    assert_close(backend, f(q, k, v), reference_attention(qn, kn, vn, mask=hand))
+    end = n if valid is None else valid  # with lengths: aligned at the valid end
+    p, j = np.arange(n)[:, None] + end - n, np.arange(n)[None, :]
+    hand = (p // chunk == j // chunk) & (j <= p)
+    kv = None if valid is None else np.array([valid])
+    expected = reference_attention(qn, kn, vn, mask=hand, kv_lengths=kv)
+    short = None if valid is None else backend.asarray(np.array([valid]))
+    assert_close(backend, f(q, k, v, short), expected)
 
 
 @pytest.mark.backends("dask", reason="Dask: a hidden chunk pair is no task")
@@ -374,40 +372,3 @@ def test_a_document_in_or_masks_is_checked():
     rule = or_masks(document_mask_mod(np.arange(6)), chunked_mask_mod(100, offset=-200))
     with pytest.raises(ValueError, match="Lk=8"):
         scaled_dot_product_attention(q, q, q, mask_mod=rule)
-
-
-@pytest.mark.backends("jax", reason="states by value from traced lengths")
-def test_chunks_skip_with_traced_lengths_under_jit(backend, xp, monkeypatch):
-    import jax
-
-    from portable_attn._lib import _route
-    from portable_attn._lib._call import prepare
-    from portable_attn._paths._loop import _Grid, _states
-
-    monkeypatch.setattr(_route, "MASK_LOOP_MIN_TILE", 64)
-    n, chunk = 512, 128
-    q, k, v = qkv(batch=(1,), hq=1, hkv=1, lq=n, lk=n, dk=4, dv=4, backend=backend)
-    rule = chunked_mask_mod(chunk)
-    call = {"is_causal": True, "window": None, "q_segment_ids": None, "kv_segment_ids": None}
-
-    def counts(q, k, v, lengths):
-        given = lower_call({**call, "mask_mod": rule, "kv_lengths": lengths}, n, n)
-        prepared = prepare(q, k, v, **given)
-        arrays, skeleton = prepared.flatten()
-        states = _states(skeleton, arrays, _Grid(64, 64, n, n))
-        return (states != 0).sum(axis=1)
-
-    lengths = backend.asarray(np.array([n]))
-    np.testing.assert_array_equal(np.asarray(jax.jit(counts)(q, k, v, lengths)), [1, 2] * 4)
-    f = jax.jit(
-        lambda q, k, v, lengths: scaled_dot_product_attention(
-            q, k, v, mask_mod=and_masks(causal_mask_mod(), rule), kv_lengths=lengths
-        )
-    )
-    short = backend.asarray(np.array([300]))  # aligned at the valid end: p = i + 300 - 512
-    qn, kn, vn = (backend.to_numpy(a) for a in (q, k, v))
-    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-    p = i + 300 - n
-    hand = (p // chunk == j // chunk) & (j <= p)
-    expected = reference_attention(qn, kn, vn, mask=hand, kv_lengths=np.array([300]))
-    assert_close(backend, f(q, k, v, short), expected)
