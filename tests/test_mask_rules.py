@@ -11,6 +11,7 @@ attention visits only its chunks' blocks on the eager tiled path, the JAX loop u
 
 from __future__ import annotations
 
+import array_api_compat.numpy
 import numpy as np
 import pytest
 from hypothesis import given
@@ -285,7 +286,7 @@ def test_rule_states_agree_with_the_dense_mask(
     combined = {"and": and_masks, "or": or_masks}.get(combine)
     rule = parts[combine] if combined is None else combined(*parts.values())
     rule = rule.aligned(lq, lk)
-    states = rule_states(np, rule.rule, 0, lq, lk, (bq, bk))
+    states = rule_states(array_api_compat.numpy, rule.rule, 0, lq, lk, (bq, bk))
     allowed = np.broadcast_to(rule(0, 0, np.arange(lq)[:, None], np.arange(lk)[None, :]), (lq, lk))
     for i in range(states.shape[0]):
         for j in range(states.shape[1]):

@@ -34,12 +34,10 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-import numpy as np
-
 from ._lib import _route
 from ._lib import _validation as v
 from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, MaskMod, build_states
-from ._lib._compat import array_namespace, namespace_or_numpy, on_device
+from ._lib._compat import array_namespace, namespace_or_numpy, numpy_namespace, on_device
 from ._lib._cpu import available_workers
 from ._lib._rules import (
     Band,
@@ -172,7 +170,7 @@ def _positional(
     device: Any,
 ) -> BlockMask:
     """Build the block mask of an aligned positional rule by arithmetic on block bounds."""
-    host = rule_states(np, rule.rule, 0, q_len, kv_len, block)
+    host = rule_states(numpy_namespace(), rule.rule, 0, q_len, kv_len, block)
     states = xp.reshape(xp.asarray(host, **on_device(device)), (1, 1, *host.shape))
     states = xp.broadcast_to(states, (batch or 1, heads or 1, *host.shape))
     return BlockMask(states, rule, q_len, kv_len, block)

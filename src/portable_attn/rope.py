@@ -297,7 +297,7 @@ def _frequencies(
             else:
                 attention = _yarn_mscale(factor)
         low, high = _yarn_ramp_range(p, dim, base)
-        ramp = xp.clip((xp.arange(0, dim // 2, dtype=dtype, **kw) - low) / (high - low), 0, 1)
+        ramp = xp.clip((xp.arange(0, dim // 2, dtype=dtype, **kw) - low) / (high - low), 0.0, 1.0)
         extrapolated = 1 - ramp  # the share of the original frequency
         inv_freq = (inv_freq / factor) * ramp + inv_freq * extrapolated
     elif kind == "longrope":

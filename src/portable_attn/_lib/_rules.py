@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ._block_states import FULL, HIDDEN, PARTIAL, HostStates
-from ._compat import array_namespace, device, on_device
+from ._compat import array_namespace, device, numpy_namespace, on_device
 
 __all__ = [
     "Band",
@@ -312,7 +312,9 @@ class RuleStates:
         """Return the states in blocks of `block` (cached)."""
         block = (max(1, block[0]), max(1, block[1]))
         if block not in self._built:
-            states = rule_states(np, self._rule, self._default, *self._lengths, block)
+            states = rule_states(
+                numpy_namespace(), self._rule, self._default, *self._lengths, block
+            )
             self._built[block] = HostStates(states[None, None], block)
         return self._built[block]
 
