@@ -17,7 +17,7 @@ from ._lib._block_states import BlockMask
 from ._lib._call import AttentionCall, prepare
 from ._lib._dense import dense_weights
 from ._lib._path import Route
-from ._lib._rules import lower_call
+from ._lib._rules import lower_arguments
 from ._lib._validation import check_given, check_is_flag
 from ._paths import compiled, run
 from ._paths._native import direct_kernel
@@ -257,7 +257,7 @@ def scaled_dot_product_attention(
         )
     )
     if mask_mod is not None:  # a ready rule: lowered to the band, segment ids, block states
-        given = _lowered(given, query, key)
+        given = lower_arguments(given, query, key)
         is_causal, window, mask_mod = given["is_causal"], given["window"], given["mask_mod"]
         q_segment_ids, kv_segment_ids = given["q_segment_ids"], given["kv_segment_ids"]
     arrays: tuple[Any, ...] = (query, key, value, mask, bias, q_lengths, kv_lengths)
@@ -322,16 +322,6 @@ def decide(
         ran = call if route.keeps_dtype else call.in_compute_dtype()
         kept = direct_kernel(ran, route.path, arguments)
     return _cache.Entry(call.xp, call.plan, route, kept), route
-
-
-def _lowered(given: dict[str, Any], query: Any, key: Any) -> dict[str, Any]:
-    """`given` with a ready rule lowered (:func:`~._lib._rules.lower_call`), at the call's lengths.
-
-    Inputs without a sequence axis are left to the checks, which say what is wrong.
-    """
-    if getattr(query, "ndim", 0) < 2 or getattr(key, "ndim", 0) < 2:
-        return given
-    return lower_call(given, int(query.shape[-2]), int(key.shape[-2]))
 
 
 def _block_mask_key(block_mask: Any) -> Any:
@@ -440,7 +430,7 @@ def attention_weights(
         )
     )
     if mask_mod is not None:
-        given = _lowered(given, query, key)
+        given = lower_arguments(given, query, key)
     call = prepare(query, key, None, **given)
     if call.is_empty:
         return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))

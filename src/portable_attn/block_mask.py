@@ -49,6 +49,7 @@ from ._lib._rules import (
     Opaque,
     Prefix,
     Rule,
+    combine_mask_mods,
     replace_offset,
     rule_states,
 )
@@ -238,16 +239,10 @@ def _combine(name: str, mask_mods: tuple[MaskMod, ...], *, all_of: bool) -> Mask
         parts = tuple(m.rule if isinstance(m, MaskRule) else Opaque(m) for m in mask_mods)
         return MaskRule(Both(parts) if all_of else Either(parts), f"{name}({names})")
 
-    def combined(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
-        xp = array_namespace(q_idx=q_idx)
-        if not mask_mods:
-            return (q_idx >= 0) if all_of else (q_idx < 0)  # True / False, (bq, 1)
-        result = mask_mods[0](batch, head, q_idx, kv_idx)
-        for mod in mask_mods[1:]:
-            part = mod(batch, head, q_idx, kv_idx)
-            result = xp.logical_and(result, part) if all_of else xp.logical_or(result, part)
-        return result
+    def constant(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
+        return (q_idx >= 0) if all_of else (q_idx < 0)  # True / False, (bq, 1)
 
+    combined = combine_mask_mods(list(mask_mods), all_of=all_of) if mask_mods else constant
     combined.__name__ = f"{name}({names})"
     return combined
 

@@ -21,7 +21,7 @@ from ._attention import attention_weights
 from ._lib import _validation as v
 from ._lib._call import ATTENTION_KEYWORDS, prepare
 from ._lib._compat import array_namespace
-from ._lib._rules import lower_call
+from ._lib._rules import lower_arguments
 from ._lib._scores import allowed_block, logits_block, scaled_query_rows, scores_block
 from .testing._backends import to_numpy as _to_host
 
@@ -143,8 +143,7 @@ def _logits_and_allowed(
 ) -> tuple[Any, Any, Any, Any]:
     """Compute the logits exactly as the attention does, and the allowed mask."""
     v.check_keywords(caller, kwargs, ATTENTION_KEYWORDS)
-    if kwargs.get("mask_mod") is not None and query.ndim >= 2 and key.ndim >= 2:
-        kwargs = lower_call(kwargs, int(query.shape[-2]), int(key.shape[-2]))  # a ready rule
+    kwargs = lower_arguments(kwargs, query, key)  # a ready rule
     call = prepare(query, key, None, **kwargs).in_compute_dtype()
     xp, plan = call.xp, call.plan
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)

@@ -39,10 +39,16 @@ __all__ = [
     "Document",
     "Either",
     "Lowered",
+    "MaskRule",
     "Opaque",
     "Prefix",
     "Rule",
+    "RuleStates",
+    "combine_mask_mods",
     "lower",
+    "lower_arguments",
+    "lower_call",
+    "rule_states",
 ]
 
 Array = Any
@@ -245,15 +251,7 @@ class Both(Rule):
         return tuple(leaf for p in self.parts for leaf in p.leaves())
 
     def shifted(self, default: Any) -> Callable[..., Array]:
-        return _combined([p.shifted(default) for p in self.parts], all_of=True)
-
-    def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
-        hidden: Any = False
-        full: Any = True
-        for part in self.parts:
-            h, f = part.blocks(q_lo, q_hi, k_lo, k_hi)
-            hidden, full = hidden | h, full & f
-        return hidden, full
+        return combine_mask_mods([p.shifted(default) for p in self.parts], all_of=True)
 
 
 @dataclass(frozen=True)
@@ -267,18 +265,12 @@ class Either(Rule):
         return all(p.positional for p in self.parts)
 
     def shifted(self, default: Any) -> Callable[..., Array]:
-        return _combined([p.shifted(default) for p in self.parts], all_of=False)
-
-    def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
-        hidden: Any = True
-        full: Any = False
-        for part in self.parts:
-            h, f = part.blocks(q_lo, q_hi, k_lo, k_hi)
-            hidden, full = hidden & h, full | f
-        return hidden, full
+        return combine_mask_mods([p.shifted(default) for p in self.parts], all_of=False)
 
 
-def _combined(mods: list[Callable[..., Array]], *, all_of: bool) -> Callable[..., Array]:
+def combine_mask_mods(mods: list[Callable[..., Array]], *, all_of: bool) -> Callable[..., Array]:
+    """Return the ``mask_mod`` that is the AND (`all_of`) or OR of `mods` (at least one)."""
+
     def mask_mod(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
         xp = array_namespace(q_idx=q_idx)
         result = mods[0](batch, head, q_idx, kv_idx)
@@ -357,11 +349,6 @@ def _blocks_at(
     return rule.blocks(q_lo + offset, q_hi + offset, k_lo, k_hi)
 
 
-def states_of(rule: Rule, default: int, q_len: int, kv_len: int) -> RuleStates | None:
-    """Return the exact block answer of `rule` at a static alignment, or None (values)."""
-    return RuleStates(rule, default, q_len, kv_len) if rule.positional else None
-
-
 # ---------------------------------------------------------------------------
 # lowering a call's rule
 
@@ -395,7 +382,7 @@ def lower(
     (exactly: the window is aligned the same way); a band at another static offset
     joins it shifted, where that keeps both sides non-negative. One document joins
     as the segment ids (when the call has none). What is left is a ``mask_mod``
-    carrying its block answer (:attr:`RuleStates`) when static.
+    carrying its block answer (:func:`_with_states`).
     """
     static = isinstance(offset, int)
     bands: list[tuple[int | None, int | None]] = []
@@ -589,6 +576,18 @@ def lower_call(given: dict[str, Any], q_len: int, kv_len: int) -> dict[str, Any]
         "kv_segment_ids": low.kv_segment_ids,
         "mask_mod": low.mask_mod,
     }
+
+
+def lower_arguments(given: dict[str, Any], query: Any, key: Any) -> dict[str, Any]:
+    """Return :func:`lower_call` of `given` at the lengths of `query` and `key`.
+
+    Inputs without a sequence axis are left to the checks, which say what is wrong.
+    """
+    if not isinstance(given.get("mask_mod"), MaskRule):
+        return given
+    if getattr(query, "ndim", 0) < 2 or getattr(key, "ndim", 0) < 2:
+        return given
+    return lower_call(given, int(query.shape[-2]), int(key.shape[-2]))
 
 
 class _LengthOffset:
