@@ -373,3 +373,52 @@ def test_a_document_in_or_masks_is_checked():
     rule = or_masks(document_mask_mod(np.arange(6)), chunked_mask_mod(100, offset=-200))
     with pytest.raises(ValueError, match="Lk=8"):
         scaled_dot_product_attention(q, q, q, mask_mod=rule)
+
+
+# NumPy ids in a call over another library (issue 46, item 22)
+
+
+@pytest.mark.parametrize("combine", ["alone", "two_arrays", "and", "or"])
+@pytest.mark.parametrize("rows", ["one_row", "per_sequence"])
+@pytest.mark.parametrize("ids_as", ["own", "numpy"])
+def test_document_ids_of_numpy_or_of_the_backend(backend, xp, ids_as, rows, combine):
+    """The backend's ids and a tokenizer's NumPy ids, (L,) and (B, L), alone and combined."""
+    n = 12
+    q, k, v = qkv(batch=(B,), hq=2, hkv=2, lq=n, lk=n, dk=4, dv=4)
+    qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
+    docs = DOC2[:, :n] if rows == "per_sequence" else DOC2[0, :n]
+    ids = docs if ids_as == "numpy" else backend.asarray(docs)
+    per_row = np.broadcast_to(docs, (B, n))
+    same = (per_row[:, :, None] == per_row[:, None, :])[:, None]  # (B, 1, n, n)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    doc = document_mask_mod(ids, ids) if combine == "two_arrays" else document_mask_mod(ids)
+    rule, mask = doc, same
+    if combine == "and":
+        rule, mask = and_masks(doc, _strided), same & (((i - j) % 3) == 0)
+    elif combine == "or":
+        rule, mask = or_masks(doc, causal_mask_mod()), same | (j <= i)
+    out = scaled_dot_product_attention(qb, kb, vb, mask_mod=rule)
+    assert_close(backend, out, reference_attention(q, k, v, mask=mask))
+    weights = attention_weights(qb, kb, mask_mod=rule)
+    assert_close(backend, weights, reference_weights(q, k, mask=mask))
+    if backend.family != "dask":  # a block mask is built eagerly (no Dask ids)
+        on = {"xp": xp, "device": backend.device}
+        batch = B if rows == "per_sequence" else None
+        bm = create_block_mask(rule, batch, None, n, n, block_size=4, **on)
+        out = scaled_dot_product_attention(qb, kb, vb, block_mask=bm)
+        assert_close(backend, out, reference_attention(q, k, v, mask=mask))
+
+
+@pytest.mark.parametrize("combine", ["alone", "or"])
+def test_document_ids_of_another_library_name_the_argument(backend, combine):
+    if backend.family == "numpy":
+        pytest.skip("NumPy ids go with every library")
+    ids = backend.asarray(DOC)
+    rule = document_mask_mod(ids)
+    rule = rule if combine == "alone" else or_masks(rule, causal_mask_mod())
+    q = np.zeros((1, LK, D))
+    match = r"document_mask_mod: `q_segment_ids` is a \w+ array, but the call's `query` is a numpy"
+    with pytest.raises(TypeError, match=match):
+        scaled_dot_product_attention(q, q, q, mask_mod=rule)
+    with pytest.raises(TypeError, match=r"`q_segment_ids` is a \w+ array, but create_block_mask"):
+        create_block_mask(rule, None, None, LK, LK)

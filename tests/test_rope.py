@@ -301,6 +301,41 @@ class TestScaledKinds:
         )
         assert_close(backend, out, expected)
 
+    @pytest.mark.parametrize(
+        "params",
+        [
+            # Qwen2-VL's config.rope_parameters: the checkpoint's 'type' kept beside 'rope_type'
+            {
+                "type": "mrope",
+                "mrope_section": [1, 2, 3],
+                "rope_theta": 500.0,
+                "rope_type": "default",
+            },
+            # the checkpoint's config.json rope_scaling, where 'mrope' is the only kind named
+            {"type": "mrope", "mrope_section": [1, 2, 3], "rope_theta": 500.0},
+        ],
+        ids=["rope_parameters", "config-json"],
+    )
+    def test_qwen2_vl_mrope_dict(self, backend, params):
+        x = randn(2, 2, 4, 12)  # D/2 = 6 pairs: 1 temporal, 2 height, 3 width
+        pos = np.random.default_rng(5).integers(0, 40, (3, 2, 4))
+        out = apply_rope(backend.asarray(x), backend.asarray(pos), scaling=params)
+        row = [0, 1, 1, 2, 2, 2]
+        expected = rotate_oracle(x, lambda p: pos[row[p]], plain_freqs(12, 500.0))
+        assert_close(backend, out, expected)
+
+    def test_rope_type_is_the_kind_beside_a_stale_type(self, backend):
+        # Phi-3's config maps a checkpoint's 'su' (or 'yarn') to rope_type 'longrope' and keeps
+        # 'type'; the length transformers reads from config.max_position_embeddings added
+        x, pos = randn(2, 2, 4, 12), np.arange(14, 18)
+        params = {**LONGROPE, "type": "su", "rope_type": "longrope"}
+        del params["factor"]
+        params["max_position_embeddings"] = 128  # factor 128 / 16 = 8
+        out = apply_rope(backend.asarray(x), backend.asarray(pos), scaling=params)
+        freqs = [f / e for f, e in zip(plain_freqs(12), LONG, strict=True)]
+        attention = np.sqrt(1 + np.log(8.0) / np.log(16))
+        assert_close(backend, out, rotate_oracle(x, in_all_rows(pos), freqs, attention=attention))
+
     @pytest.mark.backends("jax", reason="jax.jit only")
     @pytest.mark.parametrize("scaling", [DYNAMIC, LONGROPE], ids=["dynamic", "longrope"])
     def test_jit_reads_the_length_from_traced_positions(self, backend, scaling):
@@ -387,8 +422,16 @@ class TestScalingErrors:
         ("scaling", "match"),
         [
             ({"type": "rotary", "factor": 2.0}, "one of 'default', 'linear'"),
-            ({"factor": 2.0}, "'type'"),
-            ({"type": "yarn", "rope_type": "linear", "factor": 2.0}, "one kind"),
+            ({"factor": 2.0}, "'rope_type' \\(or the older 'type'\\)"),
+            ({"type": "linear", "rope_type": "yarn", "factor": 2.0}, "original_max_position"),
+            (
+                {"type": "mrope", "rope_theta": 5.0},
+                r"type 'mrope' needs `scaling\['mrope_section'",
+            ),
+            (  # Gemma 3's config.rope_parameters: one dict per layer type
+                {"sliding_attention": {"rope_type": "default"}, "full_attention": None},
+                r"one dict per layer type.*config.rope_parameters\['full_attention'\]",
+            ),
             ({"type": "linear"}, r"scaling\['factor'\]"),
             ({"type": "linear", "factor": -1.0}, r"scaling\['factor'\]` to be a number > 0"),
             ({"type": "yarn", "original_max_position_embeddings": 8}, r"scaling\['factor'\]"),
@@ -399,7 +442,11 @@ class TestScalingErrors:
             ({k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}, "low_freq_factor"),
             ({**LONGROPE, "short_factor": None}, r"scaling\['short_factor'\]"),
             ({**LONGROPE, "long_factor": [1.0] * 5}, r"scaling\['long_factor'\]` must have one"),
-            ({"type": "dynamic", "factor": 2.0}, "original_max_position_embeddings"),
+            ({"type": "dynamic", "factor": 2.0}, "'max_position_embeddings': config.max_pos"),
+            (  # Phi-3's longrope dict: the length in config.max_position_embeddings
+                {k: v for k, v in LONGROPE.items() if k != "factor"},
+                r"scaling\['factor'\].*'max_position_embeddings': config.max_position",
+            ),
             ({**DYNAMIC, "max_position_embeddings": 8}, "reads one length"),
             ({"type": "ntk", "factor": 2.0, "partial_rotary_factor": 2}, "partial_rotary_factor"),
             ({"type": "default", "mrope_section": [1, 1]}, r"scaling\['mrope_section'\]"),

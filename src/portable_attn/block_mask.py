@@ -50,6 +50,7 @@ from ._lib._rules import (
     Prefix,
     Rule,
     combine_mask_mods,
+    ids_in,
     replace_offset,
     rule_states,
 )
@@ -140,9 +141,15 @@ def create_block_mask(
     block = v.check_block_pair("block_size", block_size, DEFAULT_BLOCK_SIZE)
     if isinstance(mask_mod, MaskRule):  # aligned to these lengths; a call given both drops it
         aligned = mask_mod.aligned(q_len, kv_len)
-        aligned.source = mask_mod  # type: ignore[attr-defined]
         if aligned.rule.positional:
+            aligned.source = mask_mod  # type: ignore[attr-defined]
             return _positional(aligned, xp, batch, heads, q_len, kv_len, block, device)
+        target = (
+            f"create_block_mask evaluates the rule with `xp` = {xp.__name__}: pass the "
+            "namespace of the ids as `xp=` (and their `device=`), or NumPy ids"
+        )
+        aligned = MaskRule(ids_in(aligned.rule, xp, device, target), aligned.__name__)
+        aligned.source = mask_mod  # type: ignore[attr-defined]
         mask_mod = aligned
     b, h = batch or 1, heads or 1
     batch_index = xp.reshape(xp.arange(0, b, **on_device(device)), (b, 1, 1, 1))
@@ -349,6 +356,13 @@ def document_mask_mod(
     MaskRule
         Lowered to the call's ``q_segment_ids`` / ``kv_segment_ids``, which skip the
         block pairs of two documents.
+
+    Notes
+    -----
+    The ids are arrays of the call's library, or NumPy arrays (a tokenizer's), which
+    a call over another library (torch, JAX, Dask, ...) copies to its query's library
+    and device, alone or inside :func:`and_masks` / :func:`or_masks`; so does
+    :func:`create_block_mask` to its `xp` and `device`.
     """
     for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
         if ids is None:

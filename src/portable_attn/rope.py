@@ -21,7 +21,13 @@ __all__ = ["apply_rope", "rope_frequencies"]
 
 #: the kinds of `scaling`; "default" (transformers' name for plain RoPE) scales nothing
 _KINDS = ("default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
+#: transformers' other names of a kind: Qwen2-VL's configs read 'mrope' as "default"
+_ALIASES = {"mrope": "default"}
 _DEFAULT_BASE = 10000.0
+_WITH_LENGTH = (
+    "pass `scaling={**config.rope_parameters, "
+    "'max_position_embeddings': config.max_position_embeddings}`"
+)
 
 
 def _is_real(value: Any) -> bool:
@@ -47,10 +53,10 @@ class _Scaling:
     mrope_section: tuple[int, ...] | None = None  # "mrope_section"
 
 
-def _scaling_error(scaling: Any, kind: str, key: str, need: str) -> ValueError:
+def _scaling_error(scaling: Any, kind: str, key: str, need: str, hint: str = "") -> ValueError:
     return ValueError(
         f"`scaling` of type {kind!r} needs `scaling[{key!r}]` to be {need}, "
-        f"but got {scaling.get(key)!r} (in {scaling!r})"
+        f"but got {scaling.get(key)!r} (in {scaling!r}){hint}"
     )
 
 
@@ -87,13 +93,26 @@ def _parse_scaling(scaling: Any) -> _Scaling | None:
             f"but got {scaling!r} of type {type(scaling).__name__}"
         )
         raise TypeError(msg)
-    kinds = {scaling[k] for k in ("type", "rope_type") if k in scaling}
-    if len(kinds) != 1 or (kind := next(iter(kinds))) not in _KINDS:
+    # as transformers: 'rope_type' is the kind, 'type' (its old name) only where it is absent;
+    # transformers keeps a stale 'type' beside it (Qwen2-VL's 'mrope', Phi-3's 'su')
+    named = scaling.get("rope_type", scaling.get("type"))
+    if named is None and scaling and all(isinstance(v, dict | None) for v in scaling.values()):
         msg = (
-            "`scaling` must name one kind in 'type' (or transformers' 'rope_type'), one of "
-            f"{', '.join(map(repr, _KINDS))}, but got {scaling!r}"
+            "`scaling` holds one dict per layer type, as transformers' `config.rope_parameters` "
+            f"of a model with per-layer RoPE (Gemma 3, ModernBERT), keys {list(scaling)}: pass "
+            "the dict of the layer, e.g. `scaling=config.rope_parameters['full_attention']`"
         )
         raise ValueError(msg)
+    kind = _ALIASES.get(named, named) if isinstance(named, str) else named
+    if kind not in _KINDS:
+        msg = (
+            "`scaling` must name its kind in 'rope_type' (or the older 'type'), one of "
+            f"{', '.join(map(repr, _KINDS))} (or Qwen2-VL's 'mrope', plain RoPE with "
+            f"'mrope_section'), but got {scaling!r}"
+        )
+        raise ValueError(msg)
+    if named == "mrope" and scaling.get("mrope_section") is None:
+        raise _scaling_error(scaling, "mrope", "mrope_section", "3 non-negative integers")
     p: dict[str, Any] = {}
     if kind in ("linear", "ntk", "dynamic", "llama3"):
         p["factor"] = _number(scaling, kind, "factor")
@@ -107,8 +126,9 @@ def _parse_scaling(scaling: Any) -> _Scaling | None:
                 scaling,
                 kind,
                 "original_max_position_embeddings",
-                "a positive integer (transformers' config.max_position_embeddings; "
-                "'max_position_embeddings' is read when it is absent)",
+                "a positive integer (or 'max_position_embeddings' given)",
+                "; transformers reads `config.max_position_embeddings`, which "
+                f"`config.rope_parameters` does not hold: {_WITH_LENGTH}",
             )
         if orig is not None and mpe is not None and orig != mpe:
             msg = (
@@ -131,8 +151,10 @@ def _parse_scaling(scaling: Any) -> _Scaling | None:
                     scaling,
                     kind,
                     "factor",
-                    "a number > 0 (or absent with 'max_position_embeddings' given, "
-                    "factor = max_position_embeddings / original_max_position_embeddings)",
+                    "a number > 0 (or absent with 'max_position_embeddings' given)",
+                    "; without it transformers reads factor = config.max_position_embeddings / "
+                    "original_max_position_embeddings, and `config.rope_parameters` (Phi-3's) "
+                    f"does not hold that length: {_WITH_LENGTH}",
                 )
             mpe = _number(scaling, kind, "max_position_embeddings", integer=True)
             p["factor"] = mpe / p["original"]
@@ -447,8 +469,15 @@ def apply_rope(
         True: the interleaved layout of GPT-J and GLM, pairs ``(x[2p], x[2p + 1])``.
     scaling : dict, optional
         Context extension, as transformers computes it (``ROPE_INIT_FUNCTIONS``).
-        The kind is ``scaling["type"]`` or ``scaling["rope_type"]``, so a
-        transformers ``config.rope_parameters`` dict can be passed as it is. Keys read:
+        The kind is ``scaling["rope_type"]``, or ``scaling["type"]`` where it is
+        absent (as transformers, which keeps a checkpoint's old ``"type"`` beside it:
+        Qwen2-VL's ``"mrope"``, Phi-3's ``"su"``); ``"mrope"`` is plain RoPE with
+        ``mrope_section``. So a transformers ``config.rope_parameters`` dict can be
+        passed as it is, but for what it does not hold: the length
+        ``config.max_position_embeddings`` that "dynamic" and a "longrope" dict
+        without ``factor`` (Phi-3's) read, to add as ``"max_position_embeddings"``;
+        and a model with RoPE per layer type (Gemma 3, ModernBERT) holds one dict per
+        layer type: pass ``config.rope_parameters[layer_type]``. Keys read:
 
         - ``"default"``: nothing (plain RoPE).
         - ``"linear"``: ``factor``; divides the frequencies by it (position interpolation).

@@ -9,7 +9,9 @@ is downloaded), run in float32 on a batch of 2 over a 16-token prompt (left-padd
 not), then decoded greedily for 8 steps with the model's own cache; the logits must
 agree with eager to 1e-4 of eager's largest logit and the greedy tokens exactly.
 ``test_the_feature_changes_the_logits`` checks that each row's feature matters (gpt-oss's
-sinks: ``test_gpt_oss_sinks_are_used`` in test_transformers.py), and the last test
+sinks: ``test_gpt_oss_sinks_are_used`` in test_transformers.py),
+``test_rope_parameters_as_the_config_holds_them`` that each family's
+``config.rope_parameters`` goes into ``apply_rope`` as it is, and the last test
 checks docs/frameworks.md's absorbed MLA call on DeepSeek V3's own tensors.
 """
 
@@ -39,7 +41,7 @@ from transformers import (  # noqa: E402
     Qwen3Config,
 )
 
-from portable_attn import scaled_dot_product_attention  # noqa: E402
+from portable_attn import apply_rope, rope_frequencies, scaled_dot_product_attention  # noqa: E402
 from portable_attn.integrations.transformers import register  # noqa: E402
 
 NAME = register()
@@ -146,11 +148,8 @@ def qwen2_vl(**changes: Any) -> Any:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 128,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [2, 3, 3],
-        },
+        # as the checkpoints' config.json: the config keeps 'type' beside rope_type 'default'
+        "rope_parameters": {"type": "mrope", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         "pad_token_id": 0,
         **changes,
     }
@@ -361,6 +360,59 @@ def test_the_feature_changes_the_logits(family):
         other = plain(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
     real = mask.bool()
     assert relative(other[real], logits[real]) > 1e-2
+
+
+def rotated_by_module(
+    rotary: Any, x: Any, positions: Any, layer_type: str | None
+) -> tuple[Any, bool]:
+    """`x` (B, H, L, R) rotated with the cos and sin (or Llama 4's freqs_cis) of `rotary`,
+    and whether its pairs are interleaved."""
+    out = rotary(x, positions) if layer_type is None else rotary(x, positions, layer_type)
+    if not isinstance(out, tuple):  # Llama 4: interleaved pairs times complex freqs_cis
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * out[:, None]).flatten(-2), True
+    cos, sin = out
+    half = x.shape[-1] // 2
+    if cos.shape[-1] == half:  # gpt-oss: one cos and sin per pair
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos[:, None] + rotated * sin[:, None], False
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rope_parameters_as_the_config_holds_them(family):
+    # each text rotary module's config.rope_parameters (per layer type for Gemma 3 and
+    # ModernBERT) into rope_frequencies and apply_rope as it is: the module's frequencies,
+    # attention factor and rotation (M-RoPE's three rows for Qwen2-VL)
+    spec = FAMILIES[family]
+    torch.manual_seed(0)
+    model = spec.auto.from_config(spec.build())
+    rotaries = [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("RotaryEmbedding") and "Vision" not in type(m).__name__
+    ]
+    assert rotaries
+    _, mask = prompt(padded=False)
+    positions = spec.positions(mask)
+    checked = 0
+    for rotary in rotaries:
+        params = rotary.config.rope_parameters
+        for layer_type in getattr(rotary, "layer_types", None) or [None]:
+            prefix = "" if layer_type is None else f"{layer_type}_"
+            scaling = dict(params if layer_type is None else params[layer_type])
+            inv_ref = getattr(rotary, f"{prefix}inv_freq")
+            factor_ref = getattr(rotary, f"{prefix}attention_scaling")
+            dim = 2 * inv_ref.shape[0]
+            inv, factor = rope_frequencies(dim, scaling=scaling)
+            torch.testing.assert_close(torch.from_numpy(inv), inv_ref, rtol=1e-6, atol=0)
+            assert factor == pytest.approx(float(factor_ref), rel=1e-12)
+            x = torch.randn(2, 3, PROMPT, dim, generator=torch.Generator().manual_seed(2))
+            want, interleaved = rotated_by_module(rotary, x, positions, layer_type)
+            got = apply_rope(x, positions, scaling=scaling, interleaved=interleaved)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            checked += 1
+    assert checked == (2 if family in ("gemma3-sliding-global", "modernbert-encoder") else 1)
 
 
 def test_mla_absorbed_into_one_call_is_the_layer(monkeypatch):

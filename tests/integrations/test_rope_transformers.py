@@ -4,7 +4,8 @@ The inverse frequencies and attention factor of every scaling kind against
 ``ROPE_INIT_FUNCTIONS[kind](config, ...)``; the rotated queries and keys against the
 rotary embedding modules and ``apply_rotary_pos_emb`` of Llama (every kind, dynamic
 and LongRoPE after the module's update for a long sequence), Qwen2-VL (M-RoPE),
-Phi (partial rotary, half-split) and GLM (partial rotary, interleaved).
+Phi (partial rotary, half-split), Phi-3 (LongRoPE as its config builds it) and GLM
+(partial rotary, interleaved).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from transformers import GlmConfig, LlamaConfig, PhiConfig  # noqa: E402
+from transformers import GlmConfig, LlamaConfig, Phi3Config, PhiConfig  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.glm import modeling_glm  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.phi import modeling_phi  # noqa: E402
+from transformers.models.phi3 import modeling_phi3  # noqa: E402
 from transformers.models.qwen2_vl import modeling_qwen2_vl  # noqa: E402
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig  # noqa: E402
 
@@ -188,6 +190,68 @@ def test_mrope_matches_qwen2_vl():
         # the config's rope_parameters as they are: mrope_section and rope_theta read there
         out = apply_rope(x, position_ids, scaling=dict(config.rope_parameters))
         torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    "legacy",
+    [
+        {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},  # config.json's
+        {"rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3]}},
+    ],
+    ids=["rope_scaling-type", "rope_type"],
+)
+def test_mrope_parameters_as_qwen2_vl_config_builds_them(legacy):
+    # Qwen2-VL's config keeps the checkpoint's 'type': 'mrope' beside 'rope_type': 'default'
+    config = Qwen2VLTextConfig(
+        **SMALL, max_position_embeddings=MAX_POS, rope_theta=THETA, **legacy
+    )
+    params = config.rope_parameters
+    assert params["rope_type"] == "default"
+    rotary = modeling_qwen2_vl.Qwen2VLRotaryEmbedding(config)
+    q, k = qk((2, HEADS, 7, HEAD_DIM), seed=7)
+    position_ids = torch.randint(0, 30, (3, 2, 7), generator=torch.Generator().manual_seed(8))
+    cos, sin = rotary(q, position_ids)
+    q_ref, k_ref = modeling_qwen2_vl.apply_rotary_pos_emb(q, k, cos, sin)
+    for x, ref in ((q, q_ref), (k, k_ref)):
+        torch.testing.assert_close(apply_rope(x, position_ids, scaling=dict(params)), ref)
+
+
+@pytest.mark.parametrize("length", [10, 50])  # below / above original_max_position_embeddings
+@pytest.mark.parametrize("where", ["rope_scaling", "rope_parameters"])
+def test_longrope_as_phi3_config_builds_it(where, length):
+    # Phi-3's dict has no `factor` and the config's max_position_embeddings is not in it:
+    # the factor (and so the attention factor) is max_position_embeddings / original length
+    longrope = {
+        "type" if where == "rope_scaling" else "rope_type": "longrope",
+        "short_factor": [1.0, 1.0, 1.1, 1.1, 1.2, 1.2, 1.3, 1.3],
+        "long_factor": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+    }
+    config = Phi3Config(
+        **SMALL,
+        max_position_embeddings=4 * 32,
+        original_max_position_embeddings=32,
+        rope_theta=THETA,
+        pad_token_id=0,
+        **{where: longrope},
+    )
+    params = config.rope_parameters
+    assert "factor" not in params
+    assert "max_position_embeddings" not in params
+    with pytest.raises(ValueError, match=r"'max_position_embeddings': config.max_position"):
+        rope_frequencies(HEAD_DIM, scaling=params)
+    scaling = {**params, "max_position_embeddings": config.max_position_embeddings}
+    inv_ref, factor_ref = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=length)
+    inv, factor = rope_frequencies(HEAD_DIM, scaling=scaling, seq_len=length)
+    np.testing.assert_allclose(inv, inv_ref.numpy(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(float(factor_ref), rel=1e-12)
+    assert factor > 1.1  # sqrt(1 + ln 4 / ln 32), not LongRoPE's 1.0 without a factor
+    rotary = modeling_phi3.Phi3RotaryEmbedding(config)
+    q, k = qk((2, HEADS, length, HEAD_DIM), seed=9)
+    position_ids = torch.arange(length)[None].expand(2, length)
+    cos, sin = rotary(q, position_ids)
+    q_ref, k_ref = modeling_phi3.apply_rotary_pos_emb(q, k, cos, sin)
+    for x, ref in ((q, q_ref), (k, k_ref)):
+        torch.testing.assert_close(apply_rope(x, position_ids, scaling=scaling), ref)
 
 
 def test_partial_rotary_matches_phi():

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ._block_states import FULL, HIDDEN, PARTIAL, HostStates
-from ._compat import array_namespace, device, numpy_namespace, on_device
+from ._compat import array_namespace, device, library_name, numpy_namespace, on_device
 
 __all__ = [
     "Band",
@@ -45,6 +45,7 @@ __all__ = [
     "Rule",
     "RuleStates",
     "combine_mask_mods",
+    "ids_in",
     "lower",
     "lower_arguments",
     "lower_call",
@@ -537,21 +538,61 @@ def _unset(rule: Rule) -> bool:
     return not isinstance(rule, Opaque) and rule.offset is None
 
 
-def lower_call(given: dict[str, Any], q_len: int, kv_len: int) -> dict[str, Any]:
+def ids_in(rule: Rule, xp: Any, dev: Any, target: str) -> Rule:
+    """`rule` with its documents' ids in namespace `xp` on device `dev`.
+
+    NumPy ids are host values (a tokenizer's): they are copied there. Ids of another
+    library raise a :class:`TypeError` naming ``document_mask_mod``'s argument;
+    `target` says what evaluates the rule and what to do (the rest of that message).
+    """
+    if isinstance(rule, (Both, Either)):
+        parts = tuple(ids_in(p, xp, dev, target) for p in rule.parts)
+        if all(new is old for new, old in zip(parts, rule.parts, strict=True)):
+            return rule
+        return dataclasses.replace(rule, parts=parts)
+    if not isinstance(rule, Document):
+        return rule
+    moved = [
+        ids if ids is None else _ids_to(name, ids, xp, dev, target)
+        for name, ids in (("q_segment_ids", rule.q_ids), ("kv_segment_ids", rule.kv_ids))
+    ]
+    if moved[0] is rule.q_ids and moved[1] is rule.kv_ids:
+        return rule
+    return dataclasses.replace(rule, q_ids=moved[0], kv_ids=moved[1])
+
+
+def _ids_to(name: str, ids: Array, xp: Any, dev: Any, target: str) -> Array:
+    if array_namespace(**{name: ids}) is xp:
+        return ids
+    if library_name(ids) == "numpy":
+        return xp.asarray(ids, **on_device(dev))
+    msg = f"document_mask_mod: `{name}` is a {library_name(ids)} array, but {target}"
+    raise TypeError(msg)
+
+
+def lower_call(
+    given: dict[str, Any], q_len: int, kv_len: int, *, like: Any = None
+) -> dict[str, Any]:
     """Return the attention call's keywords with a :class:`MaskRule` `mask_mod` lowered.
 
     Bands join ``window`` / ``is_causal``, one document the segment ids, the rest stays
     a ``mask_mod`` with its block answer. A `block_mask` built from the rule carries it
-    (the rule is dropped). Other calls are returned as they are.
+    (the rule is dropped). Other calls are returned as they are. `like`: the call's
+    query, whose library and device documents' NumPy ids are copied to (:func:`ids_in`).
     """
     rule = given.get("mask_mod")
     if not isinstance(rule, MaskRule):
         return given
     block_mask = given.get("block_mask")
+    if block_mask is not None and getattr(block_mask.mask_mod, "source", None) == rule:
+        return {**given, "mask_mod": None}
+    if like is not None:
+        lib = library_name(like)
+        target = f"the call's `query` is a {lib} array: pass NumPy or {lib} ids"
+        tree = ids_in(rule.rule, array_namespace(query=like), device(like), target)
+        rule = rule if tree is rule.rule else MaskRule(tree, rule.__name__)
     if block_mask is not None:
-        if getattr(block_mask.mask_mod, "source", None) == rule:
-            return {**given, "mask_mod": None}
-        return given
+        return {**given, "mask_mod": rule}
     q_lengths, kv_lengths = given.get("q_lengths"), given.get("kv_lengths")
     offset: Any = kv_len - q_len
     if q_lengths is not None or kv_lengths is not None:
@@ -587,7 +628,7 @@ def lower_arguments(given: dict[str, Any], query: Any, key: Any) -> dict[str, An
         return given
     if getattr(query, "ndim", 0) < 2 or getattr(key, "ndim", 0) < 2:
         return given
-    return lower_call(given, int(query.shape[-2]), int(key.shape[-2]))
+    return lower_call(given, int(query.shape[-2]), int(key.shape[-2]), like=query)
 
 
 class _LengthOffset:
