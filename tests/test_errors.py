@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _helpers import qkv
+from _helpers import assert_close, qkv
 from portable_attn import attention_weights, causal_mask, scaled_dot_product_attention
+from portable_attn.testing import reference_attention
 
 
 @pytest.fixture
@@ -96,6 +97,60 @@ class TestDtypes:
     def test_bias_not_floating(self, backend, arrays):
         with pytest.raises(TypeError, match=r"`bias` must have a real floating dtype.*int"):
             call(*arrays, bias=backend.asarray(np.ones((5, 7), dtype="int64")))
+
+
+class TestAZeroOneIntegerMask:
+    """A tokenizer's int64 0/1 ``attention_mask``: the message's advice gives the right call.
+
+    It said "pass an additive floating mask as `bias` instead": the 0/1 ints added as a
+    bias hide nothing (3.4 off). It now says ``mask != 0``, and an integer `bias` is
+    refused with the same advice.
+    """
+
+    @staticmethod
+    def padding(lk=7):
+        m = np.ones((2, lk), dtype=np.int64)  # (B, Lk), 1 = a real token, as tokenizers give
+        m[1, 4:] = 0
+        return m
+
+    @pytest.mark.parametrize("dtype", ["int64", "int32", "uint8"])
+    def test_the_message_says_not_equal_zero(self, backend, arrays, dtype):
+        mask = backend.asarray(self.padding().astype(dtype)[:, None, None, :])
+        with pytest.raises(TypeError, match=rf"`mask` must be a boolean.*{dtype}.*`mask != 0`"):
+            call(*arrays, mask=mask)
+
+    def test_a_two_dimensional_one_gets_its_axes(self, backend, arrays):
+        with pytest.raises(TypeError, match=r"`mask != 0`.*\[:, None, None, :\]"):
+            call(*arrays, mask=backend.asarray(self.padding()))
+
+    def test_the_advice_gives_the_masked_result(self, backend, xp, arrays):
+        mask = backend.asarray(self.padding()[:, None, None, :])
+        out = call(*arrays, mask=mask != 0)  # what the message says
+        q, k, v = (backend.to_numpy(a) for a in arrays)
+        expected = reference_attention(q, k, v, mask=self.padding()[:, None, None, :] != 0)
+        assert_close(backend, out, expected)
+
+    def test_a_floating_mask_gets_both_forms(self, backend, arrays):
+        with pytest.raises(TypeError, match=r"`mask != 0`.*additive.*`bias=`"):
+            call(*arrays, mask=backend.asarray(np.ones((5, 7))))
+
+    @pytest.mark.parametrize("dtype", ["int64", "int32"])
+    def test_an_integer_bias_is_refused_with_the_mask_it_is(self, backend, arrays, dtype):
+        bias = backend.asarray(self.padding().astype(dtype)[:, None, None, :])
+        with pytest.raises(TypeError, match=rf"`bias`.*{dtype}.*hides nothing.*`mask=bias != 0`"):
+            call(*arrays, bias=bias)
+        with pytest.raises(TypeError, match=r"`bias`.*hides nothing"):
+            attention_weights(arrays[0], arrays[1], bias=bias)
+
+    def test_a_boolean_bias_is_a_mask(self, backend, arrays):
+        bias = backend.asarray(self.padding()[:, None, None, :] != 0)
+        with pytest.raises(TypeError, match=r"`bias`.*bool.*pass it as `mask=`"):
+            call(*arrays, bias=bias)
+
+    def test_an_integer_dropout_mask(self, backend, arrays):
+        keep = backend.asarray(np.ones((2, 4, 5, 7), dtype=np.int64))
+        with pytest.raises(TypeError, match=r"`dropout_mask`.*True = keep.*`dropout_mask != 0`"):
+            call(*arrays, dropout_p=0.5, dropout_mask=keep)
 
 
 class TestScalars:

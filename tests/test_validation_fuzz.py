@@ -16,7 +16,7 @@ from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import ATTENTION_KEYWORDS
 from portable_attn.testing import reference_attention
 
-NAMES = ("query", "key", "value", "block_size", "implementation", *ATTENTION_KEYWORDS)
+NAMES = ("query", "key", "value", "block_size", "implementation", "layout", *ATTENTION_KEYWORDS)
 
 _scalars = st.one_of(
     st.none(),
@@ -25,6 +25,7 @@ _scalars = st.one_of(
     st.floats(-2.0, 4.0),
     st.sampled_from([float("nan"), float("inf"), 1e30]),
     st.sampled_from(["auto", "dense", "big", "", np.int64(2), np.float32(0.5), np.True_]),
+    st.sampled_from(["bhld", "blhd", "BLHD"]),
     st.tuples(st.integers(-1, 3), st.integers(-1, 3)),
     st.tuples(st.none(), st.integers(0, 2)),
 )
@@ -45,13 +46,23 @@ def _names_an_argument(message: str) -> bool:
     heads=st.sampled_from([(2, 1), (2, 2), (3, 2), (0, 1)]),
     dk=st.integers(0, 3),
     option=st.sampled_from(
-        ["scale", "softcap", "window", "is_causal", "block_size", "dropout_p", "implementation"]
+        [
+            "scale",
+            "softcap",
+            "window",
+            "is_causal",
+            "block_size",
+            "dropout_p",
+            "implementation",
+            "layout",
+        ]
     ),
     value=_scalars,
     mask_shape=st.sampled_from([None, (), (1,), (4,), (1, 1), (3, 5), (2, 1, 1)]),
+    mask_dtype=st.sampled_from(["bool", "bool", "int64", "float64"]),
 )
 def test_every_outcome_is_a_result_or_a_named_error(
-    backend, lq, lk, heads, dk, option, value, mask_shape
+    backend, lq, lk, heads, dk, option, value, mask_shape, mask_dtype
 ):
     hq, hkv = heads
     rng = np.random.default_rng(0)
@@ -62,7 +73,7 @@ def test_every_outcome_is_a_result_or_a_named_error(
     mask = None
     if mask_shape is not None:
         mask = rng.random(mask_shape) < 0.7
-        kw["mask"] = mask
+        kw["mask"] = mask.astype(mask_dtype)
     try:
         out = scaled_dot_product_attention(q, k, v, **kw)
     except (TypeError, ValueError) as exc:
@@ -85,7 +96,10 @@ def test_every_outcome_is_a_result_or_a_named_error(
         ref_kw["is_causal"] = bool(ref_kw["is_causal"])
     if option == "dropout_p":
         return  # dropout_p without a mask only passes when it is 0: checked by the error path
-    if hq == 0 or lq == 0 or lk == 0:
+    if option == "layout" and value == "blhd":  # (B, L, H, D): the call of the swapped arrays
+        q, k, v = (np.swapaxes(a, -3, -2) for a in (q, k, v))
+        out = np.swapaxes(out, -3, -2)
+    if 0 in (q.shape[-3], q.shape[-2], k.shape[-2]):  # no query head, query or key
         assert out.size == 0 or np.all(out == 0)
         return
     expected = reference_attention(q, k, v, mask=mask, **ref_kw)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from ._lib import _cache
 from ._lib import _route as router
 from ._lib._block_states import BlockMask
-from ._lib._call import AttentionCall, prepare
+from ._lib._call import AttentionCall, heads_first, name_swapped_shapes, prepare, swap_heads
 from ._lib._dense import dense_weights
 from ._lib._path import Route
 from ._lib._rules import lower_arguments
@@ -53,12 +53,20 @@ def scaled_dot_product_attention(
     implementation: Literal["portable", "native"] | None = None,
     return_lse: bool = False,
     return_max_logit: bool = False,
+    layout: Literal["bhld", "blhd"] = "bhld",
 ) -> Array | tuple[Array, ...]:
     r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
 
     Dimensions: ``B...`` batch (any number, broadcast), ``Hq`` query heads,
     ``Hkv`` key/value heads, ``G = Hq // Hkv``, ``Lq`` queries, ``Lk`` keys,
     ``Dk`` query/key features, ``Dv`` value features.
+
+    Layout: `query`, `key` and `value` are (B..., H, L, D), the heads before the
+    sequence, as torch's SDPA takes them. Arrays laid out (B, L, H, D) (flash-attn,
+    Hugging Face projections before their transpose, ``jax.nn.dot_product_attention``)
+    need ``layout="blhd"``: the library cannot always tell the two apart by the
+    shapes. A (B, L, H, D) cross-attention whose Lq is a multiple of Lk reads as
+    grouped-query attention and runs, with wrong values.
 
     The order of operations (scale, softcap, ``score_mod``, bias, ALiBi, masks,
     softmax, empty rows, dropout, ``@ value``) is stated once, on the
@@ -67,17 +75,22 @@ def scaled_dot_product_attention(
     Parameters
     ----------
     query : array, shape (B..., Hq, Lq, Dk) or (Lq, Dk)
-        Queries. A 2-D input is one head.
+        Queries. A 2-D input is one head. (B..., Lq, Hq, Dk) with ``layout="blhd"``,
+        and likewise for `key` and `value`.
     key : array, shape (B..., Hkv, Lk, Dk) or (Lk, Dk)
         Keys. ``Hq`` must be a multiple of ``Hkv``: query head ``h`` uses key/value
         head ``h // (Hq // Hkv)`` (grouped-query attention; K/V are not repeated).
     value : array, shape (B..., Hkv, Lk, Dv) or (Lk, Dv)
         Values.
     mask : array of bool, broadcastable to (B..., Hq, Lq, Lk), optional
-        True where a query may attend to a key.
+        True where a query may attend to a key. A 0/1 integer mask (a tokenizer's
+        ``attention_mask``) is ``mask != 0``. A 2-D mask is (Lq, Lk): a (B, Lk)
+        padding mask needs ``mask[:, None, None, :]`` (or ``kv_lengths``); with
+        ``B == Lq`` the shapes cannot tell, and it would be read as (Lq, Lk).
     bias : floating array, broadcastable to (B..., Hq, Lq, Lk), optional
         Added to the logits after `softcap`; ``-inf`` entries mask a position.
-        Computed in the compute dtype (see Notes).
+        Computed in the compute dtype (see Notes). A 0/1 mask added as a bias
+        hides nothing: a boolean or integer `bias` is refused.
     is_causal : bool, default False
         Bottom-right aligned causal mask: query ``i`` may see key ``j`` iff
         ``j <= i + (Lk - Lq)``. (PyTorch's and JAX's ``is_causal`` are top-left
@@ -190,18 +203,30 @@ def scaled_dot_product_attention(
         in the forward pass on every path at no extra memory (the online
         softmax carries it), with no gradient: what QK-clip (MuonClip) reads
         every step. Like `return_lse`, it moves a call off SDPA.
+    layout : {"bhld", "blhd"}, default "bhld"
+        The order of the last three axes of `query`, `key`, `value` and the
+        output: ``"bhld"`` (..., H, L, D), or ``"blhd"`` (..., L, H, D), the
+        layout of flash-attn and of ``jax.nn.dot_product_attention``, where the
+        library swaps the two axes of the inputs (views, no copy) and of the
+        results back: the output is (B..., Lq, Hq, Dv), the lse and max logit
+        (B..., Lq, Hq). `mask`, `bias`, `dropout_mask` keep the logits' shape
+        (B..., Hq, Lq, Lk) either way; lengths, segment ids, `sinks` and ALiBi
+        slopes have no sequence-and-head pair to swap. 2-D inputs (L, D) are one
+        head in either layout.
 
     Returns
     -------
     out : array, shape (B..., Hq, Lq, Dv), or (Lq, Dv) when all inputs are 2-D
         In the namespace, on the device and with the promoted floating dtype of
-        `query`, `key` and `value`.
+        `query`, `key` and `value`. (B..., Lq, Hq, Dv) with ``layout="blhd"``.
     lse : array, shape (B..., Hq, Lq), or (Lq,) when all inputs are 2-D
         Only with ``return_lse=True``: in the compute dtype (float32 for half
         inputs); ``-inf`` for a row with no visible key and no sink (the sink's
-        logit with one). Differentiable: its cotangent flows back.
+        logit with one). Differentiable: its cotangent flows back. (B..., Lq, Hq)
+        with ``layout="blhd"``, as :func:`merge_attention` takes it beside the output.
     max_logit : array, shape (B..., Hq, Lq), or (Lq,) when all inputs are 2-D
         Only with ``return_max_logit=True``: in the compute dtype; no gradient.
+        (B..., Lq, Hq) with ``layout="blhd"``.
 
     Raises
     ------
@@ -212,7 +237,8 @@ def scaled_dot_product_attention(
         Shapes that do not agree (each message names the argument, the axis and
         both shapes), a non-positive or non-finite `scale` or `softcap`, a
         negative `window` entry, a `block_size` that is not None, "auto",
-        "dense", a positive integer or a pair of them.
+        "dense", a positive integer or a pair of them, a `layout` other than
+        "bhld" or "blhd".
 
     Notes
     -----
@@ -233,8 +259,16 @@ def scaled_dot_product_attention(
     >>> v = rng.standard_normal((2, 2, 7, 32))     # (B, Hkv, Lk, Dv)
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 8, 5, 32)
+
+    The same arrays laid out (B, L, H, D), as flash-attn takes them:
+
+    >>> q_, k_, v_ = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    >>> scaled_dot_product_attention(q_, k_, v_, is_causal=True, layout="blhd").shape
+    (2, 5, 8, 32)
     """
     check_given("value", value)
+    if layout != "bhld":  # (B..., L, H, D): the heads first for the whole call (views)
+        query, key, value = heads_first(layout, query, key, value)
     given: dict[str, Any] = (
         dict(  # prepare's keywords by name (torch.compile cannot trace locals())
             mask=mask,
@@ -278,24 +312,32 @@ def scaled_dot_product_attention(
         entry, route = decide(call, block_size, implementation, stats, kept)
         return entry, (call, route)
 
-    entry, derived = _cache.entry_for(signature, derive)
+    try:
+        entry, derived = _cache.entry_for(signature, derive)
+    except ValueError as error:  # the checks saw the swapped arrays of layout="blhd"
+        name_swapped_shapes(error, layout)
+        raise
     stats = return_lse or return_max_logit  # the row statistics: [lse | max]
     if derived is not None:
         call, route = derived
     elif entry.kept is not None and entry.route is not None and not entry.route.compiled:
-        return entry.kept(query, key, value, mask)  # SDPA with the caller's arrays
+        out = entry.kept(query, key, value, mask)  # SDPA with the caller's arrays
+        return out if layout == "bhld" else swap_heads(entry.xp, out)
     else:  # a hit: the arrays gathered (the static checks passed for this signature)
         call = prepare(query, key, value, static=(entry.xp, entry.plan), **given)
         route = entry.route
         if route is None:  # the router reads host values of this call
             route = router.route(call, block_size, implementation, return_lse=stats)
     out, lse = run(call, route, with_lse=stats, kept=entry.kept)
-    if not stats:
+    if not stats and layout == "bhld":
         return call.finish(out)
     results = [call.finish(out)]
-    results += [call.finish_lse(lse)] if return_lse else []
-    results += [call.finish_lse(lse, 1)] if return_max_logit else []
-    return tuple(results)
+    if stats:
+        results += [call.finish_lse(lse)] if return_lse else []
+        results += [call.finish_lse(lse, 1)] if return_max_logit else []
+    if layout != "bhld":  # back to (B..., Lq, Hq, Dv), the statistics to (B..., Lq, Hq)
+        results = [swap_heads(call.xp, x, features=i == 0) for i, x in enumerate(results)]
+    return tuple(results) if stats else results[0]
 
 
 def decide(
@@ -361,6 +403,7 @@ def attention_weights(
     kv_segment_ids: Array | None = None,
     mask_mod: Callable[..., Array] | None = None,
     block_mask: BlockMask | None = None,
+    layout: Literal["bhld", "blhd"] = "bhld",
 ) -> Array:
     """Attention weights ``softmax(Q Kᵀ · scale)`` of :func:`scaled_dot_product_attention`.
 
@@ -370,7 +413,7 @@ def attention_weights(
     Parameters
     ----------
     query : array, shape (B..., Hq, Lq, Dk) or (Lq, Dk)
-        Queries.
+        Queries ((B..., Lq, Hq, Dk) with ``layout="blhd"``).
     key : array, shape (B..., Hkv, Lk, Dk) or (Lk, Dk)
         Keys; ``Hq`` must be a multiple of ``Hkv``.
     mask : array of bool, broadcastable to (B..., Hq, Lq, Lk), optional
@@ -391,6 +434,10 @@ def attention_weights(
     sinks, q_segment_ids, kv_segment_ids, mask_mod, block_mask
         As in :func:`scaled_dot_product_attention`; with `sinks` the rows sum
         to less than one (the sink takes the rest).
+    layout : {"bhld", "blhd"}, default "bhld"
+        The order of the last three axes of `query` and `key`, as in
+        :func:`scaled_dot_product_attention`; the weights are
+        (B..., Hq, Lq, Lk) either way, like `mask` and `bias`.
 
     Returns
     -------
@@ -429,9 +476,14 @@ def attention_weights(
             block_mask=block_mask,
         )
     )
+    query, key, _ = heads_first(layout, query, key, None)
     if mask_mod is not None:
         given = lower_arguments(given, query, key)
-    call = prepare(query, key, None, **given)
+    try:
+        call = prepare(query, key, None, **given)
+    except ValueError as error:  # the checks saw the swapped arrays of layout="blhd"
+        name_swapped_shapes(error, layout)
+        raise
     if call.is_empty:
         return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))
     return call.finish(dense_weights(call))

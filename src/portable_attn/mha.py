@@ -117,12 +117,11 @@ def _check_projection(name: str, x: Any, w_name: str, w: Any, heads: int) -> Non
 
 
 def _project(xp: Any, x: Any, w: Any, b: Any | None, heads: int) -> Any:
-    """``x @ w + b`` split into heads: (..., L, d) -> (..., heads, L, D)."""
+    """``x @ w + b`` split into heads: (..., L, d) -> (..., L, heads, D)."""
     y = xp.matmul(x, w)  # (..., L, heads*D)
     if b is not None:
         y = y + b
-    y = xp.reshape(y, (*y.shape[:-1], heads, y.shape[-1] // heads))  # (..., L, heads, D)
-    return xp.permute_dims(y, (*range(y.ndim - 3), y.ndim - 2, y.ndim - 3, y.ndim - 1))
+    return xp.reshape(y, (*y.shape[:-1], heads, y.shape[-1] // heads))
 
 
 def multi_head_attention(
@@ -161,12 +160,20 @@ def multi_head_attention(
         Bottom-right aligned causal mask.
     **attention_kwargs
         Passed to :func:`scaled_dot_product_attention` (``bias``, ``window``,
-        ``softcap``, ``block_size``, ``alibi_slopes``, ``dropout_p``, ...).
+        ``softcap``, ``block_size``, ``alibi_slopes``, ``dropout_p``, ...); not
+        ``layout``: the inputs are (B..., L, d_model), and the heads are split
+        here, (B..., L, H, D), and handed on as ``layout="blhd"``.
 
     Returns
     -------
     array, shape (B..., Lq, d_model)
     """
+    if "layout" in attention_kwargs:
+        msg = (
+            "multi_head_attention() takes no `layout`: its inputs are (B..., L, d_model) "
+            "sequences, whose heads it splits itself"
+        )
+        raise TypeError(msg)
     key_input = query_input if key_input is None else key_input
     value_input = key_input if value_input is None else value_input
     xp = array_namespace(query_input=query_input, key_input=key_input, value_input=value_input)
@@ -184,13 +191,12 @@ def multi_head_attention(
     _check_projection("query_input", query_input, "wq", params["wq"], num_heads)
     _check_projection("key_input", key_input, "wk", params["wk"], hkv)
     _check_projection("value_input", value_input, "wv", params["wv"], hkv)
-    q = _project(xp, query_input, params["wq"], params.get("bq"), num_heads)  # (..., H, Lq, Dk)
-    k = _project(xp, key_input, params["wk"], params.get("bk"), hkv)  # (..., Hkv, Lk, Dk)
-    v = _project(xp, value_input, params["wv"], params.get("bv"), hkv)  # (..., Hkv, Lk, Dv)
+    q = _project(xp, query_input, params["wq"], params.get("bq"), num_heads)  # (..., Lq, H, Dk)
+    k = _project(xp, key_input, params["wk"], params.get("bk"), hkv)  # (..., Lk, Hkv, Dk)
+    v = _project(xp, value_input, params["wv"], params.get("bv"), hkv)  # (..., Lk, Hkv, Dv)
     out: Any = scaled_dot_product_attention(
-        q, k, v, mask=mask, is_causal=is_causal, **attention_kwargs
-    )
-    out = xp.permute_dims(out, (*range(out.ndim - 3), out.ndim - 2, out.ndim - 3, out.ndim - 1))
+        q, k, v, mask=mask, is_causal=is_causal, layout="blhd", **attention_kwargs
+    )  # (..., Lq, H, Dv)
     out = xp.reshape(out, (*out.shape[:-2], out.shape[-2] * out.shape[-1]))  # (..., Lq, H*Dv)
     out = xp.matmul(out, params["wo"])  # (..., Lq, d_model)
     if params.get("bo") is not None:

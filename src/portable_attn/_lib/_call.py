@@ -56,10 +56,13 @@ __all__ = [
     "ATTENTION_KEYWORDS",
     "AttentionCall",
     "compute_dtype_of",
+    "heads_first",
     "no_dropout_and_none_of",
     "prepare",
     "scalar_option",
+    "name_swapped_shapes",
     "signed_lengths",
+    "swap_heads",
 ]
 
 Array = Any
@@ -284,6 +287,54 @@ def prepare(
     )
 
 
+def heads_first(
+    layout: Any, query: Array, key: Array, value: Array | None
+) -> tuple[Array, Array, Array | None]:
+    """Return Q, K and V in the order the library computes in, (B..., H, L, D).
+
+    `layout` is checked (:func:`~._validation.check_layout`): "bhld" returns the
+    arrays as they are, "blhd" (B..., L, H, D) swaps their head and sequence axes
+    (:func:`swap_heads`, views). `value` may be None (the weights alone).
+    """
+    if v.check_layout(layout) == "bhld":
+        return query, key, value
+    xp = array_namespace(query=query, key=key, value=value)
+    swapped = None if value is None else swap_heads(xp, value)
+    return swap_heads(xp, query), swap_heads(xp, key), swapped
+
+
+def name_swapped_shapes(error: ValueError, layout: str) -> None:
+    """Add to `error` (raised by the checks) that ``layout="blhd"`` swapped the shapes it names.
+
+    The checks see Q, K and V with their head and sequence axes swapped
+    (:func:`heads_first`): the shapes a message names are those, not the caller's.
+    """
+    if layout != "bhld" and error.args and isinstance(error.args[0], str):
+        note = (
+            f" (with layout={layout!r}, the shapes named are those of query, key and value "
+            "with their axes -3 and -2 swapped; arrays already (B..., H, L, D) take the "
+            "default layout)"
+        )
+        error.args = (error.args[0] + note, *error.args[1:])
+
+
+def swap_heads(xp: Any, x: Array, *, features: bool = True) -> Array:
+    """Swap the head and sequence axes of `x`: (..., L, H, D) <-> (..., H, L, D).
+
+    Its own inverse: it takes ``layout="blhd"`` inputs to the library's order and
+    the results back. With `features`, `x` ends with a feature axis (Q, K, V, the
+    output: axes -3 and -2); without, it is a row statistic (..., H, L) (the lse, the
+    row max: axes -2 and -1). An array without a head axis (a 2-D input (L, D), the
+    result of 2-D inputs) is returned as it is.
+    """
+    head = x.ndim - (3 if features else 2)
+    if head < 0:
+        return x
+    axes = list(range(x.ndim))
+    axes[head], axes[head + 1] = head + 1, head
+    return xp.permute_dims(x, tuple(axes))
+
+
 #: The attention keyword arguments :func:`prepare` takes, in order (for callers that
 #: forward ``**kwargs`` and must name an unknown one, like the diagnostics).
 ATTENTION_KEYWORDS = tuple(
@@ -355,7 +406,7 @@ def _build_plan(
         v.check_mask_dtype(xp, "mask", mask)
         v.check_broadcastable_to("mask", mask, logits_shape, "logits (..., Hq, Lq, Lk)")
     if bias is not None:
-        v.check_floating(xp, "bias", bias)
+        v.check_bias_dtype(xp, bias)
         v.check_broadcastable_to("bias", bias, logits_shape, "logits (..., Hq, Lq, Lk)")
     is_causal = v.check_is_causal(is_causal)
     dtypes = [query.dtype, key.dtype] + ([value.dtype] if value is not None else [])

@@ -24,6 +24,7 @@ __all__ = [
     "check_alibi_slopes",
     "check_attention_arrays",
     "check_block_size",
+    "check_bias_dtype",
     "check_broadcastable_to",
     "check_count",
     "check_dropout",
@@ -33,6 +34,7 @@ __all__ = [
     "check_is_causal",
     "check_is_flag",
     "check_keywords",
+    "check_layout",
     "check_length_values",
     "check_lengths",
     "check_mask_dtype",
@@ -89,13 +91,59 @@ def check_floating(xp: Any, name: str, x: Any) -> None:
 
 
 def check_mask_dtype(xp: Any, name: str, x: Any) -> None:
-    """Raise TypeError unless `x` is a boolean array."""
-    if not xp.isdtype(x.dtype, "bool"):
+    """Raise TypeError unless `x` is a boolean array; say how to make one of what it is.
+
+    A 0/1 integer mask (a tokenizer's ``attention_mask``) becomes one with ``x != 0``.
+    A floating mask may be 0/1 or additive (0 / -inf): the message gives both forms,
+    never the other argument alone (a 0/1 array added as a bias hides nothing).
+    """
+    if xp.isdtype(x.dtype, "bool"):
+        return
+    meaning = "keep" if name == "dropout_mask" else "may attend"
+    msg = f"`{name}` must be a boolean array (True = {meaning}), but got dtype {x.dtype}"
+    if xp.isdtype(x.dtype, "integral"):
+        msg += (
+            f"; a 0/1 integer mask (1 = {meaning}, as tokenizers return `attention_mask`) "
+            f"becomes one with `{name} != 0` (torch: `{name}.bool()`, NumPy and JAX: "
+            f"`{name}.astype(bool)`)"
+        )
+    elif xp.isdtype(x.dtype, "real floating"):
+        msg += f"; a 0/1 floating mask (1 = {meaning}) becomes one with `{name} != 0`"
+        if name == "mask":
+            msg += (
+                "; an additive mask (0 where a query may attend, -inf or a large negative "
+                "number where it may not) is a `bias=` as it is"
+            )
+    if name == "mask" and x.ndim == 2:
+        msg += (
+            "; a 2-D mask is read as (Lq, Lk): give a (batch, keys) padding mask its head "
+            "and query axes, `[:, None, None, :]`, or pass the valid lengths as `kv_lengths=`"
+        )
+    raise TypeError(msg)
+
+
+def check_bias_dtype(xp: Any, bias: Any) -> None:
+    """Raise TypeError unless `bias` is floating, saying what a boolean or integer one means.
+
+    A bias is *added* to the logits: a 0/1 padding mask given as a bias (an integer
+    array, or one cast to float) hides nothing. A boolean or integer `bias` is refused
+    with the mask it most likely is; a real additive bias is cast by the caller.
+    """
+    if xp.isdtype(bias.dtype, "bool"):
         msg = (
-            f"`{name}` must be a boolean array (True = may attend), but got dtype {x.dtype}; "
-            "pass an additive floating mask as `bias` instead"
+            f"`bias` must have a real floating dtype, but got dtype {bias.dtype}: a boolean "
+            "array is a mask (True = may attend): pass it as `mask=` instead"
         )
         raise TypeError(msg)
+    if xp.isdtype(bias.dtype, "integral"):
+        msg = (
+            f"`bias` must have a real floating dtype, but got dtype {bias.dtype}: a bias is "
+            "added to the logits, so a 0/1 padding mask given as `bias` (or cast to float) "
+            "hides nothing. Pass a 0/1 mask (1 = may attend) as `mask=bias != 0`; cast a "
+            "real additive bias to the inputs' floating dtype first"
+        )
+        raise TypeError(msg)
+    check_floating(xp, "bias", bias)
 
 
 def check_given(name: str, x: Any) -> None:
@@ -328,9 +376,25 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
 #: the hint of a shape error that a (B, L, H, D) layout would give
 _LAYOUT = (
     "; the library takes (B..., H, L, D): arrays laid out (B, L, H, D), as flash-attn and "
-    "Hugging Face projections give them, need `x.transpose(1, 2)` (torch) or "
-    "`jnp.swapaxes(x, 1, 2)` first"
+    "Hugging Face projections give them, need `layout='blhd'` (or `x.transpose(1, 2)` "
+    "in torch, `jnp.swapaxes(x, 1, 2)` in JAX, first)"
 )
+
+#: the axis orders of Q, K, V (and the output) that the public functions take
+LAYOUTS = ("bhld", "blhd")
+
+
+def check_layout(layout: Any) -> str:
+    """Return `layout` if it is "bhld" or "blhd" (the order of the last three axes)."""
+    if isinstance(layout, str) and layout in LAYOUTS:
+        return layout
+    msg = (
+        f"`layout` must be 'bhld' (query, key and value shaped (B..., H, L, D), the "
+        f"default) or 'blhd' ((B..., L, H, D), as flash-attn takes them), but got {layout!r}"
+    )
+    if isinstance(layout, str):
+        raise ValueError(msg)
+    raise TypeError(msg)
 
 
 def check_is_causal(is_causal: Any) -> bool:
@@ -704,7 +768,8 @@ def check_supported_array(name: str, x: Any) -> None:
     if getattr(x, "is_sparse", False) or str(getattr(x, "layout", "")).startswith("torch.sparse"):
         msg = f"`{name}` is a sparse tensor ({x.layout}); pass a dense (strided) one"
         raise TypeError(msg)
-    if any(not isinstance(n, int) for n in x.shape):  # Dask: NaN for unknown chunk sizes
+    # torch.export's dynamic dimensions are SymInts (symbolic sizes): taken as sizes
+    if any(not isinstance(n, int) and type(n).__name__ != "SymInt" for n in x.shape):
         if type(x.shape).__name__ == "Size":  # torch.jit.trace: sizes are traced tensors
             msg = (
                 f"`{name}` has sizes that are tensors: torch.jit.trace records shapes as "
