@@ -51,6 +51,16 @@ class TestKVCache:
         )
         np.testing.assert_array_equal(backend.to_numpy(cache.lengths), [9, 9])
 
+    def test_layout_is_refused(self, backend, xp):
+        """``layout`` would swap the cache's (Hkv, capacity) axes too: silently wrong."""
+        cache = kv_cache_append(
+            empty_cache(backend, xp),
+            backend.asarray(randn(2, 2, 3, 4)),
+            backend.asarray(randn(2, 2, 3, 3, seed=1)),
+        )
+        with pytest.raises(TypeError, match="no `layout`"):
+            kv_cache_attention(backend.asarray(randn(2, 3, 4, 4)), cache, layout="blhd")
+
     def test_ragged_batch(self, backend, xp):
         # sequence 0 has a 3-token prompt, sequence 1 a 1-token prompt (lengths differ)
         cache = empty_cache(backend, xp)

@@ -267,6 +267,12 @@ def kv_cache_attention(
     -------
     array, shape (B..., Hq, T, Dv)
     """
+    if "layout" in kwargs:  # it would swap the cache's axes too
+        msg = (
+            "kv_cache_attention() takes no `layout`: the cache holds (B..., Hkv, capacity, D); "
+            "pass `query` as (B..., Hq, T, Dk)"
+        )
+        raise TypeError(msg)
     return scaled_dot_product_attention(
         query,
         cache.keys,

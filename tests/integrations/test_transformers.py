@@ -266,6 +266,14 @@ def test_float_masks_and_dropout():
     assert (dropped - by_bool).abs().max() > 1e-3
 
 
+def test_an_integer_mask_is_refused():
+    """A 0/1 integer mask added as a bias would hide nothing: refused, with the fix named."""
+    q = k = v = torch.randn(1, 2, 4, 8)
+    padding = torch.tensor([[1, 1, 1, 0]])[:, None, None, :]  # what a tokenizer returns
+    with pytest.raises(TypeError, match=r"attention_mask != 0"):
+        attention_forward(SimpleNamespace(is_causal=False), q, k, v, padding)
+
+
 def test_dropout_only_in_training(tmp_path):
     cfg = copy.deepcopy(CONFIGS["llama-gqa"])
     cfg.attention_dropout = 0.5

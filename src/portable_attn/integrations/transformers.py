@@ -178,6 +178,13 @@ def attention_forward(
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             mask = attention_mask
+        elif not attention_mask.is_floating_point():  # as a bias, 0/1 would hide nothing
+            msg = (
+                f"`attention_mask` has dtype {attention_mask.dtype}: pass a boolean mask "
+                "(True = attend; `attention_mask != 0` for a 0/1 padding mask) or an additive "
+                "floating mask"
+            )
+            raise TypeError(msg)
         else:
             mask_bias = attention_mask.to(query.dtype)
             bias = mask_bias if bias is None else bias + mask_bias
