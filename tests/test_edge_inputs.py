@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import portable_attn as pa
-from _helpers import qkv
+from _helpers import assert_backend_array, qkv
 from portable_attn import attention_weights, scaled_dot_product_attention
 from portable_attn.testing import reference_attention
 
@@ -44,6 +44,51 @@ class TestDegenerateInputsWork:
         q = backend.asarray(np.zeros((1, 0, 6, 4)))
         assert tuple(scaled_dot_product_attention(q, k, v).shape) == (1, 0, 6, 4)
         assert tuple(attention_weights(q, k).shape) == (1, 0, 6, 3)
+
+    @pytest.mark.autodiff
+    @pytest.mark.dtypes("float16", "float32")
+    @pytest.mark.parametrize("empty", ["B", "Hq", "Lq", "Lk"])
+    def test_zero_size_inputs_have_zero_gradients(self, backend, xp, dtype, empty):
+        """No sequence, head, query or key: zeros, and zero gradients of every input's shape.
+
+        As the library's own operations on empty arrays give: the result depends on
+        Q, K, V and the bias (torch: it has a ``grad_fn``; a fresh zeros array had none,
+        and ``backward`` raised).
+        """
+        sizes = {"B": 2, "Hq": 2, "Lq": 3, "Lk": 4, empty: 0}
+        heads = {"hq": sizes["Hq"], "hkv": 2 if sizes["Hq"] else 1}
+        q, k, v = qkv(batch=(sizes["B"],), **heads, lq=sizes["Lq"], lk=sizes["Lk"], dk=4, dv=5)
+        bias = np.zeros((sizes["Lq"], sizes["Lk"]))
+        arrays = [backend.asarray(a, dtype) for a in (q, k, v, bias)]
+        shape = (sizes["B"], sizes["Hq"], sizes["Lq"])
+
+        def result(q, k, v, bias, column):
+            out_lse = scaled_dot_product_attention(q, k, v, bias=bias, return_lse=True)
+            return out_lse[column]
+
+        out, lse = (result(*arrays, column) for column in (0, 1))
+        assert_backend_array(backend, out, shape=(*shape, 5), dtype=dtype)
+        assert_backend_array(backend, lse, shape=shape)
+        assert np.all(backend.to_numpy(out) == 0)
+        assert np.all(backend.to_numpy(lse) == -np.inf)
+        for column in (0, 1):  # the output, then the lse
+            grads = backend.grad(lambda *a, c=column: xp.sum(result(*a, c)), *arrays)
+            for g, a in zip(grads, arrays, strict=True):
+                assert_backend_array(backend, g, shape=a.shape, dtype=dtype)
+                assert np.all(backend.to_numpy(g) == 0)
+
+    @pytest.mark.autodiff
+    @pytest.mark.parametrize("empty", ["B", "Lq", "Lk"])
+    def test_zero_size_weights_have_zero_gradients(self, backend, xp, empty):
+        """:func:`attention_weights` of empty inputs: zeros that depend on Q and K."""
+        sizes = {"B": 2, "Lq": 3, "Lk": 4, empty: 0}
+        q, k, _ = qkv(batch=(sizes["B"],), lq=sizes["Lq"], lk=sizes["Lk"], backend=backend)
+        w = attention_weights(q, k)
+        assert_backend_array(backend, w, shape=(sizes["B"], 4, sizes["Lq"], sizes["Lk"]))
+        grads = backend.grad(lambda q, k: xp.sum(attention_weights(q, k)), q, k)
+        for g, a in zip(grads, (q, k), strict=True):
+            assert_backend_array(backend, g, shape=a.shape)
+            assert np.all(backend.to_numpy(g) == 0)
 
     @pytest.mark.parametrize("left", [10**20, 2**31 - 1])
     def test_a_window_longer_than_any_sequence_is_unbounded(self, backend, data, left):

@@ -138,11 +138,6 @@ class TestTorchExportWithADynamicLength:
         out = program(*(backend.asarray(a) for a in (q, k, v)))
         assert_close(backend, out, reference_attention(q, k, v, is_causal=True))
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="_paths/_native.py _kernel_args compares Lk with the kernel's min_keys (16): "
-        "the exported program holds for Lk >= 16 only (the issue 46 note, item 14)",
-    )
     def test_the_whole_default_range(self, backend):
         import torch
 

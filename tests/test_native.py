@@ -7,9 +7,15 @@ from functools import partial
 import numpy as np
 import pytest
 
+from _helpers import (
+    assert_backend_array,
+    float32_error_bound,
+    half_precision_bound,
+    representable,
+)
 from _helpers import qkv as _qkv
 from portable_attn import scaled_dot_product_attention
-from portable_attn.testing import reference_attention
+from portable_attn.testing import central_differences, reference_attention
 
 qkv = partial(_qkv, lq=6, lk=9, dk=8, dv=8)
 
@@ -178,3 +184,56 @@ def test_no_guard_where_the_kernel_zeroes_empty_rows(backend, monkeypatch):
     out = backend.to_numpy(scaled_dot_product_attention(q, k, v, mask=backend.asarray(m)))
     assert np.all(out[1] == 0)
     assert np.all(np.isfinite(out))
+
+
+def _float_bound(backend, dtype, expected):
+    """The largest error a `dtype` result may have against the float64 oracle `expected`."""
+    if dtype in ("float16", "bfloat16"):
+        return half_precision_bound(backend, expected, dtype)
+    if dtype == "float32":
+        return float32_error_bound(expected, length=9 + 8)
+    return 1e-12
+
+
+@pytest.mark.dtypes("float16", "bfloat16", "float32", "float64")
+def test_a_sequence_without_keys_among_others_gives_zeros_and_zero_gradients(
+    backend, xp, dtype, route
+):
+    """A length of 0 among ragged `kv_lengths`: that sequence's rows see no key.
+
+    The library's empty row: zeros, with zero gradients. torch's default route runs
+    SDPA once per sequence over its own keys; it gave that sequence ``value[0]`` on
+    every row (the length clamped to one key) and sent its gradient to ``value[0]``.
+    """
+    lengths = np.array([4, 0, 9])
+    q, k, v = (representable(backend, a, dtype) for a in qkv(batch=(3,)))
+    rng = np.random.default_rng(3)
+    cot = rng.standard_normal((3, 4, 6, 8))
+    kv_lengths = backend.asarray(lengths)
+    expected = reference_attention(q, k, v, kv_lengths=lengths)
+    assert np.all(expected[1] == 0)
+
+    def loss(q, k, v):
+        out = scaled_dot_product_attention(q, k, v, kv_lengths=kv_lengths, **route.kw)
+        return xp.sum(xp.astype(out, backend.dtype("float64")) * backend.asarray(cot))
+
+    arrays = [backend.asarray(a, dtype) for a in (q, k, v)]
+    out = scaled_dot_product_attention(*arrays, kv_lengths=kv_lengths, **route.kw)
+    assert_backend_array(backend, out, shape=expected.shape, dtype=dtype)
+    out = backend.to_numpy(out).astype(np.float64)
+    assert np.all(out[1] == 0), np.abs(out[1]).max()
+    err = float(np.abs(out - expected).max())
+    assert err <= _float_bound(backend, dtype, expected), err
+    if not backend.has_autodiff:
+        return
+    grads = [backend.to_numpy(g).astype(np.float64) for g in backend.grad(loss, *arrays)]
+    for g in grads:
+        assert np.all(g[1] == 0), np.abs(g[1]).max()  # the empty sequence: no gradient
+        assert np.isfinite(g).all()
+    if dtype == "float64":  # against the oracle's own gradient
+
+        def loss_np(q, k, v):
+            return float(np.sum(reference_attention(q, k, v, kv_lengths=lengths) * cot))
+
+        for g, n in zip(grads, central_differences(loss_np, [q, k, v]), strict=True):
+            np.testing.assert_allclose(g, n, atol=1e-7, rtol=1e-6)

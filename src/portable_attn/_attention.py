@@ -19,7 +19,7 @@ from ._lib._dense import dense_weights
 from ._lib._path import Route
 from ._lib._rules import lower_arguments
 from ._lib._validation import check_given, check_is_flag
-from ._paths import compiled, run
+from ._paths import compiled, run, tied_to_inputs
 from ._paths._native import direct_kernel
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
@@ -484,6 +484,7 @@ def attention_weights(
     except ValueError as error:  # the checks saw the swapped arrays of layout="blhd"
         name_swapped_shapes(error, layout)
         raise
-    if call.is_empty:
-        return call.finish(call.zeros(call.plan.q_len, call.plan.kv_len))
+    if call.is_empty:  # zeros, tied to the inputs (autodiff reaches them: zero gradients)
+        (weights,) = tied_to_inputs(call, call.zeros(call.plan.q_len, call.plan.kv_len))
+        return call.finish(weights)
     return call.finish(dense_weights(call))

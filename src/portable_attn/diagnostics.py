@@ -20,7 +20,7 @@ from typing import Any
 from ._attention import attention_weights
 from ._lib import _validation as v
 from ._lib._call import ATTENTION_KEYWORDS, prepare
-from ._lib._compat import array_namespace
+from ._lib._compat import array_namespace, result_type
 from ._lib._rules import lower_arguments
 from ._lib._scores import allowed_block, logits_block, scaled_query_rows, scores_block
 from .testing._backends import to_numpy as _to_host
@@ -75,7 +75,7 @@ def attention_entropy(weights: Any, *, normalized: bool = False) -> Any:
     array([0.6931, 0.    ])
     """
     xp = array_namespace(weights=weights)
-    w = xp.astype(weights, xp.result_type(weights.dtype, xp.float32), copy=False)
+    w = xp.astype(weights, result_type(xp, weights.dtype, xp.float32), copy=False)
     positive = w > 0
     safe = xp.where(positive, w, 1.0)
     entropy = 0.0 - xp.sum(xp.where(positive, w * xp.log(safe), 0.0), axis=-1)  # no -0.0
@@ -103,7 +103,7 @@ def saturation(weights: Any, *, threshold: float = SATURATED_WEIGHT) -> Any:
     """
     xp = array_namespace(weights=weights)
     top = xp.max(weights, axis=-1)  # (..., H, Lq)
-    dt = xp.result_type(weights.dtype, xp.float32)
+    dt = result_type(xp, weights.dtype, xp.float32)
     live = xp.astype(top > 0, dt)
     hot = xp.astype(top > threshold, dt)
     rows = _heads_last(xp, live, 2)

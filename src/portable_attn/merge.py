@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._lib import _validation as v
-from ._lib._compat import array_namespace
+from ._lib._compat import array_namespace, result_type
 from ._lib._merge import merge_partials
 
 __all__ = ["merge_attention"]
@@ -83,8 +83,8 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Array
     for name, x in named.items():
         v.check_floating(xp, name, x)
     v.check_merge_shapes(outs, lses)
-    result_dtype = xp.result_type(*(o.dtype for o in outs))
-    compute = xp.result_type(result_dtype, *(x.dtype for x in lses), xp.float32)
+    result_dtype = result_type(xp, *(o.dtype for o in outs))
+    compute = result_type(xp, result_dtype, *(x.dtype for x in lses), xp.float32)
     out = xp.stack([xp.astype(o, compute) for o in outs])  # (P, ..., Lq, Dv)
     lse = xp.stack([xp.astype(x, compute)[..., None] for x in lses])  # (P, ..., Lq, 1)
     merged, merged_lse = merge_partials(

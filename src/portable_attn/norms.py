@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._lib._compat import array_namespace
+from ._lib._compat import array_namespace, result_type
 
 __all__ = ["l2_normalize", "rms_norm"]
 
@@ -52,7 +52,7 @@ def l2_normalize(x: Any, axis: int = -1, eps: float = 1e-6) -> Any:
     """
     xp = array_namespace(x=x)
     _check(xp, x, axis, eps)
-    xc = xp.astype(x, xp.result_type(x.dtype, xp.float32), copy=False)
+    xc = xp.astype(x, result_type(xp, x.dtype, xp.float32), copy=False)
     # max(||x||, eps) as sqrt(max(||x||², eps²)): sqrt is never differentiated at 0,
     # so an all-zero vector (a padding token) has finite, zero gradients
     squared = xp.sum(xc * xc, axis=axis, keepdims=True)
@@ -88,7 +88,7 @@ def rms_norm(x: Any, weight: Any | None = None, *, axis: int = -1, eps: float = 
     """
     xp = array_namespace(x=x, weight=weight)
     _check(xp, x, axis, eps)
-    xc = xp.astype(x, xp.result_type(x.dtype, xp.float32), copy=False)
+    xc = xp.astype(x, result_type(xp, x.dtype, xp.float32), copy=False)
     out = xc / xp.sqrt(xp.mean(xc * xc, axis=axis, keepdims=True) + eps)
     if weight is not None:
         out = out * xp.astype(weight, out.dtype, copy=False)

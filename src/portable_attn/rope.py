@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._lib._compat import array_namespace, device, namespace_or_numpy, on_device
+from ._lib._compat import array_namespace, device, namespace_or_numpy, on_device, result_type
 from ._lib._validation import check_positive_scalar
 
 __all__ = ["apply_rope", "rope_frequencies"]
@@ -576,7 +576,7 @@ def apply_rope(
             f"but got shape {tuple(positions.shape)} for `x` shape {tuple(x.shape)}"
         )
         raise ValueError(msg)
-    compute = xp.result_type(x.dtype, xp.float32)
+    compute = result_type(xp, x.dtype, xp.float32)
     pos = xp.astype(positions, compute)
     seq_len = None
     if parsed is not None and parsed.kind in ("dynamic", "longrope"):

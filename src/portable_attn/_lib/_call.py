@@ -45,6 +45,7 @@ from ._compat import (
     library_name,
     on_device,
     reads_host_values,
+    result_type,
     stop_gradient,
     to_host,
 )
@@ -410,7 +411,7 @@ def _build_plan(
         v.check_broadcastable_to("bias", bias, logits_shape, "logits (..., Hq, Lq, Lk)")
     is_causal = v.check_is_causal(is_causal)
     dtypes = [query.dtype, key.dtype] + ([value.dtype] if value is not None else [])
-    result_dtype = xp.result_type(*dtypes)
+    result_dtype = result_type(xp, *dtypes)
     compute_dtype = compute_dtype_of(xp, result_dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(dk)
@@ -440,7 +441,7 @@ def _build_plan(
 
 def compute_dtype_of(xp: Any, dtype: Any) -> Any:
     """Return the dtype a call computes in: float16/bfloat16 in float32, others as is."""
-    return xp.result_type(dtype, xp.float32)
+    return result_type(xp, dtype, xp.float32)
 
 
 def scalar_option(xp: Any, name: str, value: Any, compute_dtype: Any) -> Any:

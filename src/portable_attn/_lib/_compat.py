@@ -10,6 +10,7 @@ table, :data:`portable_attn._lib._route.LIBRARIES`.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import warnings
@@ -42,6 +43,7 @@ __all__ = [
     "on_device",
     "reads_host_values",
     "register_pytree",
+    "result_type",
     "size",
     "standard_namespace",
     "stop_gradient",
@@ -352,6 +354,24 @@ def matmul_float32(x: Any) -> Any:
         return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
     return matmul
+
+
+def result_type(xp: Any, *dtypes: Any) -> Any:
+    """Return ``xp.result_type(*dtypes)`` of dtypes alone, decided without an array operation.
+
+    array-api-compat's torch namespace looks pairs up in its own promotion table,
+    which has no float16 or bfloat16: for those it asks ``torch.result_type`` of two
+    empty tensors, an operation returning a dtype that ``torch.compile`` cannot put in
+    a graph (``fullgraph=True`` failed for half inputs). For torch the dtypes are
+    promoted by ``torch.promote_types``, which the compiler evaluates while tracing;
+    the promotion is the same. Other namespaces answer as they are. (The dtypes say
+    which library they are of: no ``functools`` cache wrapper, of which dynamo warns.)
+    """
+    if all(type(dt).__module__ == "torch" for dt in dtypes):  # torch.dtype
+        import torch
+
+        return functools.reduce(torch.promote_types, dtypes)
+    return xp.result_type(*dtypes)
 
 
 def default_integer_dtype(xp: Any) -> Any:

@@ -42,14 +42,29 @@ def cpuinfo_fields(text: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, sep, v in (line.partition(":") for line in first) if sep}
 
 
-@functools.cache
-def cpuinfo() -> dict[str, str]:
-    """Return :func:`cpuinfo_fields` of this machine; empty without ``/proc/cpuinfo``."""
+def _read_cpuinfo() -> dict[str, str]:
+    """Read :func:`cpuinfo_fields` of this machine: its first processor's lines alone."""
+    lines = []
     try:
-        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+        with Path("/proc/cpuinfo").open(encoding="ascii", errors="replace") as text:
+            for line in text:  # the kernel writes the processors one by one: stop at the first
+                if not line.strip():
+                    break
+                lines.append(line)
     except OSError:
         return {}
-    return cpuinfo_fields(text)
+    return cpuinfo_fields("".join(lines))
+
+
+#: Read once, when this module is imported: never inside a call that ``torch.compile``
+#: traces (a file read there broke its graph; ``fullgraph=True`` failed for half inputs,
+#: whose route asks :func:`has_float16_arithmetic`).
+_CPUINFO = _read_cpuinfo()
+
+
+def cpuinfo() -> dict[str, str]:
+    """Return :func:`cpuinfo_fields` of this machine; empty without ``/proc/cpuinfo``."""
+    return _CPUINFO
 
 
 def has_float16_arithmetic() -> bool:

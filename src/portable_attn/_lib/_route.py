@@ -679,7 +679,8 @@ def _native_route(call: AttentionCall, lib: Library, return_lse: bool) -> Native
     """Rule 3: the fused native kernel, whole or per query tile, unless the tiled path wins."""
     if unsupported_reason(call, return_lse=return_lse, per_tile=True) is not None:
         return None
-    if call.plan.kv_len < NATIVE_MIN_KEYS.get(
+    kv_len = call.plan.kv_len  # symbolic under torch.export: no guard on its value
+    if isinstance(kv_len, int) and kv_len < NATIVE_MIN_KEYS.get(
         (library_name(call.query), device_kind(call.query)), 0
     ):
         return None

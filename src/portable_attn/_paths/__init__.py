@@ -5,7 +5,7 @@
 
 ==========================  ===========================================================
 ``Empty``                   :meth:`AttentionCall.empty_result` (zeros, lse ``-inf`` or
-                            the sink)
+                            the sink), tied to the inputs (:func:`tied_to_inputs`)
 ``Dense``                   :func:`portable_attn._lib._dense.dense_attention`
 ``Tiled(walk="python")``    :func:`portable_attn._lib._tiled.tiled_forward`, with the
                             recomputing backward of ``_autodiff.py`` (torch, JAX) or
@@ -38,7 +38,7 @@ from ._native import native_attention, native_tiles
 from ._partial import first_keys
 from ._threads import threaded_attention
 
-__all__ = ["compiled", "run"]
+__all__ = ["compiled", "run", "tied_to_inputs"]
 
 
 def run(
@@ -67,6 +67,30 @@ def compiled(skeleton: AttentionCall, route: Route, with_lse: bool) -> Any:
     return program(skeleton, route, with_lse, _run)
 
 
+def tied_to_inputs(call: AttentionCall, *results: Any) -> tuple[Any, ...]:
+    """`results` of a call with no query, key, head or sequence, made to depend on its inputs.
+
+    Each floating array of `call` (Q, K, V, a bias, a learned scale, slopes, sinks)
+    adds the sum of an empty slice of itself: exactly 0, whatever it holds (NaN
+    and inf included), so the values stay as they are, but autodiff reaches every
+    input through them. A torch result then has a ``grad_fn`` and ``backward``
+    gives each input zeros of its shape, as torch's own operations on empty
+    tensors do (a fresh array is cut off from autograd: ``backward`` raised).
+    """
+    xp = call.xp
+    arrays, _ = call.flatten()
+    zero = None
+    for x in arrays.values():
+        if not xp.isdtype(x.dtype, "real floating"):
+            continue
+        empty = x[(slice(0, 0),) * x.ndim] if x.ndim else xp.reshape(x, (1,))[:0]
+        none = xp.sum(empty)  # 0-d, exactly 0, tied to `x` (a view: nothing is copied)
+        zero = none if zero is None else zero + xp.astype(none, zero.dtype)
+    if zero is None:
+        return results
+    return tuple(r + xp.astype(zero, r.dtype) for r in results)
+
+
 def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[Any, Any]:
     """Run the path of `route` on `call` here (half inputs cast first unless it keeps them).
 
@@ -78,7 +102,7 @@ def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[
     path = route.path
     match path:
         case Empty():
-            out, lse = call.empty_result()
+            out, lse = tied_to_inputs(call, *call.empty_result())
         case Dense(fold=fold, flash=flash, weights_first=first):
             result = dense_attention(
                 call, fold=fold, flash=flash, weights_first=first, with_lse=with_lse

@@ -106,6 +106,20 @@ class _KernelArgs:
     visible: Any  # rows that see a key (..., Lq|1, 1): the others are zeroed; None: no guard
 
 
+def _may_have_fewer(keys: Any, count: int) -> bool:
+    """Whether a call may have fewer than `count` keys.
+
+    A symbolic length (``torch.export`` with a dynamic dimension) may, unless its range
+    says otherwise, and no guard is put on its value: one exported program is then right
+    for every length of its range.
+    """
+    if isinstance(keys, int):
+        return keys < count
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return not statically_known_true(keys >= count)
+
+
 def _kernel_args(call: AttentionCall, path: Native) -> _KernelArgs:
     """Every mask folded into one "allowed" array in its own broadcast shape, and the guard.
 
@@ -121,7 +135,7 @@ def _kernel_args(call: AttentionCall, path: Native) -> _KernelArgs:
     k = without_hidden_keys(xp, k, terms, plan, whole_k)
     v = without_hidden_keys(xp, v, terms, plan, whole_k)
     kernel_causal, structural = _kernel_form(call)
-    short = plan.kv_len < path.min_keys  # the unmasked kernel drops a query's NaN
+    short = _may_have_fewer(plan.kv_len, path.min_keys)  # unmasked, it drops a query's NaN
     if short and kernel_causal:
         kernel_causal, structural = False, True
     whole_q, whole_k = (0, plan.q_len), (0, plan.kv_len)
@@ -144,16 +158,22 @@ def _kernel_args(call: AttentionCall, path: Native) -> _KernelArgs:
 
 
 def _sequence(call: AttentionCall, b: int, n: int) -> AttentionCall:
-    """Sequence `b` of a call of one batch axis, its first `n` keys (at least one) only."""
-    n = max(1, n)
+    """Sequence `b` of a call of one batch axis, its first `n` keys only.
+
+    A sequence without keys (``n == 0``) keeps one key, hidden by its length of 0:
+    its rows see no key, so the kernel (or the guard) gives them zeros, and zero
+    gradients, as every path does.
+    """
+    kept = max(1, n)  # a kernel call needs a key
     arrays, skeleton = call.flatten()
     parts = {}
     for name, x in arrays.items():
         lead = x.ndim - len(field(name).axes)  # its batch axes: one, or none (broadcast)
         x = x[b : b + 1, ...] if lead > 0 and x.shape[0] > 1 else x
         d = axis_of(name, x, "lk")
-        parts[name] = x if d is None else x[(slice(None),) * d + (slice(0, n), ...)]
-    part = skeleton.unflatten(parts, batch=(1,), kv_len=n)
+        parts[name] = x if d is None else x[(slice(None),) * d + (slice(0, kept), ...)]
+    part = skeleton.unflatten(parts, batch=(1,), kv_len=kept)
+    # the length itself, not the key kept: 0 hides that key (masks, guard, zeroed K and V)
     terms = dataclasses.replace(part.terms, kv_length_values=frozenset({n}))
     return dataclasses.replace(part, terms=terms)
 
