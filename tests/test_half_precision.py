@@ -16,7 +16,7 @@ from _helpers import half_precision_bound, qkv, randn, representable
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib import _cache, _route
 from portable_attn._lib._compat import device_kind
-from portable_attn._lib._cpu import has_float16_arithmetic
+from portable_attn._lib._cpu import has_half_arithmetic
 from portable_attn._lib._route import NATIVE_HALF_ROUTES
 from portable_attn.testing import reference_attention
 
@@ -110,7 +110,7 @@ class TestTorchKernelDtype:
     def _expected(backend, dtype):
         # CPU float16: SDPA in float16 is slower than its float32 route (benchmarks/half.py)
         # unless the CPU has float16 arithmetic
-        if dtype == "float16" and backend.device_name == "cpu" and not has_float16_arithmetic():
+        if dtype == "float16" and backend.device_name == "cpu" and not has_half_arithmetic(dtype):
             return backend.dtype("float32")
         return backend.dtype(dtype)
 
@@ -120,7 +120,7 @@ class TestTorchKernelDtype:
     ):
         if backend.device_name != "cpu":
             pytest.skip("a CPU route")
-        monkeypatch.setattr(_route, "has_float16_arithmetic", lambda: arithmetic)
+        monkeypatch.setattr(_route, "has_half_arithmetic", lambda dtype: arithmetic)
         seen = self._record(monkeypatch)
         _, _, (q, k, v), args = _half_problem(backend, dtype, "causal")
         scaled_dot_product_attention(q, k, v, **args)
@@ -198,10 +198,27 @@ class TestJaxForms:
         _, _, (q, k, v), _ = _half_problem(backend, dtype, "plain")
         # the form on every device (the table says where it is the default)
         monkeypatch.setitem(_route.PORTABLE_HALF_FLASH, ("jax", device_kind(q)), True)
+        monkeypatch.setattr(_route, "has_half_arithmetic", lambda dtype: True)
         _cache.forget()
         scaled_dot_product_attention(q, k, v, block_size="dense")
         half, f32 = backend.dtype(dtype), jnp.float32
         assert seen == [(half, half, f32), (half, half, f32)], seen
+
+    @pytest.mark.parametrize("arithmetic", [True, False])
+    def test_cpu_dense_form_follows_the_cpus_half_arithmetic(
+        self, backend, dtype, arithmetic, monkeypatch
+    ):
+        # FlashAttention's form on a CPU only with AMX: elsewhere float32 copies were faster
+        if backend.device_name != "cpu":
+            pytest.skip("a CPU route")
+        from portable_attn._lib._call import prepare
+        from portable_attn._lib._path import Dense
+
+        monkeypatch.setattr(_route, "has_half_arithmetic", lambda dtype: arithmetic)
+        _, _, (q, k, v), _ = _half_problem(backend, dtype, "plain")
+        path = _route.route(prepare(q, k, v), None, None).path
+        assert isinstance(path, Dense), path
+        assert path.flash is arithmetic
 
 
 @pytest.mark.autodiff
@@ -236,12 +253,54 @@ class TestGradients:
             assert err <= bound, (err, bound)
 
 
-def test_float16_arithmetic_is_read_from_the_cpu_flags(monkeypatch):
+def test_half_arithmetic_is_read_from_the_cpu_flags(monkeypatch):
     from portable_attn._lib import _cpu
 
     sapphire = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16\n"
     ice_lake = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n"
-    granite = "processor\t: 0\nflags\t: amx_fp16\n\nprocessor\t: 1\nflags\t: avx2\n"
-    for text, has in ((sapphire, True), (ice_lake, False), ("", False), (granite, True)):
+    zen4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    granite = "processor\t: 0\nflags\t: amx_fp16\n\nprocessor\t: 1\nflags\t: avx2 amx_bf16\n"
+    cases = {  # (float16, bfloat16)
+        sapphire: (True, True),
+        ice_lake: (False, False),
+        zen4: (False, False),  # AVX512-BF16 alone: bfloat16 products no faster than float32
+        "": (False, False),
+        granite: (True, False),  # the first processor's flags alone
+    }
+    for text, has in cases.items():
         monkeypatch.setattr(_cpu, "cpuinfo", lambda t=text: _cpu.cpuinfo_fields(t))
-        assert _cpu.has_float16_arithmetic() is has, text
+        assert (_cpu.has_half_arithmetic("float16"), _cpu.has_half_arithmetic("bfloat16")) == has
+
+
+@pytest.mark.backends("jax", reason="FlashAttention's form of the dense path: JAX's half matmul")
+def test_flash_form_gradients_are_taken_in_float32(backend, monkeypatch):
+    # jax's own bias-gradient test (q = k = v = x, cotangent x, bf16): JAX's rule for a half
+    # matmul rounds the cotangents dP and dS to bf16; 0.257 off float64 in dbias, where the
+    # float32 form is 0.031 off (as jax.nn)
+    import jax
+    import jax.numpy as jnp
+
+    x = backend.asarray(randn(1, 4, 128, 64, seed=5), "bfloat16")  # (B, H, L, D)
+    bias = backend.asarray(randn(1, 4, 128, 128, seed=6), "bfloat16")
+    monkeypatch.setitem(_route.PORTABLE_HALF_FLASH, ("jax", device_kind(x)), True)
+    monkeypatch.setattr(_route, "has_half_arithmetic", lambda dtype: True)
+
+    def grads(x, bias):
+        def attend(x, bias):
+            return scaled_dot_product_attention(x, x, x, bias=bias, block_size="dense")
+
+        _, vjp = jax.vjp(attend, x, bias)
+        return vjp(x.astype(attend(x, bias).dtype))
+
+    errors = {}
+    for flash in (True, False):
+        monkeypatch.setitem(_route.PORTABLE_HALF_FLASH, ("jax", device_kind(x)), flash)
+        _cache.forget()
+        got = jax.jit(lambda x, bias: grads(x, bias))(x, bias)  # traced anew: this form
+        want = grads(x.astype(jnp.float64), bias.astype(jnp.float64))  # the fixture's x64
+        errors[flash] = [
+            float(jnp.max(jnp.abs(g.astype(jnp.float64) - w)))
+            for g, w in zip(got, want, strict=True)
+        ]
+    for flash_error, float32_error in zip(errors[True], errors[False], strict=True):
+        assert flash_error <= 1.5 * float32_error, errors

@@ -20,12 +20,18 @@ __all__ = [
     "can_limit_blas",
     "cpuinfo",
     "cpuinfo_fields",
-    "has_float16_arithmetic",
+    "has_half_arithmetic",
 ]
 
-#: CPU flags (Linux ``/proc/cpuinfo``) of float16 arithmetic in hardware: AVX512-FP16
-#: (Sapphire Rapids and later) and AMX-FP16 (Granite Rapids)
-FLOAT16_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
+#: CPU flags (Linux ``/proc/cpuinfo``) of arithmetic in a half dtype that the measured
+#: routes rely on: float16, AVX512-FP16 (Sapphire Rapids and later) and AMX-FP16 (Granite
+#: Rapids); bfloat16, AMX-BF16 (Sapphire Rapids and later). AVX512-BF16 alone (AMD Zen 4)
+#: is not listed: JAX's bfloat16 products there ran no faster than float32 ones
+#: (benchmarks/results/half-jax.json).
+HALF_ARITHMETIC_FLAGS = {
+    "float16": frozenset({"avx512_fp16", "amx_fp16"}),
+    "bfloat16": frozenset({"amx_bf16"}),
+}
 
 
 def available_workers() -> int:
@@ -58,7 +64,7 @@ def _read_cpuinfo() -> dict[str, str]:
 
 #: Read once, when this module is imported: never inside a call that ``torch.compile``
 #: traces (a file read there broke its graph; ``fullgraph=True`` failed for half inputs,
-#: whose route asks :func:`has_float16_arithmetic`).
+#: whose route asks :func:`has_half_arithmetic`).
 _CPUINFO = _read_cpuinfo()
 
 
@@ -67,13 +73,15 @@ def cpuinfo() -> dict[str, str]:
     return _CPUINFO
 
 
-def has_float16_arithmetic() -> bool:
-    """Whether this CPU computes in float16 itself (one of :data:`FLOAT16_FLAGS`).
+def has_half_arithmetic(dtype: str) -> bool:
+    """Whether this CPU computes in half dtype `dtype` itself (:data:`HALF_ARITHMETIC_FLAGS`).
 
-    False where ``/proc/cpuinfo`` is missing (macOS, Windows) or unreadable, which
-    keeps the route measured on CPUs without such arithmetic.
+    `dtype` is ``"float16"`` or ``"bfloat16"``. False where ``/proc/cpuinfo`` is missing
+    (macOS, Windows) or unreadable, which keeps the route measured on CPUs without such
+    arithmetic.
     """
-    return not FLOAT16_FLAGS.isdisjoint(cpuinfo().get("flags", "").split())
+    flags = HALF_ARITHMETIC_FLAGS.get(dtype, frozenset())
+    return not flags.isdisjoint(cpuinfo().get("flags", "").split())
 
 
 @functools.cache

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _validation as v
 from ._compat import chunk_sizes, device_kind, library_name, torch_records, torch_release
-from ._cpu import available_workers, can_limit_blas, has_float16_arithmetic
+from ._cpu import available_workers, can_limit_blas, has_half_arithmetic
 from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Route, Tiled
 
 if TYPE_CHECKING:
@@ -365,9 +365,13 @@ FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
 #: The dense path's half-precision form per ``(library, device kind)``: True is
 #: FlashAttention's form (half products accumulated in float32, float32 softmax,
 #: probabilities cast back for ``P @ V``), False and unlisted cast Q, K and V to
-#: float32 first. JAX CPU bfloat16 under ``jit`` (dense, L = 1024): faster, with an
-#: error within the contract (benchmarks/results/half-jax.json). JAX on an H200
-#: (benchmarks/results/gpu.json): 1.20-1.41x faster at L = 4096, 0.94-1.08x at 1024.
+#: float32 first. On a CPU, True holds only where the CPU has arithmetic in the inputs'
+#: half dtype (``_cpu.has_half_arithmetic``: AMX): JAX CPU bfloat16 under ``jit`` (dense,
+#: L = 1024) ran FlashAttention's form at 0.69-0.75x ``jax.nn`` and the float32 form at
+#: 0.80-0.88x on an Intel AMX CPU (benchmarks/results/history/half-jax-23f1316.json),
+#: while on AMD EPYC CPUs, with AVX512-BF16 and without, the float32 form was the faster
+#: (benchmarks/results/half-jax.json). JAX on an H200 (benchmarks/results/gpu.json):
+#: 1.20-1.41x faster at L = 4096, 0.94-1.08x at 1024.
 PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True, ("jax", "gpu"): True}
 
 # ---------------------------------------------------------------------------
@@ -648,7 +652,7 @@ def native_upcasts(call: AttentionCall) -> bool:
     if half is None:
         return True
     key = (library_name(call.query), device_kind(call.query), half)
-    if key in FLOAT16_CPU_ROUTES and has_float16_arithmetic():
+    if key in FLOAT16_CPU_ROUTES and has_half_arithmetic(half):
         return False
     return not NATIVE_HALF_ROUTES.get(key, False)
 
@@ -656,9 +660,13 @@ def native_upcasts(call: AttentionCall) -> bool:
 def dense_flash_form(call: AttentionCall, lib: Library | None = None) -> bool:
     """Rule 6: whether the dense path computes half inputs in FlashAttention's form."""
     lib = library(call.query) if lib is None else lib
-    if not lib.half_matmul or _half_input_dtype(call) is None:
+    half = _half_input_dtype(call)
+    if not lib.half_matmul or half is None:
         return False
-    return PORTABLE_HALF_FLASH.get((library_name(call.query), device_kind(call.query)), False)
+    kind = device_kind(call.query)
+    if not PORTABLE_HALF_FLASH.get((library_name(call.query), kind), False):
+        return False
+    return kind != "cpu" or has_half_arithmetic(half)
 
 
 def _workers(call: AttentionCall, lib: Library) -> int:
