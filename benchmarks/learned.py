@@ -20,8 +20,13 @@ Per row: ``first_s`` (the first step, compile included), ``s`` (median of the la
 steps) and ``extra_peak_rss_mib``: the peak resident memory over every step, above
 the process after its inputs were made (a 2 ms poll; ``ru_maxrss`` recorded too).
 The step-time ratios (``side_by_side``, ``ratios``) come from one more process per
-library and length that times the rows' steps round-robin, side by side.
+library and length that times the rows' steps round-robin, side by side; each
+ratio's ``targets_met`` says whether issue 46's targets (:data:`TARGETS`) hold.
 A peer whose (H, L, L) arrays cannot fit in the machine's memory is not run.
+The children inherit the environment: on cores other work shares, torch's OpenMP
+threads wait on each other at every operation (a step of thousands of block
+operations took 3 to 30 times its time alone), so ``OMP_NUM_THREADS=1`` gives
+ratios that mean something there; publish figures from a quiet machine only.
 """
 
 from __future__ import annotations
@@ -250,6 +255,15 @@ def main() -> None:
     print(json.dumps(result["ratios"], indent=1))
 
 
+#: issue 46's targets for training with the table: each figure at most this
+TARGETS = {"step_vs_plain": 2.0, "first_step_s": 3.0, "memory_vs_plain": 2.0}
+
+
+def _targets_met(row: dict[str, Any]) -> dict[str, bool | None]:
+    """Whether each figure of :data:`TARGETS` holds (None where it was not measured)."""
+    return {n: None if row[n] is None else row[n] <= limit for n, limit in TARGETS.items()}
+
+
 def _ratios(rows: list[dict[str, Any]], side_by_side: list[dict[str, Any]]) -> dict[str, Any]:
     """Per library and length: the learned table's cost against the plain call and the peer.
 
@@ -264,7 +278,7 @@ def _ratios(rows: list[dict[str, Any]], side_by_side: list[dict[str, Any]]) -> d
             continue
         mine, plain = by[(library, length, impl)], by[(library, length, "ours")]
         ratios = timed.get((library, length), {})
-        out[f"{library} L={length}"] = {
+        row = {
             "memory_vs_plain": mine["extra_peak_rss_mib"] / max(plain["extra_peak_rss_mib"], 1.0),
             "step_vs_plain": ratios.get("ours+table / ours"),
             "step_vs_peer": ratios.get("ours+table / peer"),
@@ -272,6 +286,7 @@ def _ratios(rows: list[dict[str, Any]], side_by_side: list[dict[str, Any]]) -> d
             "extra_mib": mine["extra_peak_rss_mib"],
             "within_1_gib": mine["extra_peak_rss_mib"] <= 1024 if length > 4096 else None,
         }
+        out[f"{library} L={length}"] = {**row, "targets_met": _targets_met(row)}
     return {
         k: {
             n: (round(x, 3) if isinstance(x, float) and math.isfinite(x) else x)

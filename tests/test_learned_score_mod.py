@@ -221,3 +221,100 @@ def test_torch_func_grad(backend, route):
     eager = table.detach().clone().requires_grad_()  # and after it, eager autograd again
     (g,) = torch.autograd.grad(loss(eager, **route.kw), eager)
     torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def test_a_parameter_read_in_some_blocks_only(backend, xp, route):
+    """A learned array read under a Python condition on the indices gets its gradient.
+
+    ``far`` is read only by blocks holding an entry below the diagonal: the torch
+    tiled path found the parameters by one probe at ``q_idx = kv_idx = 0``, where the
+    condition is false, and left ``far`` without a gradient (issue 46, item 19). JAX
+    traces the indices, so such a function is differentiated by JAX's own autodiff.
+    """
+    if route.name == "loop":
+        pytest.skip("the traced loop's indices are traced: no Python logic on their values")
+    lq, lk = 6, 5
+    q, k, v = qkv(batch=(1,), hq=2, hkv=1, lq=lq, lk=lk, dk=3, dv=2, seed=31)
+    near, far = np.array([0.4, -0.8]), np.array([1.1, 0.6])
+    cot = backend.asarray(randn(1, 2, lq, 2, seed=34))
+
+    def loss_of(kw):
+        def loss(q, k, v, near, far):
+            def mod(s, b, h, i, j):
+                if bool(xp.any(i > j)):  # skip the work where no entry is below the diagonal
+                    s = s + xp.where(i > j, far[h], 0.0)
+                return s + near[h]
+
+            out = scaled_dot_product_attention(q, k, v, score_mod=mod, **kw)
+            return xp.sum(out * cot)
+
+        return loss
+
+    args = [backend.asarray(a) for a in (q, k, v, near, far)]
+    got = backend.grad(loss_of(route.kw), *args)
+    want = backend.grad(loss_of({"block_size": "dense"}), *args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(w), atol=1e-12)
+    assert np.all(np.abs(backend.to_numpy(got[4])) > 1e-3)  # `far` learns
+
+    def loss_np(*a):
+        return float(backend.to_numpy(loss_of(route.kw)(*(backend.asarray(x) for x in a))))
+
+    numeric = central_differences(loss_np, [q, k, v, near, far])
+    for g, n in zip(got, numeric, strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), n, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.backends("torch", reason="the tiled path's own gather of a torch table")
+@pytest.mark.parametrize(
+    "pattern",
+    ["relative", "from_the_end", "int32", "python_int", "per_head", "transposed", "three_axes"],
+)
+def test_torch_gathers_equal_torch_indexing(backend, pattern):
+    """The tiled path computes ``table[h, i - j + c]`` and its gradient itself (issue 46,
+    item 6): values and gradients equal torch's own indexing (the dense path's autograd)."""
+    import torch
+
+    q, k, v = (backend.asarray(a) for a in qkv(lq=LQ, lk=LK, dk=5, dv=3))
+    shape = {"per_head": (H,), "transposed": (LQ + LK - 1, H), "three_axes": (H, 2, 3)}
+    table = backend.asarray(randn(*shape.get(pattern, (H, LQ + LK - 1)), seed=21))
+
+    def mod(t):
+        def score_mod(s, b, h, i, j):
+            if pattern == "relative":
+                return s + t[h, i - j + LK - 1]
+            if pattern == "from_the_end":  # negative indices count from the end
+                return s + t[h, j - i]
+            if pattern == "int32":
+                return s + t[h, (i - j + LK - 1).to(torch.int32)]
+            if pattern == "python_int":
+                return s + t[1, i - j + LK - 1]
+            if pattern == "per_head":
+                return s * t[h]
+            if pattern == "transposed":  # a strided view, made inside
+                return s + t.T[h, i - j + LK - 1]
+            return s + t[h, i % 2, j % 3]
+
+        return score_mod
+
+    def grads(block_size):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, table)]
+        out = scaled_dot_product_attention(
+            *leaves[:3], score_mod=mod(leaves[3]), is_causal=True, block_size=block_size
+        )
+        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+    for got, want in zip(grads((3, 4)), grads("dense"), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.backends("torch", reason="torch's error for an index out of range")
+def test_torch_gather_out_of_range_raises_torch_error(backend):
+    q, k, v = (backend.asarray(a) for a in qkv(lq=LQ, lk=LK))
+    table = backend.asarray(TABLE).requires_grad_()
+
+    def mod(s, b, h, i, j):
+        return s + table[h % 2, i - j + LK]  # one past the end, not the table's end
+
+    with pytest.raises(IndexError):
+        scaled_dot_product_attention(q, k, v, score_mod=mod, block_size=(3, 4))

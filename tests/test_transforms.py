@@ -10,8 +10,9 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import assert_close, qkv
+from _helpers import assert_close, check, qkv, randn
 from portable_attn import attention_weights, get_alibi_slopes, scaled_dot_product_attention
+from portable_attn.testing import central_differences, reference_attention
 
 small = partial(qkv, lq=3, lk=6, dk=5, dv=3)  # GQA: Hq=4, Hkv=2; Lq=3 < Lk=6
 
@@ -66,6 +67,35 @@ class TestJax:
 
         eager = f(q, k, v, ql, kl, slopes, keep)
         assert_close(backend, jax.jit(f)(q, k, v, ql, kl, slopes, keep), eager, atol=1e-13, rtol=0)
+
+
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+def test_jax_rank_promotion_raise_with_sinks_and_a_mask(backend, xp, route):
+    """``jax_numpy_rank_promotion="raise"`` (issue 46, item 11), the traced loop's own terms:
+    the keys padding its last block joined a (B, 1, Lq, Lk) mask as (1, Lk), and the
+    sinks' gradient took (Hq, 1, 1) sinks less a (B, Hq, Lq, 1) lse. Values and
+    gradients as without the option.
+    """
+    import jax
+
+    q, k, v = qkv(lq=5, lk=7, dk=3, dv=3)
+    sinks = randn(4, seed=7)
+    mask = np.random.default_rng(8).random((2, 1, 5, 7)) < 0.8
+    mask[..., 0] = True  # every row sees a key
+    cot = backend.asarray(randn(2, 4, 5, 3, seed=9))
+    mask_b = backend.asarray(mask)
+
+    def loss(q, k, v, sinks):
+        out = scaled_dot_product_attention(q, k, v, sinks=sinks, mask=mask_b, **route.kw)
+        return xp.sum(out * cot)
+
+    args = [backend.asarray(a) for a in (q, k, v, sinks)]
+    want = backend.grad(loss, *args)
+    with jax.numpy_rank_promotion("raise"):
+        check(backend, q, k, v, route=route, sinks=sinks, mask=mask)
+        got = backend.grad(loss, *args)
+    for g, w in zip(got, want, strict=True):
+        assert_close(backend, g, backend.to_numpy(w), atol=1e-13, rtol=0)
 
 
 @pytest.mark.backends("torch", reason="torch.compile")
@@ -131,6 +161,42 @@ class TestTorchFunc:
         vg = torch.func.vmap(torch.func.grad(lambda q: tiled(q).sum()))(batch)
         vd = torch.func.vmap(torch.func.grad(lambda q: dense(q).sum()))(batch)
         assert_close(backend, vg, vd, atol=1e-12, rtol=0)
+
+
+@pytest.mark.autodiff
+def test_vmap_then_backward_equals_the_oracle(backend, xp, route):
+    """``vmap`` over Q, K and V that require a gradient, then backward (issue 46, item 3).
+
+    Inside ``torch.func.vmap`` a tensor's own ``requires_grad`` is False (a batched
+    wrapper), so the tiled path took "nothing to record", and torch's autograd
+    recorded the walk, whose in-place ``exp(s - m)`` then failed its backward ("modified
+    by an inplace operation"). The float64 oracle's gradient, by central differences.
+    """
+    lq, lk = 5, 7
+    arrays = qkv(batch=(3,), hq=2, hkv=1, lq=lq, lk=lk, dk=3, dv=2, seed=21)
+    cot = randn(3, 2, lq, 2, seed=24)
+    if backend.family == "torch":
+        import torch
+
+        vmap = torch.func.vmap
+    else:
+        import jax
+
+        vmap = jax.vmap
+
+    def attend(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True, **route.kw)
+
+    def loss(q, k, v):
+        return xp.sum(vmap(attend)(q, k, v) * backend.asarray(cot))
+
+    got = backend.grad(loss, *(backend.asarray(a) for a in arrays))
+
+    def oracle(q, k, v):
+        return float(np.sum(reference_attention(q, k, v, is_causal=True) * cot))
+
+    for g, want in zip(got, central_differences(oracle, arrays), strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.backends("jax", reason="jax.jacfwd")

@@ -509,7 +509,7 @@ def _tiled(
         walk = "loop"
     backward: Literal["torch", "jax", "autodiff"] | None = lib.autodiff
     if backward is not None and call.terms.score_mod is not None and torch_records(call.query):
-        # torch.compile and torch.func run no TorchFunctionMode probe nor autograd.grad
+        # torch.compile and torch.func run no TorchFunctionMode watch nor autograd.grad
         # inside (_paths/_autodiff.torch_params): their own autodiff differentiates the
         # walk, every block saved
         backward = "autodiff"

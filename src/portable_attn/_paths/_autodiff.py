@@ -20,13 +20,21 @@ The arrays are found by running the function, not by reading its closure:
 
 - torch: the tensors that require a gradient and that an operation of the
   ``score_mod`` reads, other than its arguments and what it made itself, seen by a
-  ``TorchFunctionMode`` on a one-entry probe (:func:`torch_params`); they become
-  inputs of the autograd function, which returns their gradients;
+  ``TorchFunctionMode`` in every block of the forward walk (:class:`TorchReads`),
+  which runs before the autograd function: a tensor read only in some blocks (under
+  a Python condition on the indices, in one branch) is found as surely as one read
+  in every block. They become inputs of the autograd function, which returns the
+  walk's result and, in the backward, their gradients. Under the same mode, forward
+  and backward, a table read on every axis by integer tensors (``table[h, i - j +
+  c]``) is gathered by flat positions and its gradient summed by ``scatter_add_``
+  (:func:`_gathered`), several times faster than torch's indexing on CPU;
 - JAX: the traced values it closes over (under ``jit``, ``grad``, ``vmap``), which
   :class:`JaxScoreMod` finds as the tracers among the constants of its jaxpr, traced
   once per block shape; they become explicit arguments of the ``custom_vjp`` (as
   ``jax.closure_convert`` does, without its cache, which would keep the function),
-  the floating ones differentiated.
+  the floating ones differentiated. A ``score_mod`` that cannot be traced (Python
+  logic on the values of its index arguments, in an eager call) is differentiated
+  by JAX's own autodiff of the walk instead, which keeps every block's weights.
 """
 
 from __future__ import annotations
@@ -37,12 +45,19 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._lib._call import AttentionCall
+from .._lib._compat import stop_gradient
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._scores import score_index
 from .._lib._tiled import ScoreVjp, block_ranges, tiled_backward, tiled_forward
 
-__all__ = ["JaxScoreMod", "recomputing_attention", "torch_params", "torch_score_vjp"]
+__all__ = [
+    "JaxScoreMod",
+    "TorchReads",
+    "recomputing_attention",
+    "torch_requires_grad",
+    "torch_score_vjp",
+]
 
 
 def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
@@ -60,15 +75,50 @@ def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
             for ks, ke in block_ranges(call.plan.kv_len, path.block_k)
         ]
         mod = JaxScoreMod.of(call, blocks)
+        if mod is not None and not mod.traceable:
+            # Python logic on the indices' values: JAX's own autodiff differentiates the
+            # eager walk (every block's weights kept, as the dense path does), so what the
+            # score_mod reads in any branch gets its gradient
+            return tiled_forward(
+                call, path.block_q, path.block_k, fold=path.fold, stop_gradient=stop_gradient
+            )
         return _jax_function(skeleton, path, mod)(arrays, mod.params if mod else ())
     import torch
 
-    params = torch_params(call) if torch.is_grad_enabled() else ()
-    tensors = (*arrays.values(), *params)
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
+    if not torch.is_grad_enabled():
         return _forward(call, path)  # nothing to record
-    names = tuple(arrays)
-    return _torch_function().apply(skeleton, path, names, *tensors)
+    result, params = None, ()
+    if call.terms.score_mod is not None:  # the walk runs here, watching what it reads
+        reads = TorchReads(call.terms.score_mod)
+        with torch.no_grad():
+            result = _forward(reads.into(call), path)
+        params = tuple(reads.found.values())
+    tensors = (*arrays.values(), *params)
+    if not any(map(torch_requires_grad, tensors)):
+        return _forward(call, path) if result is None else result  # nothing to record
+    # the walk's in-place operations are safe: the function's forward records nothing
+    return _torch_function().apply(skeleton, path, tuple(arrays), result, *tensors)
+
+
+def torch_requires_grad(x: Any) -> bool:
+    """Return whether autograd records operations on tensor `x`, seen through ``torch.func``.
+
+    Inside ``torch.func.vmap`` a tensor is a batched wrapper whose own
+    ``requires_grad`` is False even where the tensor it wraps requires a gradient
+    (``vmap(f)(q)`` with ``q.requires_grad``, then ``.backward()``): the wrappers
+    are looked through, down to the tensor autograd sees (not under ``torch.compile``,
+    which traces no wrapper, nor the functions that look through one).
+    """
+    import torch
+    from torch._C import _functorch
+
+    if torch.compiler.is_compiling():
+        return bool(x.requires_grad)
+    while not x.requires_grad:
+        if not _functorch.is_functorch_wrapped_tensor(x):
+            return False
+        x = _functorch.get_unwrapped(x)
+    return True
 
 
 def _forward(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
@@ -114,54 +164,169 @@ def _differentiable(names: tuple[str, ...]) -> tuple[str, ...]:
 # a score_mod's learned arrays
 
 
-def torch_params(call: AttentionCall) -> tuple[Any, ...]:
-    """Return the tensors requiring a gradient that `call`'s ``score_mod`` reads, in order of use.
+class TorchReads:
+    """A ``score_mod`` that records the tensors requiring a gradient that it reads.
 
-    Found by running it once on a (..., Hq, 1, 1) probe under a ``TorchFunctionMode``
-    that records the tensor arguments of every operation: those that require a
-    gradient and were not made inside the probe are what it closes over (a
-    parameter, a table computed from one), however it reaches them (a closure, a
-    module attribute, a global).
+    Each call runs under a ``TorchFunctionMode`` (:func:`_watch`) that sees the
+    tensor arguments of every operation: those that require a gradient
+    (:func:`torch_requires_grad`), other than the call's own arguments and what the
+    call made, are what the ``score_mod`` closes over (a parameter, a table computed
+    from one), however it reaches them (a closure, a module attribute, a global).
+    Run in every block of the forward walk, it sees every branch the walk (and so
+    the recomputing backward) takes. `found`: those tensors by id, in order of first
+    use.
+
+    Parameters
+    ----------
+    score_mod : callable
+        The user's ``score_mod``.
     """
-    score_mod = call.terms.score_mod
-    if score_mod is None:
-        return ()
+
+    def __init__(self, score_mod: Callable[..., Any]) -> None:
+        self.score_mod = score_mod
+        self.found: dict[int, Any] = {}
+
+    def __call__(self, scores: Any, *index: Any) -> Any:
+        # ids only, no reference: what the call made is freed as it would be without us
+        # (a tensor read from outside is alive throughout, so no id of it is reused)
+        made = {id(x) for x in (scores, *index) if x is not None}
+        with _watch()(made, self.found):
+            return self.score_mod(scores, *index)
+
+    def into(self, call: AttentionCall) -> AttentionCall:
+        """`call` with this recording ``score_mod`` in place of its own."""
+        terms = dataclasses.replace(call.terms, score_mod=self)
+        return dataclasses.replace(call, terms=terms)
+
+
+@functools.cache
+def _watch() -> Any:
+    """Return the ``TorchFunctionMode`` a ``score_mod`` runs under (forward and backward).
+
+    With `made` and `found` (the forward: :class:`TorchReads`), it records the
+    tensors read from outside; always, it computes a gather (``table[h, i - j]``, a
+    tensor indexed on every axis by integer tensors) by :func:`_gathered`.
+    """
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
 
-    made: dict[int, Any] = {}  # kept alive, so that no id is reused during the probe
-    found: dict[int, Any] = {}
+    getitem = torch.Tensor.__getitem__
 
-    class Reads(TorchFunctionMode):
+    class Watch(TorchFunctionMode):
+        def __init__(
+            self, made: set[int] | None = None, found: dict[int, Any] | None = None
+        ) -> None:
+            super().__init__()
+            self.made, self.found = made, found
+
         def __torch_function__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
             kwargs = kwargs or {}
-            for x in tree_leaves((args, kwargs)):
-                if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in made:
-                    found.setdefault(id(x), x)
-            result = func(*args, **kwargs)
-            for x in tree_leaves(result):
-                if isinstance(x, torch.Tensor):
-                    made[id(x)] = x
+            made, found = self.made, self.found
+            if made is not None and found is not None:
+                for x in tree_leaves((args, kwargs)):
+                    if (
+                        isinstance(x, torch.Tensor)
+                        and id(x) not in made
+                        and torch_requires_grad(x)
+                    ):
+                        found.setdefault(id(x), x)
+            result = None
+            if func is getitem and not kwargs:
+                result = _gathered(*args)
+            if result is None:
+                result = func(*args, **kwargs)
+            if made is not None:
+                made.update(id(x) for x in tree_leaves(result) if isinstance(x, torch.Tensor))
             return result
 
-    plan = call.plan
-    probe = call.zeros(1, 1)  # (..., Hq, 1, 1)
-    index = score_index(call.xp, call.terms, plan, (0, 1), (0, 1))
-    made.update((id(x), x) for x in (probe, *index) if x is not None)
-    with torch.enable_grad(), Reads():
-        score_mod(probe, *index)
-    return tuple(found.values())
+    return Watch
+
+
+def _gathered(x: Any, index: Any) -> Any:
+    """Return ``x[index]`` for a CPU tensor indexed on every axis by integer tensors, or None.
+
+    torch computes such a gather (a relative-position table read as
+    ``table[h, i - j + L - 1]``) several times slower than ``index_select`` of the
+    flat positions, and its gradient by a serial ``index_put_`` several times slower
+    than ``scatter_add_`` (:func:`_gather_function`): the same values, and each
+    gradient entry summed in a fixed order. None (torch's own indexing) for anything
+    else: slices, boolean masks, fewer indices than axes, an index out of range
+    (torch's error), another device (where torch's kernels are parallel).
+    """
+    import torch
+
+    index = index if isinstance(index, tuple) else (index,)
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or len(index) != x.ndim:
+        return None
+    integers = (torch.int8, torch.int16, torch.int32, torch.int64)  # uint8, bool: masks
+    flat: Any = None
+    stride, tensors = 1, 0
+    for size, i in zip(reversed(x.shape), reversed(index), strict=True):
+        if isinstance(i, torch.Tensor):
+            if i.dtype not in integers or i.device != x.device or i.numel() == 0:
+                return None
+            low, high = (int(m) for m in torch.aminmax(i))
+            if low < -size or high >= size:
+                return None
+            i = i.to(torch.int64)
+            if low < 0:  # from the end, as torch reads it
+                i = torch.where(i < 0, i + size, i)
+            tensors += 1
+        elif isinstance(i, int) and not isinstance(i, bool):
+            if not -size <= i < size:
+                return None
+            i %= size
+        else:
+            return None
+        term = i * stride if stride != 1 else i
+        flat = term if flat is None else flat + term
+        stride *= size
+    if not tensors:
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _gather_function().apply(x, flat)
+    return x.reshape(-1).index_select(0, flat.reshape(-1)).reshape(flat.shape)
+
+
+@functools.cache
+def _gather_function() -> Any:
+    import torch
+
+    class Gather(torch.autograd.Function):
+        """``x.flatten()[flat]``, differentiated by ``scatter_add_`` into x's positions."""
+
+        @staticmethod
+        def forward(x: Any, flat: Any) -> Any:
+            return x.reshape(-1).index_select(0, flat.reshape(-1)).reshape(flat.shape)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            x, flat = inputs
+            ctx.save_for_backward(flat)
+            ctx.shape = x.shape
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (flat,) = ctx.saved_tensors
+            total = grad.new_zeros(ctx.shape.numel())
+            total.scatter_add_(0, flat.reshape(-1), grad.reshape(-1))
+            return total.reshape(ctx.shape), None
+
+    return Gather
 
 
 def torch_score_vjp(score_mod: Callable[..., Any], params: tuple[Any, ...]) -> ScoreVjp:
-    """Return a block's ``score_mod`` and its VJP by ``torch.autograd.grad`` (:data:`ScoreVjp`)."""
+    """Return a block's ``score_mod`` and its VJP by ``torch.autograd.grad`` (:data:`ScoreVjp`).
+
+    The ``score_mod`` runs under :func:`_watch` (its gathers computed by :func:`_gathered`).
+    """
     import torch
 
     def score_vjp(scores: Any, *index: Any) -> tuple[Any, Any]:
-        with torch.enable_grad():
+        with torch.enable_grad(), _watch()():
             leaf = scores.detach().requires_grad_()
             modified = score_mod(leaf, *index)
 
@@ -187,9 +352,9 @@ class JaxScoreMod:
     constants are the parameters (`params`, the same for every shape), the other
     constants stay; the floating ones (`learned`) receive gradients. A ``score_mod``
     that closes over no traced array, or cannot be traced (Python logic on concrete
-    values, in an eager call), is kept as it is (`forms` empty). :meth:`bind` gives
-    the ``score_mod`` of other values of the parameters (a ``custom_vjp``'s own
-    arguments), :meth:`vjp` its per-block VJP.
+    values, in an eager call: `traceable` False), is kept as it is (`forms` empty).
+    :meth:`bind` gives the ``score_mod`` of other values of the parameters (a
+    ``custom_vjp``'s own arguments), :meth:`vjp` its per-block VJP.
     """
 
     original: Callable[..., Any]
@@ -197,6 +362,7 @@ class JaxScoreMod:
     forms: dict[tuple[int, int], tuple[Any, list[Any], tuple[tuple[int, int], ...]]]
     params: tuple[Any, ...]
     learned: tuple[int, ...]
+    traceable: bool = True
 
     @classmethod
     def of(cls, call: AttentionCall, blocks: Iterable[tuple[int, int]]) -> JaxScoreMod | None:
@@ -220,7 +386,7 @@ class JaxScoreMod:
             try:
                 closed = jax.make_jaxpr(score_mod)(scores, *index)
             except TypeError:  # Python logic on concrete values: it runs as it is
-                return cls(score_mod, {}, (), ())
+                return cls(score_mod, {}, (), (), traceable=False)
             slots = []
             for i, c in enumerate(closed.consts):
                 if isinstance(c, jax.core.Tracer):
@@ -296,17 +462,20 @@ def _torch_function() -> Any:
     class TiledAttention(torch.autograd.Function):
         # forward / setup_context / backward are written separately and the vmap rule
         # is generated, so torch.func.grad, jacrev and vmap can transform it too.
-        # Inputs: the call's arrays by `names`, then the score_mod's parameters.
+        # Inputs: the call's arrays by `names`, then the score_mod's parameters; `result`:
+        # the walk's (out, lse) where it ran before (with a score_mod), else None.
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(skeleton: Any, path: Any, names: Any, *tensors: Any) -> Any:
+        def forward(skeleton: Any, path: Any, names: Any, result: Any, *tensors: Any) -> Any:
+            if result is not None:  # the walk ran already (a score_mod's, watched)
+                return result
             call = skeleton.unflatten(dict(zip(names, tensors, strict=False)))
             return _forward(call, path)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            skeleton, path, names, *tensors = inputs
+            skeleton, path, names, _, *tensors = inputs
             ctx.set_materialize_grads(False)  # an unused output's cotangent stays None
             ctx.save_for_backward(*tensors[: len(names)], *output)
             ctx.skeleton, ctx.path, ctx.names = skeleton, path, names
@@ -317,8 +486,8 @@ def _torch_function() -> Any:
             *arrays, out, lse = ctx.saved_tensors
             names, params = ctx.names, ctx.params
             if dout is None and dlse is None:
-                return (None,) * (3 + len(names) + len(params))
-            wanted = ctx.needs_input_grad[3 : 3 + len(names)]
+                return (None,) * (4 + len(names) + len(params))
+            wanted = ctx.needs_input_grad[4 : 4 + len(names)]
             need = _differentiable(tuple(n for n, w in zip(names, wanted, strict=True) if w))
             call = ctx.skeleton.unflatten(dict(zip(names, arrays, strict=True)))
             score_vjp = None
@@ -326,7 +495,7 @@ def _torch_function() -> Any:
                 score_vjp = torch_score_vjp(call.terms.score_mod, params)
             g = _backward(call, ctx.path, (out, lse), (dout, dlse), need, score_vjp)
             d_params = g.get("score_params", (None,) * len(params))
-            return (None, None, None, *(g.get(n) for n in names), *d_params)
+            return (None, None, None, None, *(g.get(n) for n in names), *d_params)
 
     return TiledAttention
 
