@@ -121,6 +121,16 @@ def test_paged_against_oracle(backend, xp, name, invariant):
     assert np.all(backend.to_numpy(out)[-2:] == 0.0)  # padding rows
 
 
+def test_window_over_tiles_of_unequal_rows_against_oracle(backend, xp):
+    # the host plan sorted its tiles, then took a tile's last row from another tile's
+    # row count: a chunk whose keys a window hides in part was folded as seen whole
+    # (no mask) for a tile of 10 rows read as 2, 0.02 off
+    lengths = [524, 649, 683, 298]
+    pool = Pool(lengths, [2, 10, 10, 11], page_size=16, num_pages=142, seed=48)
+    out = ragged_paged_attention(*pool.args(backend), window=(423, 0))
+    assert_close(backend, out, pool.oracle(window=(423, 0))[0])
+
+
 def test_no_rows_or_no_requests(backend, xp):
     pool = Pool([5, 9], [2, 1])
     q, kp, vp, table, lengths, _ = pool.args(backend)
@@ -136,6 +146,13 @@ def test_no_rows_or_no_requests(backend, xp):
     )
     assert np.all(backend.to_numpy(out) == 0.0)
     assert np.all(backend.to_numpy(lse) == -np.inf)
+    # no request: every row is padding, nothing written (an IndexError before)
+    new_k, new_v = q[:, :HKV, :], q[:, :HKV, :DV]
+    k2, v2 = paged_kv_write(
+        kp, vp, empty, none, backend.asarray(np.zeros(1, np.int64)), new_k, new_v
+    )
+    np.testing.assert_array_equal(backend.to_numpy(k2), pool.key_pages)
+    np.testing.assert_array_equal(backend.to_numpy(v2), pool.value_pages)
 
 
 def test_half_precision_accumulates_in_float32(backend, xp):
@@ -171,14 +188,18 @@ def test_both_products_against_oracle(backend, xp, page_size, rows, monkeypatch)
     assert_close(backend, lse, expected_lse)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
 @pytest.mark.parametrize("name", ["causal", "window", "alibi+window-right"])
-def test_traced_plan_matches_the_oracle(backend, xp, name, monkeypatch):
+def test_traced_plan_matches_the_oracle(backend, xp, name, invariant, monkeypatch):
     # the walk over every chunk and as many tiles as the shapes allow, which jax.jit and
-    # torch's tracers take, run eagerly on every backend
+    # torch's tracers take, run eagerly on every backend (invariant: tiles from a
+    # multiple of their rows, a request's first and last tiles in part)
     monkeypatch.setattr(paged_driver, "has_concrete_values", lambda x: False)
     pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
     kw = OPTIONS[name]
-    out, lse = ragged_paged_attention(*pool.args(backend), return_lse=True, **_on(backend, kw))
+    out, lse = ragged_paged_attention(
+        *pool.args(backend), return_lse=True, batch_invariant=invariant, **_on(backend, kw)
+    )
     expected_out, expected_lse = pool.oracle(**kw)
     assert_close(backend, out, expected_out)
     assert_close(backend, lse, expected_lse)
@@ -301,6 +322,72 @@ def test_batch_invariant_rows_are_the_same_bits(backend, xp, jit):
     np.testing.assert_allclose(rows[0][0], expected, atol=1e-5, rtol=1e-5)
 
 
+_PROMPT, _NEW = 300, 48  # a request of 300 + 48 tokens, over two key chunks
+_SPLITS = {
+    "prefill": [_PROMPT + _NEW],
+    "chunks": [_PROMPT, 7, 1, 17, 23],
+    "decode": [_PROMPT] + [1] * _NEW,
+}
+
+
+def _fed(backend, splits, page_size, *, jit=False):
+    """The request's rows (out, lse) in float32 when fed in calls of `splits` new rows.
+
+    Each call also holds another request, before it, of a number of rows that changes
+    from call to call; the slots the request has not written yet hold NaN.
+    """
+    n = _PROMPT + _NEW
+    pool = Pool([n, 37], [1, 1], page_size=page_size, num_pages=2 * (n // page_size) + 12)
+    query = randn(n, HQ, DK, seed=11, dtype=np.float32)
+    fn = ragged_paged_attention
+    if jit:
+        import jax
+
+        fn = jax.jit(ragged_paged_attention, static_argnames=("batch_invariant", "return_lse"))
+    outs, lses, done = [], [], 0
+    for call, rows in enumerate(splits):
+        done += rows
+        other = call % 5  # the other request's new rows in this call
+        kp, vp = pool.key_pages.copy(), pool.value_pages.copy()
+        for pos in range(done, n):  # not written yet
+            page, slot = pool.table[0, pos // page_size], pos % page_size
+            kp[page, slot] = vp[page, slot] = np.nan
+        q = np.concatenate(
+            [randn(other, HQ, DK, seed=call, dtype=np.float32), query[done - rows : done]]
+        )
+        arrays = (
+            q,
+            kp.astype(np.float32),
+            vp.astype(np.float32),
+            pool.table[::-1],
+            np.array([37, done]),
+            np.array([0, other, other + rows]),
+        )
+        out, lse = fn(*(backend.asarray(a) for a in arrays), batch_invariant=True, return_lse=True)
+        outs.append(backend.to_numpy(out)[other:])
+        lses.append(backend.to_numpy(lse)[other:])
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+@pytest.mark.main_kinds
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("page_size", [4, 16])  # a tile's keys at once, or page by page
+@pytest.mark.parametrize("split", ["chunks", "decode"])
+def test_batch_invariant_chunks_and_decode_steps_equal_one_prefill(
+    backend, xp, split, page_size, jit
+):
+    # 300 + 48 tokens fed as a prompt and chunks of 7, 1, 17, 23, or as 48 decode steps:
+    # the same bits as one prefill of all 348, out and lse, whatever the CPU's BLAS kernel
+    # rounds by (OpenBLAS's Haswell kernel gave 2e-7 off, a row's bits by its place in
+    # the product: the tiles start at multiples of their rows now)
+    if jit and backend.family != "jax":
+        pytest.skip("jax.jit only")
+    out, lse = _fed(backend, _SPLITS[split], page_size, jit=jit)
+    expected_out, expected_lse = _fed(backend, _SPLITS["prefill"], page_size, jit=jit)
+    np.testing.assert_array_equal(out, expected_out)
+    np.testing.assert_array_equal(lse, expected_lse)
+
+
 @pytest.mark.autodiff
 def test_paged_gradients_match_central_differences(backend, xp):
     pool = Pool([5, 3], [2, 1], page_size=2, num_pages=6, fill=0.0, pad=1)
@@ -347,6 +434,142 @@ def test_paged_gradients_stay_finite_over_nan_slots(backend, xp):
         assert np.all(np.isfinite(g))
     assert np.all(gk[free] == 0.0)
     assert np.all(gv[free] == 0.0)
+
+
+_CLOSE = {"rtol": 1e-10, "atol": 1e-12}  # assert_close's float64 tolerance, on NumPy copies
+
+
+def _traced(monkeypatch):
+    """Take the walk and the checks that metadata without values takes (jax.jit, tracers)."""
+    import portable_attn.serving as serving
+
+    monkeypatch.setattr(paged_driver, "has_concrete_values", lambda x: False)
+    monkeypatch.setattr(serving, "has_concrete_values", lambda x: False)
+
+
+@pytest.mark.autodiff
+@pytest.mark.parametrize("plan", ["host", "traced"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("nan_in", ["request", "padding"])
+def test_a_nan_query_row_reaches_no_other_request(
+    backend, xp, nan_in, invariant, plan, monkeypatch
+):
+    # request 0 (3 new rows) is packed before request 1 (5 rows) and request 2 (2 rows)
+    # before 3 padding rows: their tiles have slots to spare, which held the next packed
+    # rows (0 · NaN in the backward made request 0's or 2's page gradients NaN)
+    if plan == "traced":
+        _traced(monkeypatch)
+    pool = Pool([7, 9, 6], [3, 5, 2], page_size=4, num_pages=12, pad=3)
+    pool.table[1, 3] = pool.table[0, 0]  # past request 1's length: a page of request 0
+    nan_row = 3 if nan_in == "request" else 11
+    weights = backend.asarray(randn(pool.query.shape[0], HQ, DV, seed=4))
+    meta = tuple(backend.asarray(m) for m in (pool.table, pool.lengths, pool.starts))
+
+    def loss(q, k, v, sinks, scale):
+        out = ragged_paged_attention(
+            q, k, v, *meta, sinks=sinks, scale=scale, batch_invariant=invariant
+        )
+        return xp.sum(out * weights)
+
+    def grads(query):
+        args = (query, pool.key_pages, pool.value_pages, randn(HQ, seed=5), np.asarray(0.3))
+        return [backend.to_numpy(g) for g in backend.grad(loss, *map(backend.asarray, args))]
+
+    clean = grads(pool.query)
+    query = pool.query.copy()
+    query[nan_row, 1, 2] = np.nan
+    dirty = grads(query)
+    # pool slots of requests 0 and 2, and their query rows: the same gradients
+    slots = np.zeros(pool.key_pages.shape[:2], dtype=bool)  # (P, page_size)
+    for r in (0, 2):
+        for t in range(pool.lengths[r]):
+            slots[pool.table[r, t // 4], t % 4] = True
+    rows = np.r_[0:3, 8:10]
+    for g, c in ((dirty[1], clean[1]), (dirty[2], clean[2])):
+        assert np.all(np.isfinite(g[slots]))
+        np.testing.assert_allclose(g[slots], c[slots], **_CLOSE)
+    np.testing.assert_allclose(dirty[0][rows], clean[0][rows], **_CLOSE)
+    if nan_in == "padding":  # nothing reads it: every gradient as without the NaN
+        for g, c in zip(dirty, clean, strict=True):
+            np.testing.assert_allclose(g, c, **_CLOSE)
+
+
+_WRONG_METADATA = {
+    # request 1 uses logical pages 0..2: page 16 of a 16-page pool, or -1
+    "page past the pool": ("table", (1, 2), 16),
+    "negative page": ("table", (1, 2), -1),
+    "length above the table": ("lengths", 1, 17),  # max_pages * page_size = 16
+    "length below the rows": ("lengths", 1, 3),  # 5 new rows
+}
+
+
+def _wrong(name):
+    pool = Pool([7, 9, 6], [3, 5, 2], page_size=4, num_pages=16, fill=0.0, order=range(16))
+    what, at, value = _WRONG_METADATA[name]
+    getattr(pool, what)[at] = value
+    return pool
+
+
+@pytest.mark.parametrize("name", list(_WRONG_METADATA))
+def test_wrong_metadata_without_values_gives_nan_rows_of_its_request(
+    backend, xp, name, monkeypatch
+):
+    # no error can be raised on traced metadata: the request's rows come out NaN, never
+    # another page's keys (page 16 read page 15, request 2's), the others as the oracle
+    _traced(monkeypatch)
+    pool = _wrong(name)
+    out, lse = ragged_paged_attention(*pool.args(backend), return_lse=True)
+    out, lse = backend.to_numpy(out), backend.to_numpy(lse)
+    assert np.all(np.isnan(out[3:8]))
+    assert np.all(np.isnan(lse[3:8]))
+    pool.lengths[1], pool.table[1] = 9, pool.table[0]  # any metadata that fits
+    expected_out, expected_lse = pool.oracle()
+    others = np.r_[0:3, 8 : pool.query.shape[0]]
+    np.testing.assert_allclose(out[others], expected_out[others], **_CLOSE)
+    np.testing.assert_allclose(lse[others], expected_lse[others], **_CLOSE)
+
+
+@pytest.mark.backends("jax", reason="jax.jit with traced metadata")
+@pytest.mark.parametrize("name", [*_WRONG_METADATA, "starts past the rows", "starts decrease"])
+def test_wrong_metadata_under_jit_gives_nan_rows(backend, xp, name):
+    import jax
+
+    if name.startswith("starts"):
+        pool = _wrong("page past the pool")
+        pool.table[1, 2] = pool.table[0, 2]
+        pool.starts[1:] = [3, 8, 30] if name == "starts past the rows" else [3, 2, 10]
+        bad = np.arange(pool.query.shape[0])  # the packing itself: every row
+    else:
+        pool, bad = _wrong(name), np.arange(3, 8)
+    call = jax.jit(lambda *a: ragged_paged_attention(*a, return_lse=True))
+    out, lse = (backend.to_numpy(x) for x in call(*pool.args(backend)))
+    assert np.all(np.isnan(out[bad]))
+    assert np.all(np.isnan(lse[bad]))
+    assert np.all(np.isfinite(np.delete(out, bad, axis=0)))
+    with pytest.raises(ValueError, match=r"page_table|kv_lengths|q_starts"):
+        ragged_paged_attention(*pool.args(backend))  # eager: the precise error
+
+
+@pytest.mark.backends("jax", reason="jax.jit with traced metadata")
+@pytest.mark.parametrize("name", ["page past the pool", "negative page", "length above the table"])
+def test_write_under_jit_with_wrong_metadata_changes_no_other_page(backend, xp, name):
+    import jax
+
+    pool = _wrong(name)
+    q, kp, vp, table, lengths, starts = pool.args(backend)
+    new_k = backend.asarray(randn(q.shape[0], HKV, DK, seed=5))
+    new_v = backend.asarray(randn(q.shape[0], HKV, DV, seed=6))
+    k2, v2 = jax.jit(paged_kv_write)(kp, vp, table, lengths, starts, new_k, new_v)
+    # requests 0 and 2 written as with metadata that fits, request 1 not at all
+    starts_np = pool.starts.copy()
+    starts_np[2:] -= 5
+    keep = np.r_[0:3, 8 : q.shape[0]]
+    fits = (pool.table[[0, 2]], pool.lengths[[0, 2]], starts_np[[0, 1, 3]])
+    expected = paged_kv_write(
+        kp, vp, *map(backend.asarray, fits), new_k[keep, ...], new_v[keep, ...]
+    )
+    np.testing.assert_array_equal(backend.to_numpy(k2), backend.to_numpy(expected[0]))
+    np.testing.assert_array_equal(backend.to_numpy(v2), backend.to_numpy(expected[1]))
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ._lib._compat import (
     has_concrete_values,
     library_name,
     on_device,
+    result_type,
     to_host,
 )
 from ._lib._route import library
@@ -104,10 +105,12 @@ def ragged_paged_attention(
         its tokens were split across calls (a prefill, chunks, decode steps), on one
         backend and device (under ``jax.jit`` across programs compiled for other
         ``T`` and ``R`` too). Every call's key chunks are the same; the flag also
-        fixes the rows of a tile per model (``ceil(16 / G)``), so the matrix products
-        have the same shapes in every call (a CPU's matrix product rounds a row
-        differently with the number of rows it holds). Without it a tile holds the
-        mean rows per request (one when decoding, up to 128), faster, and results may
+        fixes the rows of a tile per model (``ceil(16 / G)``) and starts each tile at
+        a multiple of them among its request's positions, so the matrix products have
+        the same shapes in every call and a row sits at the same place in them (a
+        CPU's matrix product rounds a row by the product's shape and by the row's
+        place in it: OpenBLAS's AVX2 kernels do). Without it a tile holds the mean
+        rows per request (one when decoding, up to 128), faster, and results may
         differ in the last bits.
 
     Returns
@@ -127,6 +130,15 @@ def ragged_paged_attention(
     metadata on the host (NumPy, torch, JAX outside ``jit``) the loop bounds are read
     there once per call; under ``jax.jit`` the metadata stays traced and a chunk no
     row may see is skipped by value (``T``, ``R``, ``P`` and ``max_pages`` are static).
+    Metadata is checked where it has values (a precise :class:`ValueError`: a page
+    outside the pool that a request uses, a length below its new rows or above
+    ``max_pages * page_size``, `q_starts` not a packing). Where it is traced (``jax.jit``,
+    torch tracers) no error can be raised: the rows of a request whose metadata is
+    wrong come out NaN, out and lse (every row, padding included, when `q_starts` is
+    wrong), and no other request's rows read the pages it names.
+    A query row reaches only its own request's results and gradients (the other
+    rows of a tile are zeros, never another request's rows or padding), so a NaN
+    there makes no other request's values or key/value gradients NaN.
     Differentiable with respect to `query`, the pools, `scale`, `softcap`, `sinks`
     and `alibi_slopes` (torch autograd, ``jax.grad``), by automatic differentiation
     through the walk.
@@ -170,7 +182,7 @@ def ragged_paged_attention(
         alibi_slopes=alibi_slopes,
     )
     _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
-    dtype = xp.result_type(query.dtype, key_pages.dtype, value_pages.dtype)
+    dtype = result_type(xp, query.dtype, key_pages.dtype, value_pages.dtype)
     compute = compute_dtype_of(xp, dtype)
     problem = _paged.PagedProblem(
         num_tokens=t,
@@ -181,6 +193,7 @@ def ragged_paged_attention(
         num_kv_heads=hkv,
         value_dim=dv,
         rows=_paged.tile_rows(t, n_req, hq // hkv, batch_invariant),
+        aligned=batch_invariant,
         is_causal=is_causal,
         left=left,
         right=right,
@@ -223,7 +236,10 @@ def paged_kv_write(
     **This function writes into the arrays it is given** where the library's arrays
     are mutable (NumPy, torch, CuPy: the pools returned are the pools given). Under
     JAX it is functional (``.at[].set``), and in place when the pools are donated to
-    ``jax.jit``; other libraries (array-api-strict) get new pools.
+    ``jax.jit``; other libraries (array-api-strict) get new pools. Metadata with
+    values is checked as in :func:`ragged_paged_attention`; under ``jax.jit`` the
+    rows of a request whose metadata is wrong (a page outside the pool, a length that
+    does not fit) are not written, and no other page changes.
 
     Parameters
     ----------
@@ -259,7 +275,7 @@ def paged_kv_write(
             "new_values",
         ),
     )
-    n_pages, page_size, _, _, _, max_pages = _check_paged(
+    n_pages, page_size, _, _, n_req, max_pages = _check_paged(
         xp, key_pages, value_pages, page_table, kv_lengths, q_starts
     )
     t = _check_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
@@ -279,9 +295,9 @@ def paged_kv_write(
         new_values=new_values,
     )
     _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
-    if t == 0:
+    if t == 0 or n_req == 0:  # no row, or every row padding
         return key_pages, value_pages
-    page, slot, valid = _slots(xp, page_table, kv_lengths, q_starts, t, page_size)
+    page, slot, valid = _slots(xp, page_table, kv_lengths, q_starts, t, n_pages, page_size)
     new_k = xp.astype(new_keys, key_pages.dtype)
     new_v = xp.astype(new_values, value_pages.dtype)
     write = _WRITERS.get(library_name(key_pages), _write_functional)
@@ -403,7 +419,7 @@ def varlen_attention(
         def score_mod(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
             slope = xp.reshape(xp.astype(alibi_slopes, scores.dtype), (-1, 1, 1))
             dist = xp.astype(xp.abs(rows(qi, pos_q) - rows(ki, pos_k)), scores.dtype)
-            return scores - slope * dist
+            return scores - slope * dist[None, ...]  # (Hq, bq, bk): no rank promotion
 
     structured = is_causal or left is not None or right is not None
     result = scaled_dot_product_attention(
@@ -438,10 +454,18 @@ def _segments(xp: Any, starts: Any, length: int, pad_id: int) -> tuple[Any, Any]
 
 
 def _slots(
-    xp: Any, page_table: Any, kv_lengths: Any, q_starts: Any, t: int, page_size: int
+    xp: Any, page_table: Any, kv_lengths: Any, q_starts: Any, t: int, n_pages: int, page_size: int
 ) -> tuple[Any, Any, Any]:
-    """Physical page and slot of each new row (T,), and whether it is written."""
-    req, valid, idx = _paged.owners(xp, q_starts[1:], t, device(q_starts))
+    """Physical page and slot of each new row (T,), and whether it is written.
+
+    Padding rows are not written, nor the rows of a request whose metadata is wrong
+    (traced metadata, which the eager checks could not refuse: never another page).
+    """
+    req, inside, idx = _paged.owners(xp, q_starts[1:], t, device(q_starts))
+    faulty = _paged.faulty_rows(
+        xp, q_starts, kv_lengths, page_table, t, n_pages, page_size, device(q_starts)
+    )
+    valid = xp.logical_and(inside, xp.logical_not(faulty))
     n_r = xp.take(q_starts, req + 1) - xp.take(q_starts, req)
     pos = xp.take(kv_lengths, req) - n_r + (idx - xp.take(q_starts, req))
     pos = xp.where(valid, pos, 0)
@@ -625,7 +649,7 @@ def _check_starts(name: str, starts: Any, limit: int) -> Any:
     import numpy as np
 
     v = np.asarray(to_host(starts), dtype=np.int64)
-    if v[0] != 0 or np.any(np.diff(v) < 0) or v[-1] > limit:
+    if _paged.starts_fault(np, v, limit):
         msg = (
             f"`{name}` must start at 0, never decrease and end at most at {limit} (axis 0 of "
             f"the packed array), but got {v.tolist()}"
@@ -650,22 +674,21 @@ def _check_metadata(
     if starts is None or not has_concrete_values(kv_lengths):
         return
     lengths = np.asarray(to_host(kv_lengths), dtype=np.int64)
-    rows = np.diff(starts)
-    capacity = max_pages * page_size
-    bad = np.nonzero((lengths < rows) | (lengths > capacity))[0]
+    known = has_concrete_values(page_table)
+    table = np.asarray(to_host(page_table) if known else np.zeros(page_table.shape), np.int64)
+    _, bad_lengths, wrong = _paged.metadata_faults(
+        array_namespace(kv_lengths=lengths), starts, lengths, table, t, n_pages, page_size, None
+    )
+    bad = np.nonzero(bad_lengths)[0]
     if len(bad):
         r = int(bad[0])
+        rows = np.diff(starts)
         msg = (
             f"`kv_lengths`[{r}] = {lengths[r]} must be at least the request's {rows[r]} new "
-            f"row(s) (`q_starts`) and at most max_pages * page_size = {capacity}"
+            f"row(s) (`q_starts`) and at most max_pages * page_size = {max_pages * page_size}"
         )
         raise ValueError(msg)
-    if not has_concrete_values(page_table):
-        return
-    table = np.asarray(to_host(page_table), dtype=np.int64)
-    used = np.arange(max_pages)[None, :] < -(-lengths[:, None] // page_size)
-    wrong = used & ((table < 0) | (table >= n_pages))
-    if wrong.any():
+    if known and wrong.any():
         r, j = (int(i) for i in np.argwhere(wrong)[0])
         msg = (
             f"`page_table`[{r}, {j}] = {table[r, j]} is not a page of the pool (0 <= page < "

@@ -8,18 +8,26 @@ chunk ``j`` holds the key positions ``[j·bk, (j+1)·bk)`` of every request. At 
 chunk the pages of every tile are gathered (``take`` over the pool, ``O(tiles · bk)``
 memory, never a request's whole cache), scored against the tile's rows and folded
 into the tile's online softmax. Keys past a request's length are zeroed before use,
-so whatever a pool slot holds (NaN included) never reaches a result or a gradient.
+so whatever a pool slot holds (NaN included) never reaches a result or a gradient, and
+a tile's slots that hold no row of its request are zero queries, so a query row
+(NaN included) reaches only its own request's results and gradients.
 
-Why results do not depend on the batch: a row's scores and ``P @ V`` are matrix
-products whose shapes are a tile's (``Hkv`` batches of ``G · rows`` by ``bk``), whatever
-the call; a library's matmul gives the same bits for the same shapes, whatever the
-number of tiles batched with it (NumPy, torch and XLA CPU, checked by
-``tests/test_serving.py``). A chunk that shows a row no key leaves its state exactly
-as it was (``max(m, -inf) = m``, ``exp(0) = 1``, ``+ 0``), so visiting or skipping
-it, which depends on the other requests, changes no bit. With ``rows`` fixed per
-model (:func:`tile_rows`), a row's bits depend only on its own keys and position.
-Where a compiler sums a fused reduction in an order that depends on the program (XLA),
-the sums are products with ones too (``PagedProblem.sums_by_product``).
+Why results do not depend on the batch (``batch_invariant``): a row's scores and
+``P @ V`` are matrix products whose shapes are a tile's (``Hkv`` batches of ``G · rows``
+by ``bk``), the same in every call with ``rows`` fixed per model (:func:`tile_rows`),
+and the row's place in them is fixed too: its key chunks start at multiples of ``bk``,
+and its tile at a multiple of ``rows`` among its request's positions
+(``PagedProblem.aligned``), so a row at position ``p`` is always row ``p % rows`` of its
+products. Same shapes are not enough: a BLAS kernel computes a product's rows in
+panels, and a row's bits may depend on its panel (OpenBLAS's Haswell ``sgemm``, the one
+it picks on AVX2 CPUs, rounds rows 0-5, 6-11 and 12-15 of a (16, 8) @ (8, 256) product
+three ways). The other rows of a tile are zeros (never another request's rows), and a
+row of a product does not depend on the values of the others. A chunk that shows a
+row no key leaves its state exactly as it was (``max(m, -inf) = m``, ``exp(0) = 1``,
+``+ 0``), so visiting or skipping it, which depends on the other requests, changes no
+bit: a row's bits depend only on its own keys and position. Where a compiler sums a
+fused reduction in an order that depends on the program (XLA), the sums are products
+with ones too (``PagedProblem.sums_by_product``).
 
 The walk's arithmetic is array-API functions only; the host plan
 (:func:`host_tiles`, :class:`HostWalk`) is NumPy on small integer metadata, and the
@@ -46,11 +54,14 @@ __all__ = [
     "Tiles",
     "bounded_tiles",
     "finish",
+    "faulty_rows",
     "head_rows",
     "host_tiles",
+    "metadata_faults",
     "owners",
     "row_positions",
     "start",
+    "starts_fault",
     "step",
     "tile_queries",
     "tile_rows",
@@ -64,8 +75,9 @@ batch invariance needs. 256 keys: the decode step over 32 requests (Hkv=8, D=128
 gathers 8 MiB of keys per chunk and the Python loop stays short."""
 
 INVARIANT_MATMUL_ROWS = 16
-"""With ``batch_invariant=True``, a tile holds ``ceil(16 / G)`` rows: the matrix
-products are ``G · rows`` by ``bk``, the same for every call of the model."""
+"""With ``batch_invariant=True``, a tile holds ``ceil(16 / G)`` rows, from a multiple of
+them among its request's positions: the matrix products are ``G · rows`` by ``bk``, the
+same for every call of the model, and a row's place in them is its position's."""
 
 MAX_TILE_ROWS = 128
 """Without it, a tile holds the mean rows per request rounded up to a power of two, at
@@ -100,6 +112,7 @@ class PagedProblem:
     softcap: Any  # None, float or 0-d array
     compute_dtype: Any
     device: Any
+    aligned: bool = False  # tiles start at multiples of `rows` among a request's positions
     head_major: bool = False  # the pools given to the walk are (P, Hkv, page_size, D) views
     sums_by_product: bool = False  # sums as products with ones (Library.sums_by_program)
 
@@ -137,16 +150,19 @@ class PagedProblem:
 class Tiles(NamedTuple):
     """Which rows each tile holds, and where each packed row's result is.
 
-    ``request`` (N,), ``first`` (N,) the tile's first packed row, ``count`` (N,) its
-    rows (0 for a tile that holds none), ``first_chunk``/``last_chunk`` (N,) the key
-    chunks its rows may see (empty when ``first > last``), and ``source`` (T,) the
-    index of packed row ``t`` in the tiles' rows (``tile · rows + i``), with ``valid``
-    (T,) False for padding rows.
+    ``request`` (N,); ``first`` (N,) the packed row of the tile's slot 0, which may lie
+    before its request's rows (``PagedProblem.aligned``: slot ``i`` is position
+    ``p0 + i``, ``p0`` a multiple of ``rows``); ``begin``/``end`` (N,) the packed rows
+    it holds (``begin == end`` for a tile that holds none); ``first_chunk``/
+    ``last_chunk`` (N,) the key chunks its rows may see (empty when ``first > last``);
+    and ``source`` (T,) the index of packed row ``t`` in the tiles' slots
+    (``tile · rows + i``), with ``valid`` (T,) False for padding rows.
     """
 
     request: Any
     first: Any
-    count: Any
+    begin: Any
+    end: Any
     first_chunk: Any
     last_chunk: Any
     source: Any
@@ -170,6 +186,11 @@ def _chunk_range(
     return xp.floor_divide(first, bk), xp.floor_divide(last, bk)
 
 
+def _lead(xp: Any, p: PagedProblem, first_pos: Any) -> Any:
+    """Slots before a request's first new row (at `first_pos`) in its first tile."""
+    return first_pos % p.rows if p.aligned else xp.zeros_like(first_pos)
+
+
 def owners(xp: Any, ends: Any, length: int, device: Any) -> tuple[Any, Any, Any]:
     """Which part each of ``0 .. length-1`` falls in, parts ending at `ends` (R,).
 
@@ -188,28 +209,34 @@ def bounded_tiles(
 ) -> Tiles:
     """Return the tiles in request order, as many as any call of these shapes can need.
 
-    ``sum_r ceil(n_r / rows) <= (T + R·(rows - 1)) // rows`` tiles (at most ``T``), by
-    array operations only: the metadata may be traced (``jax.jit``).
+    A request of ``n`` rows takes ``ceil((lead + n) / rows)`` tiles (``lead < rows``
+    slots before its first row when aligned, else 0): at most ``T`` tiles, and at most
+    ``(T + R·(rows - 1)) // rows`` (``(T + 2·R·(rows - 1)) // rows`` aligned), by array
+    operations only: the metadata may be traced (``jax.jit``).
     """
     t, rows = p.num_tokens, p.rows
-    n_tiles = max(1, min(t, (t + num_requests * (rows - 1)) // rows))
-    counts = q_starts[1:] - q_starts[:-1]  # (R,)
-    per_request = xp.floor_divide(counts + (rows - 1), rows)  # tiles of each request
+    spare = num_requests * (rows - 1) * (2 if p.aligned else 1)
+    n_tiles = max(1, min(t, (t + spare) // rows))
+    counts = xp.clip(q_starts[1:] - q_starts[:-1], 0, None)  # (R,)
+    lead = _lead(xp, p, kv_lengths - counts)  # (R,)
+    per_request = xp.where(counts > 0, xp.floor_divide(lead + counts + (rows - 1), rows), 0)
     ends = xp.cumulative_sum(per_request)  # (R,)
     starts = ends - per_request
     req, real, i = owners(xp, ends, n_tiles, p.device)  # (N,)
-    first = xp.take(q_starts, req) + (i - xp.take(starts, req)) * rows
-    count = xp.where(real, xp.clip(xp.take(q_starts, req + 1) - first, 0, rows), 0)
+    q0, q1 = xp.take(q_starts, req), xp.take(q_starts, req + 1)
+    first = q0 - xp.take(lead, req) + (i - xp.take(starts, req)) * rows
+    begin = xp.where(real, xp.maximum(first, q0), q0)
+    end = xp.where(real, xp.maximum(xp.minimum(first + rows, q1), begin), begin)
     kv = xp.take(kv_lengths, req)
-    pos0 = kv - xp.take(counts, req) + (first - xp.take(q_starts, req))
-    lo, hi = _chunk_range(xp, p, pos0, pos0 + count - 1, kv)
-    hi = xp.where(count > 0, hi, -1)
-    # packed row -> (tile, offset)
+    pos0 = kv - xp.take(counts, req) - q0  # + a packed row: its position
+    lo, hi = _chunk_range(xp, p, pos0 + begin, pos0 + end - 1, kv)
+    hi = xp.where(end > begin, hi, -1)
+    # packed row -> (tile, slot)
     row_req, valid, r_all = owners(xp, q_starts[1:], t, p.device)
-    within = r_all - xp.take(q_starts, row_req)
-    tile = xp.take(starts, row_req) + xp.floor_divide(within, rows)
-    source = xp.where(valid, tile * rows + within % rows, 0)
-    return Tiles(req, first, count, lo, hi, source, valid)
+    slot = r_all - xp.take(q_starts, row_req) + xp.take(lead, row_req)
+    tile = xp.take(starts, row_req) + xp.floor_divide(slot, rows)
+    source = xp.where(valid, tile * rows + slot % rows, 0)
+    return Tiles(req, first, begin, end, lo, hi, source, valid)
 
 
 class HostWalk(NamedTuple):
@@ -257,42 +284,41 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     q_starts = np.asarray(q_starts, dtype=np.int64)
     kv_lengths = np.asarray(kv_lengths, dtype=np.int64)
     rows = p.rows
+    counts = np.diff(q_starts)
+    lead = _lead(np, p, kv_lengths - counts)
     req, first = [], []
-    for r in range(len(kv_lengths)):
-        for s in range(int(q_starts[r]), int(q_starts[r + 1]), rows):
+    for r in np.nonzero(counts > 0)[0].tolist():
+        for s in range(int(q_starts[r] - lead[r]), int(q_starts[r + 1]), rows):
             req.append(r)
             first.append(s)
+    if not req:  # one tile that holds nothing
+        req, first = [0], [0]
     req_a = np.asarray(req, dtype=np.int64)
     first_a = np.asarray(first, dtype=np.int64)
-    if len(req_a) == 0:
-        req_a = np.zeros(1, dtype=np.int64)
-        first_a = np.zeros(1, dtype=np.int64)
-        count = np.zeros(1, dtype=np.int64)
-    else:
-        count = np.minimum(q_starts[req_a + 1] - first_a, rows)
+    begin = np.minimum(np.maximum(first_a, q_starts[req_a]), q_starts[req_a + 1])
+    end = np.maximum(np.minimum(first_a + rows, q_starts[req_a + 1]), begin)
     kv = kv_lengths[req_a]
-    pos0 = kv - (q_starts[req_a + 1] - q_starts[req_a]) + (first_a - q_starts[req_a])
-    lo, hi = _chunk_range(np, p, pos0, pos0 + count - 1, kv)
-    hi = np.where(count > 0, hi, -1)
-    pos0 = np.asarray(pos0)
+    pos0 = kv - counts[req_a] - q_starts[req_a]  # + a packed row: its position
+    first_pos, last_pos = pos0 + begin, pos0 + np.maximum(end, begin + 1) - 1
+    lo, hi = _chunk_range(np, p, first_pos, last_pos, kv)
+    hi = np.where(end > begin, hi, -1)
     # longest walks first (the active tiles of a chunk are then a range, mostly a prefix),
     # and among equal walks the longest requests first (those that fill the chunk)
     order = np.lexsort((-kv, -hi))
-    req_a, first_a, count, lo, hi, kv = (a[order] for a in (req_a, first_a, count, lo, hi, kv))
+    req_a, first_a, begin, end, lo, hi, kv, first_pos, last_pos = (
+        np.asarray(a)[order] for a in (req_a, first_a, begin, end, lo, hi, kv, first_pos, last_pos)
+    )
     t = p.num_tokens
     source = np.zeros(t, dtype=np.int64)
     valid = np.zeros(t, dtype=bool)
     for idx in range(len(req_a)):
-        n = int(count[idx])
-        source[first_a[idx] : first_a[idx] + n] = idx * rows + np.arange(n)
-        valid[first_a[idx] : first_a[idx] + n] = True
+        b0, b1 = int(begin[idx]), int(end[idx])
+        source[b0:b1] = idx * rows + np.arange(b0 - first_a[idx], b1 - first_a[idx])
+        valid[b0:b1] = True
     kw = on_device(p.device)
-    arrays = [xp.asarray(a, **kw) for a in (req_a, first_a, count, lo, hi, source, valid)]
-    tiles = Tiles(*arrays)
-    first_pos = pos0
-    last_pos = pos0 + np.maximum(count, 1) - 1
-    walk = HostWalk(lo, hi, kv, first_pos[order], last_pos[order])
-    return tiles, walk
+    arrays = (req_a, first_a, begin, end, lo, hi, source, valid)
+    tiles = Tiles(*(xp.asarray(a, **kw) for a in arrays))
+    return tiles, HostWalk(lo, hi, kv, first_pos, last_pos)
 
 
 class PagedState(NamedTuple):
@@ -315,16 +341,23 @@ def start(xp: Any, p: PagedProblem, n_tiles: int) -> PagedState:
 
 
 def tile_queries(xp: Any, p: PagedProblem, query: Any, tiles: Tiles) -> tuple[Any, Any]:
-    """``scale · Q`` of every tile as (N, Hkv, rows·G, Dk), and the row offsets (rows,)."""
+    """``scale · Q`` of every tile as (N, Hkv, rows·G, Dk), and the row offsets (rows,).
+
+    A slot that holds no row of the tile's request is a zero query: never another
+    request's row or a padding row, whose NaN would reach this tile's keys' gradients
+    (``0 · NaN`` in the backward), and the same zeros in every call (batch invariance).
+    """
     rows, hkv, g = p.rows, p.num_kv_heads, p.groups
     n = tiles.request.shape[0]
     t, _, dk = query.shape
     offs = arange(xp, 0, rows, p.device)
     offs = xp.astype(offs, tiles.first.dtype)
-    idx = xp.clip(tiles.first[:, None] + offs[None, :], 0, max(t - 1, 0))  # (N, rows)
+    idx = tiles.first[:, None] + offs[None, :]  # (N, rows)
+    held = xp.logical_and(idx >= tiles.begin[:, None], idx < tiles.end[:, None])
+    idx = xp.clip(idx, 0, max(t - 1, 0))
     q = xp.take(query, xp.reshape(idx, (-1,)), axis=0)  # (N·rows, Hq, Dk)
-    q = xp.astype(q, p.compute_dtype, copy=False) * p.scale
-    q = xp.reshape(q, (n, rows, hkv, g, dk))
+    q = xp.where(xp.reshape(held, (-1, 1, 1)), xp.astype(q, p.compute_dtype, copy=False), 0.0)
+    q = xp.reshape(q * p.scale, (n, rows, hkv, g, dk))
     q = xp.reshape(xp.permute_dims(q, (0, 2, 1, 3, 4)), (n, hkv, rows * g, dk))
     return q, offs
 
@@ -334,8 +367,8 @@ def row_positions(
 ) -> Any:
     """Positions of the tiles' rows among their requests' keys, (N, 1, rows·G, 1).
 
-    A tile's rows past its `count` are computed like the others (on a copy of a real
-    row) and never read: :func:`finish` takes only the rows the tiles hold.
+    A tile's slots that hold no row are computed like the others (zero queries) and
+    never read: :func:`finish` takes only the rows the tiles hold.
     """
     req = tiles.request
     kv = xp.take(kv_lengths, req)
@@ -455,12 +488,77 @@ def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
     return xp.reshape(x, (n, 1, p.num_kv_heads, p.chunk_keys, -1))
 
 
+def starts_fault(xp: Any, starts: Any, limit: int) -> Any:
+    """Whether `starts` (R + 1,) is not a packing: 0 first, nondecreasing, at most `limit`."""
+    return xp.logical_or(
+        xp.logical_or(starts[0] != 0, starts[-1] > limit),
+        xp.any(starts[1:] < starts[:-1]),
+    )
+
+
+def metadata_faults(
+    xp: Any,
+    q_starts: Any,
+    kv_lengths: Any,
+    page_table: Any,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+    device: Any,
+) -> tuple[Any, Any, Any]:
+    """Return what is wrong with a paged call's metadata, by array operations (traced or not).
+
+    Returns whether `q_starts` is not a packing of ``num_tokens`` rows (0-d), whether
+    each request's length does not fit its rows and its table (R,), and whether each
+    page a request uses is not a page of the pool (R, max_pages).
+    """
+    max_pages = page_table.shape[1]
+    rows = q_starts[1:] - q_starts[:-1]
+    lengths = xp.logical_or(kv_lengths < rows, kv_lengths > max_pages * page_size)
+    n_used = xp.floor_divide(kv_lengths + (page_size - 1), page_size)
+    logical = xp.astype(arange(xp, 0, max_pages, device), n_used.dtype)
+    used = logical[None, :] < n_used[:, None]
+    outside = xp.logical_or(page_table < 0, page_table >= num_pages)
+    pages = xp.logical_and(used, outside)
+    return starts_fault(xp, q_starts, num_tokens), lengths, pages
+
+
+def faulty_rows(
+    xp: Any,
+    q_starts: Any,
+    kv_lengths: Any,
+    page_table: Any,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+    device: Any,
+) -> Any:
+    """Return the packed rows (T,) whose request's metadata is wrong (all: a wrong packing).
+
+    For metadata without values (``jax.jit``), where no error can be raised: these rows
+    come out NaN (:func:`finish`) and are not written (``paged_kv_write``).
+    """
+    packing, lengths, pages = metadata_faults(
+        xp, q_starts, kv_lengths, page_table, num_tokens, num_pages, page_size, device
+    )
+    wrong = xp.logical_or(lengths, xp.any(pages, axis=1))
+    req, inside, _ = owners(xp, q_starts[1:], num_tokens, device)
+    return xp.logical_or(packing, xp.logical_and(inside, xp.take(wrong, req)))
+
+
 def finish(
-    xp: Any, p: PagedProblem, state: PagedState, tiles: Tiles, sinks: Any | None, dtype: Any
+    xp: Any,
+    p: PagedProblem,
+    state: PagedState,
+    tiles: Tiles,
+    sinks: Any | None,
+    dtype: Any,
+    faulty: Any | None = None,
 ) -> tuple[Any, Any]:
     """Normalise the tiles' rows and put them back in packed order: (T, Hq, Dv), (T, Hq).
 
     Padding rows are zeros with lse ``-inf``; a row that sees no key (and no sink) too.
+    The rows `faulty` (T,) marks (:func:`faulty_rows`) are NaN, out and lse.
     """
     m, l_sum, acc = (x[:, 0, ...] for x in state)
     denominator = safe_denominator(xp, l_sum)
@@ -479,4 +577,7 @@ def finish(
     valid = tiles.valid
     out = xp.where(valid[:, None, None], out, 0.0)
     lse = xp.where(valid[:, None], lse, -xp.inf)
+    if faulty is not None:
+        out = xp.where(faulty[:, None, None], xp.nan, out)
+        lse = xp.where(faulty[:, None], xp.nan, lse)
     return xp.astype(out, dtype, copy=False), lse

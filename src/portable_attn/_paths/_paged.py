@@ -10,6 +10,8 @@ Two forms of one walk:
 - traced metadata (``jax.jit``): as many tiles as the shapes allow, and a
   ``lax.fori_loop`` over every chunk of the page table whose body is a ``lax.cond``
   that skips, by value, a chunk no tile may see. Differentiable (``jax.grad``).
+  Metadata that the eager checks would refuse (a page outside the pool, a length
+  that does not fit) makes its request's rows NaN (:func:`~._paged.faulty_rows`).
 
 Gradients elsewhere are the library's autodiff through the walk (torch autograd).
 """
@@ -69,7 +71,12 @@ def paged_attention(
     else:  # traced by torch: every chunk, every tile
         for j in range(p.num_chunks):
             state = fold(j, state)
-    return _paged.finish(xp, p, state, tiles, sinks, dtype)
+    # no error can be raised on traced metadata: the rows of requests whose metadata is
+    # wrong come out NaN (the pages they name were read clipped, never shown to others)
+    faulty = _paged.faulty_rows(
+        xp, q_starts, kv_lengths, page_table, p.num_tokens, p.num_pages, p.page_size, p.device
+    )
+    return _paged.finish(xp, p, state, tiles, sinks, dtype, faulty)
 
 
 def _host_walk(
