@@ -7,7 +7,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import assert_close, check, qkv, run
+from _helpers import assert_close, check, qkv, randn, run
 from portable_attn import scaled_dot_product_attention, testing
 
 problem = partial(qkv, batch=(3,), lq=7, lk=9, dk=6, dv=6)  # one length per sequence of 3
@@ -109,3 +109,29 @@ class TestLengths:
         ours = backend.to_numpy(ours)
         for b, n in enumerate(ql):  # jax leaves padded query rows unspecified; compare valid rows
             np.testing.assert_allclose(ours[b, :, :n], theirs[b, :, :n], atol=1e-6)  # f32 softmax
+
+
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+def test_under_jax_rank_promotion_raise(backend, xp, route):
+    """With ``jax_numpy_rank_promotion="raise"`` every call with lengths raised.
+
+    A documented JAX option some code bases set globally: operands of different ranks
+    are refused, and the engine broadcast (Lk, 1) positions with (B, 1, 1, 1) lengths.
+    Every operand is now given the logits' rank first; values and gradients as without.
+    """
+    import jax
+
+    q, k, v = problem()
+    kw = {"q_lengths": np.array([7, 3, 1]), "kv_lengths": np.array([9, 5, 2]), "window": (3, 0)}
+    kw_b = {name: backend.asarray(a) if isinstance(a, np.ndarray) else a for name, a in kw.items()}
+    cot = backend.asarray(randn(3, 4, 7, 6, seed=4))
+
+    def loss(q, k, v):
+        return xp.sum(scaled_dot_product_attention(q, k, v, **kw_b, **route.kw) * cot)
+
+    args = [backend.asarray(a) for a in (q, k, v)]
+    with jax.numpy_rank_promotion("raise"):
+        check(backend, q, k, v, route=route, **kw)
+        grads = backend.grad(loss, *args)
+    for g, expected in zip(grads, backend.grad(loss, *args), strict=True):
+        assert_close(backend, g, backend.to_numpy(expected))

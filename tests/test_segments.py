@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _helpers import assert_close, check, qkv
+from _helpers import assert_close, check, qkv, randn
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._blocks import host_pair_states
 from portable_attn._lib._call import prepare
@@ -143,3 +143,29 @@ def test_ids_of_two_integer_dtypes(backend, xp, dtypes):
     )
     expected = reference_attention(q, k, v, q_segment_ids=Q_IDS, kv_segment_ids=KV_IDS)
     assert_close(backend, out, expected)
+
+
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+def test_under_jax_rank_promotion_raise(backend, xp, route):
+    """With ``jax_numpy_rank_promotion="raise"`` calls with segment ids and lengths raised.
+
+    Every part of a block's mask (the band (Lq, Lk), the ids (B, 1, Lq, Lk), the
+    lengths) now has the logits' rank before they are combined; values and gradients.
+    """
+    import jax
+
+    q, k, v = qkv(**problem)
+    kw = {"q_segment_ids": Q_IDS, "kv_segment_ids": KV_IDS, "kv_lengths": np.array([9, 5])}
+    kw_b = {name: backend.asarray(a) for name, a in kw.items()}
+    cot = backend.asarray(randn(2, 4, 6, 3, seed=4))
+
+    def loss(q, k, v):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, **kw_b, **route.kw)
+        return xp.sum(out * cot)
+
+    args = [backend.asarray(a) for a in (q, k, v)]
+    with jax.numpy_rank_promotion("raise"):
+        check(backend, q, k, v, route=route, is_causal=True, **kw)
+        grads = backend.grad(loss, *args)
+    for g, expected in zip(grads, backend.grad(loss, *args), strict=True):
+        assert_close(backend, g, backend.to_numpy(expected))

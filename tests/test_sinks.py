@@ -85,6 +85,35 @@ def test_gradients_reach_the_sinks(backend, xp, route):
         np.testing.assert_allclose(backend.to_numpy(g), n, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+def test_under_jax_rank_promotion_raise(backend, xp, route):
+    """With ``jax_numpy_rank_promotion="raise"`` every call with sinks raised.
+
+    The sinks (Hq, 1, 1) joined the (B, Hq, Lq, 1) row maxima and sums. Every operand
+    now has the logits' rank; values, and the gradients of Q, K, V and the sinks.
+    """
+    import jax
+
+    q, k, v = qkv(**problem)
+    sinks = sinks_of()
+    kw = {"sinks": sinks, "is_causal": True, "kv_lengths": np.array([7, 3])}
+    cot = backend.asarray(randn(2, 4, 5, 3, seed=4))
+    n = backend.asarray(kw["kv_lengths"])
+
+    def loss(q, k, v, sinks):
+        out = scaled_dot_product_attention(
+            q, k, v, sinks=sinks, is_causal=True, kv_lengths=n, **route.kw
+        )
+        return xp.sum(out * cot)
+
+    args = [backend.asarray(a) for a in (q, k, v, sinks)]
+    with jax.numpy_rank_promotion("raise"):
+        check(backend, q, k, v, route=route, **kw)
+        grads = backend.grad(loss, *args)
+    for g, expected in zip(grads, backend.grad(loss, *args), strict=True):
+        assert_close(backend, g, backend.to_numpy(expected))
+
+
 @pytest.mark.backends("torch", reason="the native route refuses, the default takes the portable")
 def test_native_refuses_and_default_routes_portable(backend, xp):
     q, k, v = (backend.asarray(a) for a in qkv(**problem))

@@ -134,8 +134,9 @@ def _states(
     nq, nk = len(q_ranges), len(k_ranges)
     if not may_skip(call):
         return ns.full((nq, nk), FULL, dtype=ns.int8)
-    qs, qe = (ns.asarray(np.array([r[i] for r in q_ranges]).reshape(-1, 1)) for i in (0, 1))
-    ks, ke = (ns.asarray(np.array([r[i] for r in k_ranges]).reshape(1, -1)) for i in (0, 1))
+    # (1, nq, 1) and (1, 1, nk): the rank of the per-sequence terms (N | 1, nq, nk)
+    qs, qe = (ns.asarray(np.array([r[i] for r in q_ranges]).reshape(1, -1, 1)) for i in (0, 1))
+    ks, ke = (ns.asarray(np.array([r[i] for r in k_ranges]).reshape(1, 1, -1)) for i in (0, 1))
     hidden, full = _sequence_terms(ns, call, q_ranges, k_ranges, qs, qe, ks, ke, read)
     shape = (max(hidden.shape[0], full.shape[0]), nq, nk)
     hidden = ns.reshape(ns.broadcast_to(hidden, shape), shape)

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 from ._call import AttentionCall
 from ._compat import matmul_float32, stop_gradient
+from ._masks import at_rank
 from ._scores import (
     AttentionPlan,
     ScoreTerms,
     allowed_block,
     heads_to_rows,
+    hidden_rows_zeroed,
+    keys_hidden_from_rows,
     logits_block,
     row_stats,
     rows_may_be_empty,
     rows_to_heads,
     scaled_query_rows,
     scores_block,
+    visible_product,
     with_ones_column,
     without_hidden_keys,
 )
@@ -33,6 +38,7 @@ class _Exp(NamedTuple):
     shift: Any  # (..., Hq, Lq, 1)
     may_be_empty: bool
     top: Any  # (..., Hq, Lq, 1): the largest visible score, -inf for none, no gradient
+    allowed: Any | None  # (..., Hq|1, Lq|1, Lk|1): the entries that may be seen, None: all
 
 
 def _exp_logits(
@@ -73,7 +79,25 @@ def _exp_logits(
         sink=terms.sinks,
         stop_gradient=stop_gradient,  # the shift cancels: its gradient is exactly zero
     )
-    return _Exp(exp_logits, sums, shift, may_be_empty or terms.sinks is not None, top)
+    return _Exp(exp_logits, sums, shift, may_be_empty or terms.sinks is not None, top, allowed)
+
+
+def _rows_seeing(xp: Any, allowed: Any, plan: AttentionPlan, keys: Any) -> Any:
+    """Which query rows may see one of `keys`: (..., Hkv, G*Lq, 1), the product's rows.
+
+    `keys` (..., Hkv, Lk, 1) flags keys of each key/value head; `allowed`
+    (..., Hq|1, Lq|1, Lk|1) the call's mask. A reduction over the mask, not over the
+    weights, which stay the operand of the product alone.
+    """
+    hkv = plan.num_kv_heads
+    flags = xp.matrix_transpose(keys)  # (..., Hkv, 1, Lk)
+    flags = xp.broadcast_to(flags, (*flags.shape[:-2], plan.groups, flags.shape[-1]))
+    flags = rows_to_heads(xp, flags, plan.num_q_heads)  # (..., Hq, 1, Lk)
+    rank = max(flags.ndim, allowed.ndim)
+    sees = xp.logical_and(at_rank(xp, allowed, rank), at_rank(xp, flags, rank))
+    sees = xp.any(sees, axis=-1, keepdims=True)  # (..., Hq|1, Lq|1, 1)
+    shape = (*plan.batch, plan.num_q_heads, plan.q_len, 1)
+    return heads_to_rows(xp, xp.broadcast_to(at_rank(xp, sees, len(shape)), shape), hkv)
 
 
 def _normalise(xp: Any, x: Any, row_sum: Any, may_be_empty: bool) -> Any:
@@ -85,7 +109,7 @@ def _dropout(xp: Any, weights: Any, terms: ScoreTerms) -> Any:
     """Zero the dropped weights; the caller applies ``1 / (1 - p)``."""
     if terms.dropout_keep is None:
         return weights
-    return xp.where(terms.dropout_keep, weights, 0.0)
+    return xp.where(at_rank(xp, terms.dropout_keep, weights.ndim), weights, 0.0)
 
 
 def dense_attention(
@@ -119,9 +143,10 @@ def dense_attention(
     fold = fold and matmul is None and not weights_first  # those sum P themselves
     xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
     terms, plan = call.terms, call.plan
-    whole_k = (0, plan.kv_len)  # keys past the lengths: zero, whatever they hold
-    k = without_hidden_keys(xp, k, terms, plan, whole_k)
-    v = without_hidden_keys(xp, v, terms, plan, whole_k)
+    # keys no query sees (past the lengths, another document's): zero in K, whatever
+    # they hold, so the gradient dQ = dS K never meets them; in V, only in the product
+    hidden = keys_hidden_from_rows(xp, terms, plan, (0, plan.q_len), (0, plan.kv_len))
+    k = hidden_rows_zeroed(xp, k, hidden)
     if bias is not None and bias.dtype != plan.compute_dtype:
         bias = xp.astype(bias, plan.compute_dtype)
     e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold, matmul=matmul)
@@ -130,18 +155,25 @@ def dense_attention(
     if weights_first:
         weights = _normalise(xp, weights, row_sum, e.may_be_empty)
     exp_logits = heads_to_rows(xp, _dropout(xp, weights, terms), plan.num_kv_heads)
-    if matmul is not None:  # P rounded to the input dtype, P V summed in float32
-        out = matmul(xp.astype(exp_logits, v.dtype), v)  # (..., Hkv, G*Lq, Dv)
-        out = rows_to_heads(xp, out, plan.num_q_heads) * terms.dropout_scale
+
+    def product(values: Any) -> Any:  # (..., Hkv, G*Lq, Lk) @ values, as (..., Hq, Lq, D)
+        def mm(a: Any, b: Any) -> Any:  # P rounded to the input dtype, P V summed in float32
+            return a @ b if matmul is None else matmul(a, b)  # float32 P: rounded inside
+
+        some_rows = terms.q_segments is not None  # keys hidden from some rows only
+        seen = None if e.allowed is None else partial(_rows_seeing, xp, e.allowed, plan)
+        out = visible_product(xp, mm, exp_logits, values, hidden, some_rows=some_rows, seen=seen)
+        return rows_to_heads(xp, out, plan.num_q_heads)
+
+    if matmul is not None:
+        out = product(v) * terms.dropout_scale  # (..., Hq, Lq, Dv)
     elif fold:
-        out = exp_logits @ with_ones_column(xp, v, plan)  # (..., Hkv, G*Lq, Dv+1)
-        out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv+1)
+        out = product(with_ones_column(xp, v, plan))  # (..., Hq, Lq, Dv+1)
         out, row_sum = out[..., : plan.value_dim], out[..., plan.value_dim :]
         if terms.sinks is not None:
-            row_sum = row_sum + xp.exp(terms.sinks - e.shift)
+            row_sum = row_sum + xp.exp(at_rank(xp, terms.sinks, e.shift.ndim) - e.shift)
     else:
-        out = exp_logits @ v  # (..., Hkv, G*Lq, Dv)
-        out = rows_to_heads(xp, out, plan.num_q_heads)  # (..., Hq, Lq, Dv)
+        out = product(v)  # (..., Hq, Lq, Dv)
         out = out if terms.dropout_keep is None else out * terms.dropout_scale
     if not weights_first:
         out = _normalise(xp, out, row_sum, e.may_be_empty)

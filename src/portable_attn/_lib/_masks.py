@@ -21,6 +21,7 @@ __all__ = [
     "Alignment",
     "Band",
     "arange",
+    "at_rank",
     "padding_allowed",
     "segment_allowed",
 ]
@@ -31,6 +32,19 @@ Range = tuple[int, int]
 def arange(xp: Any, start: int, stop: int, device: Any) -> Any:
     """Positions ``start .. stop - 1`` next to the inputs (`device` may be None)."""
     return xp.arange(start, stop, **on_device(device))
+
+
+def at_rank(xp: Any, x: Any, ndim: int) -> Any:
+    """`x` with leading axes of size one up to `ndim` axes: broadcasting without rank promotion.
+
+    The engine's arrays broadcast against each other by shape; JAX with
+    ``jax_numpy_rank_promotion="raise"`` (a documented option some code bases set)
+    refuses operands of different ranks, so every operand is given the same rank
+    first. A free reshape; `x` itself when it has `ndim` axes or more (or is None).
+    """
+    if x is None or x.ndim >= ndim:
+        return x
+    return xp.reshape(x, (1,) * (ndim - x.ndim) + tuple(x.shape))
 
 
 @dataclass(frozen=True)
@@ -120,11 +134,12 @@ class Band:
         """
         if not self.restricts:
             return None
-        if isinstance(offset, int):
+        if not hasattr(offset, "ndim"):  # an int (or torch.export's symbolic int)
             q_pos = arange(xp, q_range[0] + offset, q_range[1] + offset, device)[:, None]
-        else:
-            q_pos = arange(xp, q_range[0], q_range[1], device)[:, None] + offset  # (.., bq, 1)
-        k_pos = arange(xp, k_range[0], k_range[1], device)[None, :]  # (1, bk)
+        else:  # (*batch, 1, bq, 1)
+            q_pos = at_rank(xp, arange(xp, q_range[0], q_range[1], device)[:, None], offset.ndim)
+            q_pos = q_pos + offset
+        k_pos = at_rank(xp, arange(xp, k_range[0], k_range[1], device)[None, :], q_pos.ndim)
         allowed = None
         if self.right is not None:
             allowed = k_pos <= q_pos + self.right  # (bq, bk)
@@ -183,15 +198,20 @@ def padding_allowed(
     """
     allowed = None
     if kv_lengths is not None:
-        allowed = arange(xp, k_range[0], k_range[1], device)[None, :] < kv_lengths  # (.., 1, bk)
+        keys = arange(xp, k_range[0], k_range[1], device)[None, :]
+        allowed = at_rank(xp, keys, kv_lengths.ndim) < kv_lengths  # (*batch, 1, 1, bk)
     if q_lengths is not None:
-        rows = arange(xp, q_range[0], q_range[1], device)[:, None] < q_lengths  # (.., bq, 1)
-        allowed = rows if allowed is None else xp.logical_and(allowed, rows)
+        rows = arange(xp, q_range[0], q_range[1], device)[:, None]
+        rows = at_rank(xp, rows, q_lengths.ndim) < q_lengths  # (*batch, 1, bq, 1)
+        if allowed is not None:
+            ndim = max(rows.ndim, allowed.ndim)
+            rows = xp.logical_and(at_rank(xp, allowed, ndim), at_rank(xp, rows, ndim))
+        allowed = rows
     return allowed
 
 
 def segment_allowed(
-    q_segments: Any, kv_segments: Any, q_range: tuple[int, int], k_range: Any
+    xp: Any, q_segments: Any, kv_segments: Any, q_range: tuple[int, int], k_range: Any
 ) -> Any | None:
     """Packed sequences: query ``i`` may see key ``j`` iff their segment ids are equal.
 
@@ -202,4 +222,5 @@ def segment_allowed(
         return None
     q_ids = q_segments[..., q_range[0] : q_range[1], :]  # (*batch, 1, bq, 1)
     kv_ids = kv_segments[..., k_range[0] : k_range[1]]  # (*batch, 1, 1, bk)
-    return q_ids == kv_ids
+    ndim = max(q_ids.ndim, kv_ids.ndim)
+    return at_rank(xp, q_ids, ndim) == at_rank(xp, kv_ids, ndim)

@@ -11,36 +11,45 @@ heads, ``G = Hq // Hkv``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ._block_states import evaluate_mask_mod
-from ._compat import on_device
-from ._masks import Alignment, Band, arange, padding_allowed, segment_allowed
+from ._compat import on_device, reads_host_values
+from ._masks import Alignment, Band, arange, at_rank, padding_allowed, segment_allowed
 
 __all__ = [
     "PLAIN_TERMS",
     "AttentionPlan",
     "ScoreTerms",
+    "alibi_block",
     "alibi_distance",
     "allowed_block",
     "capped_logits",
     "empty_result",
     "heads_to_rows",
     "hidden_by_value",
+    "hidden_rows_zeroed",
+    "if_finite",
+    "keys_hidden_from_rows",
     "logits_block",
+    "logits_rank",
+    "modified_scores",
     "query_offset",
     "raw_logits_block",
-    "rows_may_be_empty",
     "row_stats",
+    "rows_may_be_empty",
     "rows_to_heads",
     "scaled_query_rows",
     "score_index",
     "scores_block",
-    "without_hidden_keys",
     "slice_block",
+    "visible_product",
     "with_ones_column",
+    "without_hidden_keys",
+    "zero_rows",
 ]
 
 Range = tuple[int, int]
@@ -269,7 +278,7 @@ def allowed_block(
         parts.append(
             padding_allowed(xp, q_range, k_range, terms.q_lengths, kv_lengths, plan.device)
         )
-        parts.append(segment_allowed(terms.q_segments, terms.kv_segments, q_range, k_range))
+        parts.append(segment_allowed(xp, terms.q_segments, terms.kv_segments, q_range, k_range))
         if terms.mask_mod is not None:  # (..., Hq|1, bq|1, bk|1)
             parts.append(
                 evaluate_mask_mod(
@@ -283,27 +292,167 @@ def allowed_block(
                 )
             )
     allowed = None
+    rank = logits_rank(plan)  # each part at the logits' rank: no implicit rank promotion
     for part in parts:
         if part is not None:
+            part = at_rank(xp, part, rank)
             allowed = part if allowed is None else xp.logical_and(allowed, part)
     return allowed
 
 
-def without_hidden_keys(
-    xp: Any, x: Any, terms: ScoreTerms, plan: AttentionPlan, k_range: Range
-) -> Any:
-    """Keys (or values) `x` (..., Hkv, bk, D) of `k_range` with those past `kv_lengths` zeroed.
+def keys_hidden_from_rows(
+    xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range
+) -> Any | None:
+    """Which keys of `k_range` no query of `q_range` may see, by the lengths or the segment ids.
 
-    A key hidden by the lengths gets weight 0, but ``0 · NaN`` is NaN: whatever such
-    slots hold (a cache allocated with ``empty``, a reused pool) must not reach
-    ``P @ V`` or a gradient. None of them, or no lengths: `x` itself.
+    Bool (*batch, 1, bk, 1), the keys' layout (..., Hkv, bk, D): a key past its
+    sequence's `kv_lengths`, or a key whose segment id no query of the block has (the
+    padding of packed sequences, another document's keys). None when neither can hide
+    a key of the block (no lengths, or lengths read on the host that show them all).
     """
-    if terms.kv_lengths is None:
+    hidden = None
+    if terms.kv_lengths is not None and not _lengths_show_keys(terms, plan, k_range):
+        keys = arange(xp, k_range[0], k_range[1], plan.device)[:, None]  # (bk, 1)
+        hidden = at_rank(xp, keys, terms.kv_lengths.ndim) >= terms.kv_lengths
+    same = segment_allowed(xp, terms.q_segments, terms.kv_segments, q_range, k_range)
+    if same is not None:  # (*batch, 1, bq, bk): seen by no row of the block
+        unseen = xp.matrix_transpose(xp.logical_not(xp.any(same, axis=-2, keepdims=True)))
+        if hidden is not None:
+            rank = max(hidden.ndim, unseen.ndim)
+            unseen = xp.logical_or(at_rank(xp, hidden, rank), at_rank(xp, unseen, rank))
+        hidden = unseen
+    return hidden
+
+
+def without_hidden_keys(
+    xp: Any,
+    x: Any,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    k_range: Range,
+    q_range: Range | None = None,
+) -> Any:
+    """Keys (or values) `x` (..., Hkv, bk, D) of `k_range` with those no query sees zeroed.
+
+    The keys of :func:`keys_hidden_from_rows` for the queries of `q_range` (by default
+    the whole call's): they get weight 0 in every row, but ``0 · NaN`` is NaN, so
+    whatever such slots hold (a cache allocated with ``empty``, a reused pool, the
+    padding of packed sequences) must not reach ``P @ V`` or a gradient. None of
+    them: `x` itself.
+    """
+    q_range = (0, plan.q_len) if q_range is None else q_range
+    return hidden_rows_zeroed(xp, x, keys_hidden_from_rows(xp, terms, plan, q_range, k_range))
+
+
+def hidden_rows_zeroed(xp: Any, x: Any, hidden: Any | None) -> Any:
+    """`x` (..., bk, D) with the rows of `hidden` (..., bk, 1) zeroed, where that matters.
+
+    `x` itself where nothing is hidden, and where its values are free to read and
+    all finite (:func:`if_finite`): ``0 · finite`` is 0, so a finite hidden row
+    changes no product, and the copy (a pass over a whole cache) is not made.
+    """
+    if hidden is None:
         return x
-    if _lengths_show_keys(terms, plan, k_range):
+    return if_finite(xp, x, lambda: x, lambda: zero_rows(xp, x, hidden))
+
+
+def zero_rows(xp: Any, x: Any, hidden: Any | None) -> Any:
+    """`x` (..., bk, D) with the rows of `hidden` (..., bk, 1) zeroed; `x` itself for None."""
+    if hidden is None:
         return x
-    valid = arange(xp, k_range[0], k_range[1], plan.device)[:, None] < terms.kv_lengths
-    return xp.where(valid, x, 0.0)  # (*batch, Hkv | 1, bk, D)
+    rank = max(hidden.ndim, x.ndim)
+    return xp.where(at_rank(xp, hidden, rank), 0.0, at_rank(xp, x, rank))
+
+
+def visible_product(
+    xp: Any,
+    product: Callable[[Any, Any], Any],
+    weights: Any,
+    values: Any,
+    hidden: Any | None,
+    *,
+    some_rows: bool,
+    signed: bool = False,
+    seen: Callable[[Any], Any] | None = None,
+    choose: Callable[..., Any] | None = None,
+) -> Any:
+    """``weights @ values`` where a key hidden from a row never changes that row's result.
+
+    A hidden entry has weight 0, but ``0 · NaN`` and ``0 · inf`` are NaN: a
+    non-finite value of a hidden key would reach the row through the product. The
+    result is exact, in values and gradients, with one product:
+
+    - keys no row of the product sees (`hidden`, from :func:`keys_hidden_from_rows`:
+      past the lengths, another document's) have their rows of `values` zeroed;
+    - with `some_rows` (segment ids: a block of queries from two documents), a key
+      may be hidden from some rows and seen by others, so it cannot be zeroed for
+      all. Its non-finite entries are zeroed in the product (a row that gives them no
+      weight is exact), and a row that does give one weight is NaN in each column
+      where the block's values are not all finite (plain math gives NaN or ``±inf``
+      in the columns of the values it weighs) and exact in the others. Whether a row
+      sees a non-finite value is ``seen(bad)`` when given (`bad` (..., bk, 1) the
+      keys holding one; the result (..., rows, 1)): the caller's mask, which leaves
+      the weights to the product alone (XLA then fuses the softmax into it); else a
+      matrix-vector product of nonnegative `weights` with those keys, or, for
+      `signed` weights (a gradient), their entries compared with 0.
+
+    `product` is the matmul (``@``, the float32-accumulating one, a workspace's);
+    `weights` (..., Hkv, G*bq, bk) and `values` (..., Hkv, bk, D). Where nothing is
+    hidden it is the product alone. `choose` (:func:`if_finite` by default, or a
+    workspace's :meth:`~._tiled.Ops.if_finite`) may take the product over the values
+    as they are where none of them is non-finite: nothing hidden can reach a row then.
+    """
+    if hidden is None and not some_rows:
+        return product(weights, values)
+
+    def as_they_are() -> Any:
+        return product(weights, values)
+
+    def exact() -> Any:
+        kept = zero_rows(xp, values, hidden)  # seen by no row: zero, whatever they hold
+        if not some_rows:
+            return product(weights, kept)
+        finite = xp.isfinite(kept)
+        clean = xp.where(finite, kept, 0.0)
+        bad = xp.logical_not(finite)
+        bad_key = xp.any(bad, axis=-1, keepdims=True)  # (..., bk, 1)
+        bad_column = xp.any(bad, axis=-2, keepdims=True)  # (..., 1, D)
+        out = product(weights, clean)
+        if seen is not None:
+            sees = seen(bad_key)
+        elif signed:
+            rank = max(weights.ndim, bad_key.ndim)
+            bad_row = at_rank(xp, xp.matrix_transpose(bad_key), rank)  # (..., 1, bk)
+            weighed = xp.logical_and(at_rank(xp, weights, rank) != 0.0, bad_row)
+            sees = xp.any(weighed, axis=-1, keepdims=True)  # (..., rows, 1)
+        else:  # the weight each row gives non-finite values: a matrix-vector product
+            sees = product(weights, xp.astype(bad_key, clean.dtype)) > 0.0
+        rank = max(sees.ndim, bad_column.ndim, out.ndim)
+        nan = xp.logical_and(at_rank(xp, sees, rank), at_rank(xp, bad_column, rank))
+        return xp.where(nan, xp.nan, at_rank(xp, out, rank))
+
+    if choose is None:
+        return if_finite(xp, values, as_they_are, exact)
+    return choose(values, as_they_are, exact)
+
+
+def if_finite(xp: Any, values: Any, plain: Callable[[], Any], exact: Callable[[], Any]) -> Any:
+    """``plain()`` where every entry of `values` is finite and free to read, else ``exact()``.
+
+    The one branch on values of the score pipeline, taken only where reading them
+    costs nothing (:func:`~._compat.reads_host_values`: NumPy, torch CPU eager), as
+    the lengths' values are read: two reductions (``max`` and ``min``, NaN and ``±inf``
+    show in them), no copy, no operation that makes a NaN (NumPy would warn of one).
+    Elsewhere (``jax.jit``, Dask's lazy graphs, a torch CUDA tensor) ``exact()``,
+    without a read.
+    """
+    if reads_host_values(values):
+        if math.prod(values.shape) == 0:
+            return plain()
+        extremes = xp.stack([xp.max(values), xp.min(values)])
+        if bool(xp.all(xp.isfinite(extremes))):
+            return plain()
+    return exact()
 
 
 def score_index(
@@ -348,22 +497,55 @@ def scores_block(
     """
     scores = capped
     if terms.score_mod is not None and not modified:
-        scores = terms.score_mod(scores, *score_index(xp, terms, plan, q_range, k_range))
+        index = score_index(xp, terms, plan, q_range, k_range)
+        scores = modified_scores(xp, terms.score_mod, scores, index)
     bias_blk = slice_block(bias, q_range, k_range)
     if bias_blk is not None:
-        scores = scores + bias_blk  # (..., Hq, bq, bk)
+        scores = scores + at_rank(xp, bias_blk, scores.ndim)  # (..., Hq, bq, bk)
     if terms.alibi_slopes is not None:
-        scores = scores - terms.alibi_slopes * alibi_distance(xp, terms, plan, q_range, k_range)
+        scores = scores - alibi_block(xp, terms, plan, q_range, k_range)
     return scores
+
+
+def modified_scores(
+    xp: Any, score_mod: Callable[..., Any], scores: Any, index: tuple[Any, ...]
+) -> Any:
+    """``score_mod(scores, *index)`` in the dtype of `scores`, the compute dtype.
+
+    A ``score_mod`` may return a wider dtype than the scores (a float64 learned table
+    added to float32 scores): its result is cast back, so the weights, ``P @ V`` and
+    the gradients stay in the compute dtype (torch refuses a float64 product with
+    float32 values) while the table's own gradient keeps the table's dtype.
+    """
+    result = score_mod(scores, *index)
+    return result if result.dtype == scores.dtype else xp.astype(result, scores.dtype)
+
+
+def alibi_block(
+    xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range
+) -> Any:
+    """``slope · |i' - j|`` of a block, (..., Hq, bq, bk): what ALiBi subtracts from the scores."""
+    rank = logits_rank(plan)
+    distance = at_rank(xp, alibi_distance(xp, terms, plan, q_range, k_range), rank)
+    return at_rank(xp, terms.alibi_slopes, rank) * distance
 
 
 def alibi_distance(
     xp: Any, terms: ScoreTerms, plan: AttentionPlan, q_range: Range, k_range: Range
 ) -> Any:
     """``|i' - j|`` with ``i' = i + offset``, as floats: (bq, bk) or (*batch, 1, bq, bk)."""
-    q_pos = arange(xp, q_range[0], q_range[1], plan.device)[:, None] + query_offset(plan, terms)
-    k_pos = arange(xp, k_range[0], k_range[1], plan.device)[None, :]
+    offset = query_offset(plan, terms)
+    q_pos = arange(xp, q_range[0], q_range[1], plan.device)[:, None]
+    if not isinstance(offset, int):  # (*batch, 1, 1, 1): positions at its rank
+        q_pos = at_rank(xp, q_pos, offset.ndim)
+    q_pos = q_pos + offset
+    k_pos = at_rank(xp, arange(xp, k_range[0], k_range[1], plan.device)[None, :], q_pos.ndim)
     return xp.astype(xp.abs(q_pos - k_pos), plan.compute_dtype)
+
+
+def logits_rank(plan: AttentionPlan) -> int:
+    """Return the rank of a block of logits, (*batch, Hq, bq, bk): every term is lifted to it."""
+    return len(plan.batch) + 3
 
 
 def query_offset(plan: AttentionPlan, terms: ScoreTerms) -> Any:

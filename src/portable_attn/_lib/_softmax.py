@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ._masks import at_rank
+
 __all__ = ["finite_shift", "masked_exp", "safe_denominator", "with_sink"]
 
 
@@ -80,8 +82,9 @@ def masked_exp(
         none is visible; its gradient stopped like the shift's.
     """
     if allowed is not None:
-        logits = xp.where(allowed, logits, -xp.inf)  # (..., Lq, Lk)
+        logits = xp.where(at_rank(xp, allowed, logits.ndim), logits, -xp.inf)  # (..., Lq, Lk)
     row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
+    sink = at_rank(xp, sink, logits.ndim)
     top = row_max if stop_gradient is None else stop_gradient(row_max)
     if sink is not None:
         row_max = xp.maximum(row_max, sink)
@@ -106,6 +109,7 @@ def with_sink(xp: Any, out: Any, lse: Any, sink: Any) -> tuple[Any, Any]:
     joins the denominator, so ``w = exp(lse) / (exp(lse) + exp(sink))``. A row with
     neither stays zero with lse ``-inf``; no NaN, in values or gradients.
     """
+    sink = at_rank(xp, sink, lse.ndim)
     shift = finite_shift(xp, xp.maximum(lse, sink))
     own = xp.exp(lse - shift)
     total = own + xp.exp(sink - shift)

@@ -27,15 +27,21 @@ from typing import Any, NamedTuple
 from ._blocks import FULL, host_pair_states
 from ._call import AttentionCall
 from ._compat import on_device
+from ._masks import at_rank
 from ._path import Blocks
 from ._scores import (
     AttentionPlan,
     ScoreTerms,
+    alibi_block,
     alibi_distance,
     allowed_block,
     capped_logits,
     empty_result,
     heads_to_rows,
+    hidden_rows_zeroed,
+    if_finite,
+    keys_hidden_from_rows,
+    modified_scores,
     raw_logits_block,
     row_stats,
     rows_to_heads,
@@ -43,8 +49,8 @@ from ._scores import (
     score_index,
     scores_block,
     slice_block,
+    visible_product,
     with_ones_column,
-    without_hidden_keys,
 )
 from ._softmax import finite_shift, safe_denominator, with_sink
 
@@ -126,8 +132,8 @@ class Ops:
         return softcap * self.xp.tanh(s / softcap)
 
     def modified(self, s: Any, score_mod: Any, *index: Any) -> Any:
-        """``score_mod(s, *index)``."""
-        return score_mod(s, *index)
+        """``score_mod(s, *index)``, in the dtype of `s` (:func:`~._scores.modified_scores`)."""
+        return modified_scores(self.xp, score_mod, s, index)
 
     def add(self, s: Any, x: Any) -> Any:
         """``s + x``."""
@@ -155,6 +161,18 @@ class Ops:
     def matmul(self, p_rows: Any, v: Any, first: bool) -> Any:
         """``p_rows @ v``; `first`: the product becomes the accumulator."""
         return p_rows @ v
+
+    def if_finite(self, values: Any, plain: Any, exact: Any) -> Any:
+        """``plain()`` where no entry of `values` is non-finite, else ``exact()``.
+
+        The rule of :func:`~._scores.visible_product` (:func:`~._scores.if_finite`):
+        the product over values as they are is exact where none of them is
+        non-finite. This portable form reads values only where that is free (NumPy,
+        torch CPU); a library that can branch inside its program may give its own
+        (JAX: ``lax.cond`` on the plain product being finite, in a forward that no
+        autodiff runs through).
+        """
+        return if_finite(self.xp, values, plain, exact)
 
     def rescaled(self, acc: Any, alpha: Any, pv: Any) -> Any:
         """``alpha · acc + pv``."""
@@ -268,18 +286,30 @@ class OnlineSoftmax:
         del s  # keep at most two (bq, bk) blocks alive
         alpha = None if m is None else xp.exp(m - m_safe)  # rescales the old sums
         v_blk = keys.values[..., ks:ke, :]
-        if not full:  # values past the lengths: zero, whatever they hold
-            v_blk = without_hidden_keys(xp, v_blk, terms, plan, k_range)
+        hidden, some_rows = None, False
+        if not full:  # keys hidden from rows: their values never reach those rows
+            hidden = keys_hidden_from_rows(xp, terms, plan, q_range, k_range)
+            some_rows = terms.q_segments is not None
+
+        def product(p_blk: Any) -> Any:  # (..., Hq, bq, bk) @ V, as (..., Hq, bq, D)
+            def matmul(a: Any, b: Any) -> Any:  # one more column than a buffer: a fresh array
+                return xp.matmul(a, b) if some_rows else ops.matmul(a, b, alpha is None)
+
+            p_rows = heads_to_rows(xp, p_blk, hkv)
+            pv = visible_product(
+                xp, matmul, p_rows, v_blk, hidden, some_rows=some_rows, choose=ops.if_finite
+            )
+            return rows_to_heads(xp, pv, hq)
+
         if self.fold:
-            pv = ops.matmul(heads_to_rows(xp, p, hkv), v_blk, alpha is None)  # [P V | rowsum]
-            pv = rows_to_heads(xp, pv, hq)  # (..., Hq, bq, Dv+1)
+            pv = product(p)  # [P V | rowsum], (..., Hq, bq, Dv+1)
             acc = pv if alpha is None else ops.rescaled(acc, alpha, pv)
             return RowState(m_new, None, acc, rows_seen)
         p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1), before dropout
         keep = slice_block(terms.dropout_keep, q_range, k_range)
         if keep is not None:
-            p = ops.dropped(p, keep)
-        pv = rows_to_heads(xp, ops.matmul(heads_to_rows(xp, p, hkv), v_blk, alpha is None), hq)
+            p = ops.dropped(p, at_rank(xp, keep, p.ndim))
+        pv = product(p)
         if alpha is None:
             return RowState(m_new, p_sum, pv, rows_seen)
         return RowState(m_new, alpha * l_sum + p_sum, ops.rescaled(acc, alpha, pv), rows_seen)
@@ -332,9 +362,9 @@ def block_scores(
         s = ops.modified(s, terms.score_mod, *score_index(xp, terms, plan, q_range, k_range))
     bias = slice_block(call.bias, q_range, k_range)
     if bias is not None:
-        s = ops.add(s, bias)
+        s = ops.add(s, at_rank(xp, bias, s.ndim))
     if terms.alibi_slopes is not None:
-        s = ops.add(s, -terms.alibi_slopes * alibi_distance(xp, terms, plan, q_range, k_range))
+        s = ops.add(s, -alibi_block(xp, terms, plan, q_range, k_range))
     allowed = visible_entries(xp, terms, plan, q_range, k_range, full)
     return s if allowed is None else ops.hide(s, allowed)
 
@@ -362,30 +392,56 @@ def _block_scores(
     k_range: Range,
     full: bool,
     score_vjp: ScoreVjp | None,
-) -> tuple[Any, Any, Any, Any]:
-    """Return (logits, capped logits, scores with hidden entries -inf, pullback) for the backward.
+    some_rows: bool = False,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Return (logits, capped logits, scores with hidden entries -inf, pullback, allowed).
 
-    `pullback` is that of ``score_mod`` on this block (`score_vjp`), or None.
+    `pullback` is that of ``score_mod`` on this block (`score_vjp`), or None;
+    `allowed` the block's "may attend" array, or None. With `some_rows` (keys hidden
+    from some rows and seen by others: their non-finite entries are not zeroed), the
+    logits of hidden entries are 0 here, not a NaN from such a key: nothing of them
+    reaches the softcap's or the ``score_mod``'s derivative.
     """
+    allowed = visible_entries(xp, terms, plan, q_range, k_range, full)
     raw = raw_logits_block(xp, q_rows, k_blk, plan)  # (..., Hq, bq, bk): scale · Q Kᵀ
+    if some_rows and allowed is not None:
+        raw = xp.where(allowed, raw, 0.0)
     capped = capped_logits(xp, raw, plan)
     pullback = None
     modified = capped
     if score_vjp is not None and terms.score_mod is not None:
         modified, pullback = score_vjp(capped, *score_index(xp, terms, plan, q_range, k_range))
+        if modified.dtype != capped.dtype:  # a wider table's scores, as the forward casts them
+            pullback = _cast_pullback(xp, pullback, modified.dtype, capped.dtype)
+            modified = xp.astype(modified, capped.dtype)
     scores = scores_block(
         xp, modified, bias, terms, plan, q_range, k_range, modified=pullback is not None
     )
-    allowed = visible_entries(xp, terms, plan, q_range, k_range, full)
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
-    return raw, capped, scores, pullback
+    return raw, capped, scores, pullback, allowed
+
+
+def _cast_pullback(xp: Any, pullback: Any, dtype: Any, compute_dtype: Any) -> Any:
+    """Wrap a ``score_mod``'s pullback whose result was `dtype` to take and give `compute_dtype`.
+
+    The forward casts a wider ``score_mod`` result to the compute dtype
+    (:func:`~._scores.modified_scores`): the cotangent goes back in the result's
+    dtype (JAX's ``vjp`` wants that one), the scores' gradient comes out in the compute
+    dtype, and the parameters' gradients keep their own dtype.
+    """
+
+    def cast(d_modified: Any) -> tuple[Any, Any]:
+        d_scores, d_params = pullback(xp.astype(d_modified, dtype))
+        return xp.astype(d_scores, compute_dtype), d_params
+
+    return cast
 
 
 def _keep(xp: Any, p: Any, terms: ScoreTerms, q_range: Range, k_range: Range) -> Any:
     """Dropout on a block of (unnormalised) weights; the 1/(1-p) factor comes later."""
     keep = slice_block(terms.dropout_keep, q_range, k_range)
-    return p if keep is None else xp.where(keep, p, 0.0)
+    return p if keep is None else xp.where(at_rank(xp, keep, p.ndim), p, 0.0)
 
 
 def _zeros(xp: Any, shape: tuple[int, ...], plan: AttentionPlan) -> Any:
@@ -543,7 +599,8 @@ def tiled_backward(
         delta = delta - dlse
     dsinks = None
     if need_sink_grad:  # p_sink = exp(sink - lse), d sink = -Σ_rows p_sink · D
-        p_sink = xp.exp(terms.sinks - lse)  # (..., Hq, Lq, 1); 0 where lse = +inf
+        sinks = at_rank(xp, terms.sinks, lse.ndim)
+        p_sink = xp.exp(sinks - lse)  # (..., Hq, Lq, 1); 0 where lse = +inf
         dsinks = sum_to_shape(xp, -p_sink * delta, tuple(terms.sinks.shape))
     # running sums per key block: memory O(Lk), however many query blocks there are
     dk_sums: list[Any] = [None] * len(k_blocks)
@@ -569,10 +626,13 @@ def tiled_backward(
                     dbias_cols.append(None)
                 continue
             k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
-            if states[i][j] != FULL:  # keys past the lengths: zero, whatever they hold
-                k_blk = without_hidden_keys(xp, k_blk, terms, plan, k_range)
-                v_blk = without_hidden_keys(xp, v_blk, terms, plan, k_range)
-            raw, capped, s, pullback = _block_scores(
+            full = states[i][j] == FULL
+            some_rows = not full and terms.q_segments is not None  # keys hidden from some rows
+            if not full:  # keys no row of the block sees: zero, whatever they hold
+                hidden = keys_hidden_from_rows(xp, terms, plan, q_range, k_range)
+                k_blk = hidden_rows_zeroed(xp, k_blk, hidden)
+                v_blk = hidden_rows_zeroed(xp, v_blk, hidden)
+            raw, capped, s, pullback, allowed = _block_scores(
                 xp,
                 q_rows,
                 k_blk,
@@ -581,8 +641,9 @@ def tiled_backward(
                 plan,
                 q_range,
                 k_range,
-                states[i][j] == FULL,
+                full,
                 score_vjp,
+                some_rows,
             )
             p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
             p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)
@@ -595,15 +656,14 @@ def tiled_backward(
             if terms.dropout_keep is not None:
                 dp = _keep(xp, dp, terms, q_range, k_range) * terms.dropout_scale
             ds = p * (dp - delta_blk)  # d loss / d (logits + bias), (..., Hq, bq, bk)
+            if some_rows and allowed is not None:  # a hidden entry's dp: another's value
+                ds = xp.where(allowed, ds, 0.0)
             if need_bias_grad:
                 dbias_cols.append(ds)
             if need_slope_grad:  # scores -= slope * |i' - j|
                 slopes = terms.alibi_slopes
-                d = sum_to_shape(
-                    xp,
-                    -ds * alibi_distance(xp, terms, plan, q_range, k_range),
-                    tuple(slopes.shape),
-                )
+                distance = alibi_distance(xp, terms, plan, q_range, k_range)
+                d = sum_to_shape(xp, -ds * at_rank(xp, distance, ds.ndim), tuple(slopes.shape))
                 dslopes = d if dslopes is None else dslopes + d
             if pullback is not None:  # through score_mod: to its input and its parameters
                 ds, d_params = pullback(sum_to_shape(xp, ds, tuple(capped.shape)))
@@ -615,7 +675,10 @@ def tiled_backward(
                     dsoftcap = d if dsoftcap is None else dsoftcap + d
                 ds = ds * (1.0 - t * t)
             ds_rows = heads_to_rows(xp, ds, hkv)  # (..., Hkv, G*bq, bk)
-            dq_blk = xp.matmul(ds_rows, k_blk)  # (..., Hkv, G*bq, Dk)
+            # (..., Hkv, G*bq, Dk): the keys some rows do not see never reach those rows
+            dq_blk = visible_product(
+                xp, xp.matmul, ds_rows, k_blk, None, some_rows=some_rows, signed=True
+            )
             dq_rows = dq_blk if dq_rows is None else dq_rows + dq_blk
             dk_blk = xp.matmul(xp.matrix_transpose(ds_rows), q_rows)  # (..., Hkv, bk, Dk)
             dk_sums[j] = dk_blk if dk_sums[j] is None else dk_sums[j] + dk_blk

@@ -44,6 +44,7 @@ from typing import Any
 from .._lib._blocks import FULL, PARTIAL, traced_pair_states
 from .._lib._call import AttentionCall
 from .._lib._fields import Role, axis_of, field
+from .._lib._masks import at_rank
 from .._lib._path import Tiled
 from .._lib._tiled import (
     Keys,
@@ -102,7 +103,9 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
 
         valid = jnp.ones((1, plan.kv_len), dtype=jnp.bool_)
         mask = arrays.get("mask")
-        arrays["mask"] = valid if mask is None else jnp.logical_and(mask, valid)
+        if mask is not None:  # of the mask's rank (jax_numpy_rank_promotion="raise")
+            valid = jnp.logical_and(mask, at_rank(jnp, valid, mask.ndim))
+        arrays["mask"] = valid
     mod = JaxScoreMod.of(call, [(bq, bk)])
 
     def with_params(params: tuple[Array, ...]) -> AttentionCall:
@@ -282,7 +285,8 @@ def _backward(
     delta = jnp.sum(dout * out, axis=-1, keepdims=True) - dlse
     for name, x in arrays.items():
         if field(name).once_per_row is not None:
-            grads[name] = sum_to_shape(jnp, -jnp.exp(x - lse) * delta, tuple(x.shape))
+            p_row = jnp.exp(at_rank(jnp, x, lse.ndim) - lse)
+            grads[name] = sum_to_shape(jnp, -p_row * delta, tuple(x.shape))
     need = tuple(
         n
         for n in arrays

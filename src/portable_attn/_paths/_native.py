@@ -31,6 +31,7 @@ import numpy as np
 from .._lib._blocks import FULL, host_pair_states
 from .._lib._call import AttentionCall
 from .._lib._compat import to_host
+from .._lib._dense import dense_attention
 from .._lib._fields import axis_of, field
 from .._lib._path import Native
 from .._lib._scores import (
@@ -38,6 +39,7 @@ from .._lib._scores import (
     ScoreTerms,
     allowed_block,
     hidden_by_value,
+    if_finite,
     rows_may_be_empty,
     without_hidden_keys,
 )
@@ -194,6 +196,19 @@ def native_attention(call: AttentionCall, path: Native) -> Any:
         lengths = np.asarray(to_host(call.terms.kv_lengths)).reshape(-1).tolist()
         outs = [native_attention(_sequence(call, b, n), whole) for b, n in enumerate(lengths)]
         return call.xp.concat(outs, axis=0)
+    if call.terms.q_segments is not None:  # keys hidden from some rows only
+        # the kernel's P @ V weighs another document's NaN or inf by 0 (NaN): where
+        # a value is not finite (or cannot be read free), the portable dense path,
+        # whose product keeps documents apart (``_scores.visible_product``)
+        def exact() -> Any:
+            out = dense_attention(call.in_compute_dtype())
+            return call.xp.astype(out, call.query.dtype)
+
+        return if_finite(call.xp, call.value, lambda: _kernel(call, path), exact)
+    return _kernel(call, path)
+
+
+def _kernel(call: AttentionCall, path: Native) -> Any:
     a = _kernel_args(call, path)
     kernel = _torch if path.kernel == "sdpa" else _jax
     out = kernel(call.xp, a.query, a.key, a.value, a.allowed, a.bias, a.plan, a.causal)
