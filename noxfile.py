@@ -114,6 +114,15 @@ def _pytest(session: nox.Session, backend: str) -> None:
     )
 
 
+#: the test files whose promises are bitwise (batch invariance, determinism): run again under
+#: each of :data:`BLAS_CORES` in the portable sessions, since OpenBLAS rounds a product by
+#: the kernel it picks for the CPU (AVX2 and AVX-512 kernels differ)
+BITWISE_TESTS = ("tests/test_serving.py", "tests/test_determinism.py")
+#: OpenBLAS core types the bitwise tests also run under (``OPENBLAS_CORETYPE``): an AVX2
+#: kernel set and an AVX-512 one, whatever CPU the session runs on
+BLAS_CORES = ("Haswell", "SkylakeX")
+
+
 def _has_nvidia_gpu() -> bool:
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -186,6 +195,7 @@ class Backend:
     also: tuple[str, ...] = ()  # installed with ".[test]"
     skip_without_gpu: str | None = None  # skip with this reason when no NVIDIA GPU is found
     families: str | None = None  # the suite's --backend, by default the session's name
+    blas_cores: tuple[str, ...] = ()  # run BITWISE_TESTS again under each OpenBLAS core type
 
 
 BACKENDS = {
@@ -196,6 +206,7 @@ BACKENDS = {
         doctests=True,
         also=(f"nox=={metadata.version('nox')}",),  # tests/test_noxfile.py tests this file
         families="numpy,array_api_strict",
+        blas_cores=BLAS_CORES,
     ),
     "torch": Backend(
         "PyTorch CPU (and CUDA when present), autograd, gradcheck, torch.compile.",
@@ -232,7 +243,13 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
         elif spec.first is not None:
             session.install(spec.first)
         session.install(*pin, ".[test]", *spec.also)
-        _pytest(session, spec.families or backend)
+        families = spec.families or backend
+        _pytest(session, families)
+        for core in spec.blas_cores:
+            session.run(
+                "python", "-m", "pytest", "-q", "--backend", families, *BITWISE_TESTS,
+                env={"PORTABLE_ATTN_BACKEND": families, "OPENBLAS_CORETYPE": core},
+            )  # fmt: skip
         if spec.doctests:
             session.run("python", "-m", "pytest", "--doctest-modules", "src/portable_attn")
 

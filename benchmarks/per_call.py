@@ -1,6 +1,13 @@
-"""What a torch call's Python costs, in a loop of its own and right after a kernel.
+"""What a call's Python costs: torch's in a loop of its own and right after a kernel,
+NumPy's as a ratio to the float32 textbook.
 
-    python benchmarks/per_call.py     # writes benchmarks/results/per-call-torch.json
+    python benchmarks/per_call.py          # writes benchmarks/results/per-call-torch.json
+    python benchmarks/per_call.py numpy    # writes benchmarks/results/per-call-numpy.json
+
+NumPy: the default call on (1, 1, 8, 8) float32 (a repeated call: the cache's hit) and the
+float32 textbook (``q @ kᵀ * (1 / math.sqrt(d))``, max-subtracted softmax, ``@ v``),
+interleaved, 100 calls a sample; medians and the median per-round ratio (target: at most
+2x, issue 46).
 
 Evidence for the cache's kept kernel call (``portable_attn/_lib/_cache.py``). B=1, H=8,
 D=64, bfloat16, L = 1024, the last quarter of the keys masked (padding), in one fresh
@@ -95,5 +102,34 @@ def main() -> int:
     return 0
 
 
+def numpy_main() -> int:
+    import numpy as np
+
+    from portable_attn import scaled_dot_product_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 8, 8), dtype=np.float32) for _ in range(3))
+    scale = np.float32(1 / math.sqrt(q.shape[-1]))
+
+    def textbook():
+        s = (q @ np.swapaxes(k, -1, -2)) * scale
+        e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+        return (e / np.sum(e, axis=-1, keepdims=True)) @ v
+
+    fns = {"default": lambda: scaled_dot_product_attention(q, k, v), "textbook": textbook}
+    for f in fns.values():
+        assert f().dtype == np.float32
+    np.testing.assert_allclose(fns["default"](), textbook(), rtol=1e-5, atol=1e-6)
+    res = interleaved_seconds(fns, repeats=201, warmup=5, number=100)
+    out = {**report.git_state(), "shape": [1, 1, 8, 8], "dtype": "float32"}
+    out["numpy"] = np.__version__
+    out["us"] = {n: 1e6 * t for n, t in res.medians.items()}
+    out["ratio_vs_textbook"] = statistics.median(res.ratios("default", "textbook"))
+    print(json.dumps({k: out[k] for k in ("us", "ratio_vs_textbook")}, indent=1))
+    (RESULTS / "per-call-numpy.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(main() if sys.argv[1:] == [] else 2)
+    args = sys.argv[1:]
+    raise SystemExit(main() if args == [] else numpy_main() if args == ["numpy"] else 2)
