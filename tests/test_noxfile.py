@@ -231,3 +231,24 @@ def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, tmp_path):
     assert "jaxlib==" + jax.split("==")[1] in pins
     pytest_run = next(r for r in session.runs if "pytest" in r)
     assert pytest_run[pytest_run.index("--backend") + 1] == "jax"
+
+
+def test_the_blas_probe_tells_a_crash(noxfile, tmp_path):
+    assert noxfile.blas_core_runs(sys.executable, "") is True  # no core type forced
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crashing.chmod(0o755)
+    assert noxfile.blas_core_runs(str(crashing), "Haswell") is False
+
+
+def test_a_core_type_whose_blas_crashes_is_skipped_with_a_warning(noxfile, monkeypatch, tmp_path):
+    # NumPy 2.5.5's OpenBLAS segfaults on any blocked GEMM under OPENBLAS_CORETYPE=Haswell
+    # on an AVX-512 AMD EPYC: that rerun is skipped, the others still run
+    monkeypatch.setattr(noxfile, "blas_core_runs", lambda python, core: core != "Haswell")
+    session = FakeSession(tmp_path)
+    session.bin = str(tmp_path)
+    noxfile._tests_session("portable", noxfile.BACKENDS["portable"])(session)
+    tail = noxfile.BITWISE_TESTS
+    bitwise = [r for r in session.runs if r[-len(tail) :] == tail]
+    assert len(bitwise) == len(noxfile.BLAS_CORES) - 1
+    assert any("OPENBLAS_CORETYPE=Haswell" in w for w in session.warnings)
