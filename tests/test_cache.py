@@ -15,6 +15,9 @@ from _helpers import qkv
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib import _cache, _call, _route
 from portable_attn._lib._compat import device_kind
+from portable_attn._lib._dense import DenseKernel
+from portable_attn._paths._native import DirectKernel
+from portable_attn.testing import reference_attention
 
 
 @pytest.fixture
@@ -167,7 +170,7 @@ def test_calls_the_kernel_does_not_take_as_they_are_keep_no_kernel_call(
     monkeypatch.setitem(_route.NATIVE_MIN_KEYS, kind, _route.NATIVE_MIN_KEYS[("torch", "cpu")])
     scaled_dot_product_attention(*arrays, **kw)
     (entry,) = _cache._ENTRIES.values()
-    assert entry.kept is None
+    assert not isinstance(entry.kept, DirectKernel)  # "few keys": the dense path's call
 
 
 @pytest.mark.backends("torch", reason="the kept kernel call is torch SDPA's")
@@ -223,3 +226,63 @@ def test_a_router_change_without_forget_is_caught(backend, monkeypatch):
         scaled_dot_product_attention(q, k, v)
     _cache.forget()
     scaled_dot_product_attention(q, k, v)  # derived again under the new setting
+
+
+def _dense_route(monkeypatch, backend):
+    """Send every call of `backend`'s library to the portable paths (no SDPA)."""
+    monkeypatch.setitem(
+        _route.NATIVE_MIN_KEYS, ("torch", device_kind(backend.asarray(0.0))), 10**9
+    )
+
+
+@pytest.mark.skip_backends("dask", reason="a graph per call: nothing to save")
+@pytest.mark.skip_backends("jax", reason="an eager JAX call keeps its compiled program")
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+def test_a_repeated_dense_call_is_the_dense_path_alone(backend, monkeypatch, masked):
+    """A call the dense path takes as it is keeps that call: a hit prepares nothing."""
+    _dense_route(monkeypatch, backend)
+    q, k, v = _arrays(backend, lk=24)
+    keys = np.ones((2, 1, 20, 24), dtype=bool)
+    keys[0, ..., -5:] = False
+    keys[1, :, 3] = False  # a row that sees no key
+    mask = backend.asarray(keys) if masked else None
+    first = scaled_dot_product_attention(q, k, v, mask=mask)  # a miss: every check
+    (entry,) = _cache._ENTRIES.values()
+    assert isinstance(entry.kept, DenseKernel)
+    monkeypatch.setattr(_call, "prepare", None)  # the hit gathers nothing again
+    again = scaled_dot_product_attention(q, k, v, mask=mask)
+    assert np.array_equal(backend.to_numpy(again), backend.to_numpy(first))
+    want = reference_attention(
+        *(backend.to_numpy(x) for x in (q, k, v)), mask=keys if masked else None
+    )
+    np.testing.assert_allclose(backend.to_numpy(again), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skip_backends("dask", reason="a graph per call: nothing to save")
+@pytest.mark.skip_backends("jax", reason="an eager JAX call keeps its compiled program")
+@pytest.mark.parametrize(
+    ("dtype", "kw"),
+    [
+        ("float16", {}),  # cast to float32 first, and the result back
+        ("float32", {"bias": "zeros"}),
+        ("float32", {"mask": "1-d"}),  # given a dimension by the call
+        ("float32", {"kv_lengths": "lengths"}),
+        ("float32", {"return_lse": True}),
+    ],
+    ids=["half", "bias", "1-d mask", "lengths", "return_lse"],
+)
+def test_dense_calls_the_path_does_not_take_as_they_are_keep_no_call(
+    backend, monkeypatch, dtype, kw
+):
+    _dense_route(monkeypatch, backend)
+    if dtype == "float16" and backend.family == "array_api_strict":
+        pytest.skip("array-api-strict has no float16")
+    given = {
+        "zeros": np.zeros((20, 24), np.float32),
+        "1-d": np.arange(24) < 20,
+        "lengths": np.array([24, 10]),
+    }
+    kw = {n: backend.asarray(given[a]) if a in given else a for n, a in kw.items()}
+    scaled_dot_product_attention(*_arrays(backend, dtype), **kw)
+    (entry,) = _cache._ENTRIES.values()
+    assert not isinstance(entry.kept, DenseKernel)

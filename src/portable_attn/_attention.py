@@ -15,7 +15,7 @@ from ._lib import _cache
 from ._lib import _route as router
 from ._lib._block_states import BlockMask
 from ._lib._call import AttentionCall, heads_first, name_swapped_shapes, prepare, swap_heads
-from ._lib._dense import dense_weights
+from ._lib._dense import dense_kernel, dense_weights
 from ._lib._path import Route
 from ._lib._rules import lower_arguments
 from ._lib._validation import check_given, check_is_flag
@@ -269,8 +269,9 @@ def scaled_dot_product_attention(
     check_given("value", value)
     if layout != "bhld":  # (B..., L, H, D): the heads first for the whole call (views)
         query, key, value = heads_first(layout, query, key, value)
-    given: dict[str, Any] = (
-        dict(  # prepare's keywords by name (torch.compile cannot trace locals())
+
+    def arguments_by_name() -> dict[str, Any]:  # prepare's keywords (torch.compile: no locals())
+        return dict(
             mask=mask,
             bias=bias,
             is_causal=is_causal,
@@ -289,21 +290,22 @@ def scaled_dot_product_attention(
             mask_mod=mask_mod,
             block_mask=block_mask,
         )
-    )
+
+    given = None  # built where prepare runs: a kept kernel's call never needs them
     if mask_mod is not None:  # a ready rule: lowered to the band, segment ids, block states
-        given = lower_arguments(given, query, key)
+        given = lower_arguments(arguments_by_name(), query, key)
         is_causal, window, mask_mod = given["is_causal"], given["window"], given["mask_mod"]
         q_segment_ids, kv_segment_ids = given["q_segment_ids"], given["kv_segment_ids"]
     arrays: tuple[Any, ...] = (query, key, value, mask, bias, q_lengths, kv_lengths)
     arrays += (alibi_slopes, dropout_mask, sinks, q_segment_ids, kv_segment_ids)
     options: tuple[Any, ...] = (is_causal, scale, window, softcap, block_size, implementation)
     options += (return_lse, return_max_logit, dropout_p, score_mod is None, mask_mod is None)
-    options += (_block_mask_key(block_mask),)
+    options += (None if block_mask is None else _block_mask_key(block_mask),)
     arguments = (query, key, value, mask)
     signature = _cache.signature(arrays, options)
 
     def derive() -> tuple[_cache.Entry, Any]:  # a miss: every check, the plan, the route
-        call = prepare(query, key, value, **given)
+        call = prepare(query, key, value, **(given or arguments_by_name()))
         with_lse = check_is_flag("return_lse", return_lse)
         if check_is_flag("return_max_logit", return_max_logit):
             call = call.with_row_max()  # kept in the entry's plan for later hits
@@ -324,7 +326,8 @@ def scaled_dot_product_attention(
         out = entry.kept(query, key, value, mask)  # SDPA with the caller's arrays
         return out if layout == "bhld" else swap_heads(entry.xp, out)
     else:  # a hit: the arrays gathered (the static checks passed for this signature)
-        call = prepare(query, key, value, static=(entry.xp, entry.plan), **given)
+        static = (entry.xp, entry.plan)
+        call = prepare(query, key, value, static=static, **(given or arguments_by_name()))
         route = entry.route
         if route is None:  # the router reads host values of this call
             route = router.route(call, block_size, implementation, return_lse=stats)
@@ -362,7 +365,9 @@ def decide(
         kept = compiled(call.flatten()[1], route, return_lse)
     elif not return_lse and route.keys is None:
         ran = call if route.keeps_dtype else call.in_compute_dtype()
-        kept = direct_kernel(ran, route.path, arguments)
+        kept = direct_kernel(ran, route.path, arguments) or dense_kernel(
+            ran, route.path, arguments
+        )
     return _cache.Entry(call.xp, call.plan, route, kept), route
 
 

@@ -60,8 +60,8 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
     fourth (a pair's entries keyed with their types: ``(1, 2) == (True, 2)``). None:
     not kept -- an argument that is not an array (the checks will say), a learned
     `scale` or `softcap` (an array in the plan), a call that a torch tracer records
-    (``torch.compile``, ``torch.func``: the router decides differently there), or an
-    unhashable part.
+    (``torch.compile``, ``torch.func``: the router decides differently there). A key
+    with an unhashable part is never kept either (:func:`entry_for`).
     """
     query = arrays[0]
     scale, softcap = options[1], options[3]  # a learned scale or cap: this call's value
@@ -81,12 +81,11 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
             parts = [None if x is None else (type(x), x.shape, x.dtype) for x in arrays]
             parts.append(device(query))
         # each option with its type, and a pair's entries' types: (1, 2) == (True, 2)
-        parts += [(type(o), o, tuple(map(type, o)) if type(o) is tuple else None) for o in options]
-        key = tuple(parts)
-        hash(key)
-    except Exception:  # not an array, or unhashable: the checks will say what it is
+        parts += (options, tuple(map(type, options)))
+        parts += [tuple(map(type, o)) for o in options if type(o) is tuple]
+    except Exception:  # not an array: the checks will say what it is
         return None
-    return key
+    return tuple(parts)  # an unhashable part: entry_for keeps nothing
 
 
 def entry_for(key: Any, derive: Callable[[], tuple[Entry, Any]]) -> tuple[Entry, Any]:
@@ -96,7 +95,10 @@ def entry_for(key: Any, derive: Callable[[], tuple[Entry, Any]]) -> tuple[Entry,
     what the caller needs of that work. Returns ``(entry, None)`` on a hit and
     ``derive()`` on a miss. A `key` of None is never kept: every such call derives.
     """
-    entry = None if key is None else _ENTRIES.get(key)
+    try:
+        entry = None if key is None else _ENTRIES.get(key)
+    except TypeError:  # an unhashable part (a list for a pair, say): never kept
+        key = entry = None
     if entry is not None:
         return entry, None
     entry, derived = derive()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, NamedTuple
 
 from ._call import AttentionCall
 from ._compat import matmul_float32, stop_gradient
 from ._masks import at_rank
+from ._path import Dense
 from ._scores import (
+    PLAIN_TERMS,
     AttentionPlan,
     ScoreTerms,
     allowed_block,
@@ -27,7 +31,7 @@ from ._scores import (
 )
 from ._softmax import masked_exp, safe_denominator
 
-__all__ = ["dense_attention", "dense_weights"]
+__all__ = ["DenseKernel", "dense_attention", "dense_kernel", "dense_weights"]
 
 
 class _Exp(NamedTuple):
@@ -139,10 +143,38 @@ def dense_attention(
     float32, and only the probabilities are rounded to the input dtype for ``P V``.
     Without it, half inputs are cast to float32 first.
     """
-    matmul = matmul_float32(call.query) if flash else None  # else: in the compute dtype
+    return _attend(
+        call.xp,
+        call.query,
+        call.key,
+        call.value,
+        call.bias,
+        call.terms,
+        call.plan,
+        fold=fold,
+        flash=flash,
+        weights_first=weights_first,
+        with_lse=with_lse,
+    )
+
+
+def _attend(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    *,
+    fold: bool,
+    flash: bool,
+    weights_first: bool,
+    with_lse: bool,
+) -> Any:
+    """:func:`dense_attention` of a call's fields (the kept :class:`DenseKernel` has no call)."""
+    matmul = matmul_float32(q) if flash else None  # else: in the compute dtype
     fold = fold and matmul is None and not weights_first  # those sum P themselves
-    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
-    terms, plan = call.terms, call.plan
     # keys no query sees (past the lengths, another document's): zero in K, whatever
     # they hold, so the gradient dQ = dS K never meets them; in V, only in the product
     hidden = keys_hidden_from_rows(xp, terms, plan, (0, plan.q_len), (0, plan.kv_len))
@@ -155,11 +187,10 @@ def dense_attention(
     if weights_first:
         weights = _normalise(xp, weights, row_sum, e.may_be_empty)
     exp_logits = heads_to_rows(xp, _dropout(xp, weights, terms), plan.num_kv_heads)
+    # P rounded to the input dtype, P V summed in float32 (float32 P: rounded inside)
+    mm = operator.matmul if matmul is None else matmul
 
     def product(values: Any) -> Any:  # (..., Hkv, G*Lq, Lk) @ values, as (..., Hq, Lq, D)
-        def mm(a: Any, b: Any) -> Any:  # P rounded to the input dtype, P V summed in float32
-            return a @ b if matmul is None else matmul(a, b)  # float32 P: rounded inside
-
         some_rows = terms.q_segments is not None  # keys hidden from some rows only
         seen = None if e.allowed is None else partial(_rows_seeing, xp, e.allowed, plan)
         out = visible_product(xp, mm, exp_logits, values, hidden, some_rows=some_rows, seen=seen)
@@ -193,3 +224,66 @@ def dense_weights(call: AttentionCall) -> Any:
     if terms.dropout_keep is not None:
         weights = _dropout(xp, weights, terms) * terms.dropout_scale
     return weights
+
+
+@dataclass(frozen=True)
+class DenseKernel:
+    """The dense path called with a call's own Q, K, V and mask, as the router decided.
+
+    Kept by the cache (``_lib/_cache.py``) for a call signature whose arrays the path
+    takes as they are (:func:`dense_kernel`), as torch's SDPA call is
+    (``_paths/_native.py``): a repeated call is :func:`dense_attention` alone, without
+    gathering the call again: the namespace, the plan and the path are the call's.
+    """
+
+    xp: Any
+    plan: AttentionPlan
+    path: Dense
+
+    def __call__(self, query: Any, key: Any, value: Any, mask: Any) -> Any:
+        """Return the output (*batch, Hq, Lq, Dv) of :func:`dense_attention` on the arrays."""
+        terms = PLAIN_TERMS if mask is None else ScoreTerms(mask=mask)
+        path = self.path
+        return _attend(
+            self.xp,
+            query,
+            key,
+            value,
+            None,
+            terms,
+            self.plan,
+            fold=path.fold,
+            flash=path.flash,
+            weights_first=path.weights_first,
+            with_lse=False,
+        )
+
+
+def dense_kernel(call: AttentionCall, path: Any, arguments: tuple[Any, ...]) -> DenseKernel | None:
+    """Return the dense path's call of `call` where it takes the caller's arrays as they are.
+
+    `call` is the call the route runs (after any cast to the compute dtype);
+    `arguments` the caller's query, key, value and mask. None unless `path` is
+    :class:`~._path.Dense`, the call holds those very objects (no head axis added, no
+    cast, a mask of at least 2 dims) and nothing else, and its result needs no cast.
+    """
+    if not isinstance(path, Dense) or call.drop_head or call.bias is not None:
+        return None
+    query, key, value, mask = arguments
+    terms, plan = call.terms, call.plan
+    if terms.mask is not mask or not _holds_only_mask(terms):
+        return None
+    if not (call.query is query and call.key is key and call.value is value):
+        return None
+    if plan.result_dtype != plan.compute_dtype:
+        return None
+    return DenseKernel(call.xp, plan, path)
+
+
+def _holds_only_mask(terms: ScoreTerms) -> bool:
+    """Whether every score term but the mask is the plain call's (compared by identity)."""
+    return all(
+        getattr(terms, f.name) is getattr(PLAIN_TERMS, f.name)
+        for f in fields(terms)
+        if f.name != "mask"
+    )

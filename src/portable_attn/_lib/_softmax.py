@@ -84,12 +84,13 @@ def masked_exp(
     if allowed is not None:
         logits = xp.where(at_rank(xp, allowed, logits.ndim), logits, -xp.inf)  # (..., Lq, Lk)
     row_max = xp.max(logits, axis=-1, keepdims=True)  # (..., Lq, 1)
-    sink = at_rank(xp, sink, logits.ndim)
     top = row_max if stop_gradient is None else stop_gradient(row_max)
     if sink is not None:
+        sink = at_rank(xp, sink, logits.ndim)
         row_max = xp.maximum(row_max, sink)
-    if stop_gradient is not None:
-        row_max = stop_gradient(row_max)
+        row_max = row_max if stop_gradient is None else stop_gradient(row_max)
+    else:
+        row_max = top
     if rows_may_be_empty or sink is not None:
         row_max = finite_shift(xp, row_max)  # empty rows: exp(-inf) = 0
     exp_logits = xp.exp(logits - row_max)  # (..., Lq, Lk)
