@@ -18,6 +18,7 @@ from ._scores import (
     allowed_block,
     heads_to_rows,
     hidden_rows_zeroed,
+    if_finite,
     keys_hidden_from_rows,
     logits_block,
     row_stats,
@@ -173,11 +174,45 @@ def _attend(
     with_lse: bool,
 ) -> Any:
     """:func:`dense_attention` of a call's fields (the kept :class:`DenseKernel` has no call)."""
+    forms = {"fold": fold, "flash": flash, "weights_first": weights_first, "with_lse": with_lse}
+    # keys no query sees (past the lengths, another document's) get weight 0, but 0 · NaN
+    # is NaN: where K and V hold only finite values the call is the plain one (nothing
+    # to zero: no pass over a whole cache), else those keys' rows are zeroed. One choice
+    # for the whole computation: under JAX one cond, whose branches output the result
+    hidden = keys_hidden_from_rows(xp, terms, plan, (0, plan.q_len), (0, plan.kv_len))
+    if hidden is None:
+        return _weighted_sum(xp, q, k, v, bias, terms, plan, None, **forms)
+    return if_finite(
+        xp,
+        (k, v),
+        lambda: _weighted_sum(xp, q, k, v, bias, terms, plan, None, **forms),
+        lambda: _weighted_sum(xp, q, k, v, bias, terms, plan, hidden, **forms),
+    )
+
+
+def _weighted_sum(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any | None,
+    terms: ScoreTerms,
+    plan: AttentionPlan,
+    hidden: Any | None,
+    *,
+    fold: bool,
+    flash: bool,
+    weights_first: bool,
+    with_lse: bool,
+) -> Any:
+    """Compute the dense path, the rows of K and V of `hidden` keys zeroed where not finite.
+
+    `hidden` (*batch, 1, Lk, 1), from :func:`~._scores.keys_hidden_from_rows`, or None:
+    K is zeroed there (whatever it holds, the gradient ``dQ = dS K`` never meets it),
+    V only in the product (:func:`~._scores.visible_product`).
+    """
     matmul = matmul_float32(q) if flash else None  # else: in the compute dtype
     fold = fold and matmul is None and not weights_first  # those sum P themselves
-    # keys no query sees (past the lengths, another document's): zero in K, whatever
-    # they hold, so the gradient dQ = dS K never meets them; in V, only in the product
-    hidden = keys_hidden_from_rows(xp, terms, plan, (0, plan.q_len), (0, plan.kv_len))
     k = hidden_rows_zeroed(xp, k, hidden)
     if bias is not None and bias.dtype != plan.compute_dtype:
         bias = xp.astype(bias, plan.compute_dtype)

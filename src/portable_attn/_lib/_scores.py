@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ._block_states import evaluate_mask_mod
-from ._compat import on_device, reads_host_values
+from ._compat import branch_on_finite, on_device, reads_host_values
 from ._masks import Alignment, Band, arange, at_rank, padding_allowed, segment_allowed
 
 __all__ = [
@@ -101,7 +102,7 @@ class AttentionPlan:
             return self.kv_len - self.q_len
         return self.align.static_offset(self.q_len, self.kv_len)
 
-    @property
+    @cached_property
     def band(self) -> Band:
         """The causal / window band of the call (:meth:`Band.of` its two options)."""
         return Band.of(self.is_causal, self.window)
@@ -310,6 +311,8 @@ def keys_hidden_from_rows(
     padding of packed sequences, another document's keys). None when neither can hide
     a key of the block (no lengths, or lengths read on the host that show them all).
     """
+    if terms.kv_lengths is None and terms.q_segments is None:
+        return None  # nothing hides a key from every row
     hidden = None
     if terms.kv_lengths is not None and not _lengths_show_keys(terms, plan, k_range):
         keys = arange(xp, k_range[0], k_range[1], plan.device)[:, None]  # (bk, 1)
@@ -439,20 +442,27 @@ def visible_product(
 def if_finite(xp: Any, values: Any, plain: Callable[[], Any], exact: Callable[[], Any]) -> Any:
     """``plain()`` where every entry of `values` is finite and free to read, else ``exact()``.
 
+    `values`: an array or a tuple of arrays.
+
     The one branch on values of the score pipeline, taken only where reading them
     costs nothing (:func:`~._compat.reads_host_values`: NumPy, torch CPU eager), as
     the lengths' values are read: two reductions (``max`` and ``min``, NaN and ``±inf``
     show in them), no copy, no operation that makes a NaN (NumPy would warn of one).
-    Elsewhere (``jax.jit``, Dask's lazy graphs, a torch CUDA tensor) ``exact()``,
-    without a read.
+    JAX (``jax.jit``, an eager call's program) chooses inside its program
+    (:func:`~._compat.branch_on_finite`); elsewhere (Dask's lazy graphs, a torch CUDA
+    tensor) ``exact()``, without a read.
     """
-    if reads_host_values(values):
-        if math.prod(values.shape) == 0:
-            return plain()
-        extremes = xp.stack([xp.max(values), xp.min(values)])
-        if bool(xp.all(xp.isfinite(extremes))):
-            return plain()
-    return exact()
+    arrays = values if isinstance(values, tuple) else (values,)
+    if all(reads_host_values(x) for x in arrays):
+        for x in arrays:
+            if math.prod(x.shape) == 0:
+                continue
+            extremes = xp.stack([xp.max(x), xp.min(x)])
+            if not bool(xp.all(xp.isfinite(extremes))):
+                return exact()
+        return plain()
+    chosen = branch_on_finite(arrays, plain, exact)
+    return exact() if chosen is None else chosen
 
 
 def score_index(
