@@ -174,14 +174,17 @@ def _attend(
     with_lse: bool,
 ) -> Any:
     """:func:`dense_attention` of a call's fields (the kept :class:`DenseKernel` has no call)."""
-    forms = {"fold": fold, "flash": flash, "weights_first": weights_first, "with_lse": with_lse}
     # keys no query sees (past the lengths, another document's) get weight 0, but 0 · NaN
     # is NaN: where K and V hold only finite values the call is the plain one (nothing
     # to zero: no pass over a whole cache), else those keys' rows are zeroed. One choice
     # for the whole computation: under JAX one cond, whose branches output the result
     hidden = keys_hidden_from_rows(xp, terms, plan, (0, plan.q_len), (0, plan.kv_len))
     if hidden is None:
-        return _weighted_sum(xp, q, k, v, bias, terms, plan, None, **forms)
+        return _weighted_sum(
+            xp, q, k, v, bias, terms, plan, None,
+            fold=fold, flash=flash, weights_first=weights_first, with_lse=with_lse,
+        )  # fmt: skip
+    forms = {"fold": fold, "flash": flash, "weights_first": weights_first, "with_lse": with_lse}
     return if_finite(
         xp,
         (k, v),
@@ -279,7 +282,7 @@ class DenseKernel:
         """Return the output (*batch, Hq, Lq, Dv) of :func:`dense_attention` on the arrays."""
         terms = PLAIN_TERMS if mask is None else ScoreTerms(mask=mask)
         path = self.path
-        return _attend(
+        return _weighted_sum(
             self.xp,
             query,
             key,
@@ -287,6 +290,7 @@ class DenseKernel:
             None,
             terms,
             self.plan,
+            None,  # the call holds no lengths or segment ids: no key is hidden
             fold=path.fold,
             flash=path.flash,
             weights_first=path.weights_first,
