@@ -144,47 +144,16 @@ def dense_attention(
     float32, and only the probabilities are rounded to the input dtype for ``P V``.
     Without it, half inputs are cast to float32 first.
     """
-    return _attend(
-        call.xp,
-        call.query,
-        call.key,
-        call.value,
-        call.bias,
-        call.terms,
-        call.plan,
-        fold=fold,
-        flash=flash,
-        weights_first=weights_first,
-        with_lse=with_lse,
-    )
-
-
-def _attend(
-    xp: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    bias: Any | None,
-    terms: ScoreTerms,
-    plan: AttentionPlan,
-    *,
-    fold: bool,
-    flash: bool,
-    weights_first: bool,
-    with_lse: bool,
-) -> Any:
-    """:func:`dense_attention` of a call's fields (the kept :class:`DenseKernel` has no call)."""
+    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    terms, plan = call.terms, call.plan
     # keys no query sees (past the lengths, another document's) get weight 0, but 0 · NaN
     # is NaN: where K and V hold only finite values the call is the plain one (nothing
     # to zero: no pass over a whole cache), else those keys' rows are zeroed. One choice
     # for the whole computation: under JAX one cond, whose branches output the result
     hidden = keys_hidden_from_rows(xp, terms, plan, (0, plan.q_len), (0, plan.kv_len))
-    if hidden is None:
-        return _weighted_sum(
-            xp, q, k, v, bias, terms, plan, None,
-            fold=fold, flash=flash, weights_first=weights_first, with_lse=with_lse,
-        )  # fmt: skip
     forms = {"fold": fold, "flash": flash, "weights_first": weights_first, "with_lse": with_lse}
+    if hidden is None:
+        return _weighted_sum(xp, q, k, v, bias, terms, plan, None, **forms)
     return if_finite(
         xp,
         (k, v),
