@@ -100,7 +100,7 @@ PYTHONS = [v for v in SUPPORTED if _runs(v)] or [f"{sys.version_info[0]}.{sys.ve
 WORKERS = ("-n", "auto")
 
 
-def _pytest(session: nox.Session, backend: str) -> None:
+def _pytest(session: nox.Session, backend: str, env: dict[str, str] | None = None) -> None:
     session.run(
         "python",
         "-m",
@@ -110,7 +110,7 @@ def _pytest(session: nox.Session, backend: str) -> None:
         backend,
         "--ignore=tests/integrations",  # the tests-integrations session runs those
         *session.posargs,
-        env={"PORTABLE_ATTN_BACKEND": backend},
+        env={"PORTABLE_ATTN_BACKEND": backend, **(env or {})},
     )
 
 
@@ -211,6 +211,7 @@ class Backend:
     skip_without_gpu: str | None = None  # skip with this reason when no NVIDIA GPU is found
     families: str | None = None  # the suite's --backend, by default the session's name
     blas_cores: tuple[str, ...] = ()  # run BITWISE_TESTS again under each OpenBLAS core type
+    env: tuple[tuple[str, str], ...] = ()  # the suite's environment variables
 
 
 BACKENDS = {
@@ -233,6 +234,8 @@ BACKENDS = {
         "JAX CPU (and GPU when present), jax.grad, jax.jit, jax.vmap, 8-device CPU meshes.",
         ML_PYTHON,
         first=JAX_SPEC,
+        # a documented JAX option some code bases set globally: the whole suite runs with it
+        env=(("JAX_NUMPY_RANK_PROMOTION", "raise"),),
     ),
     "dask": Backend(
         "Dask arrays chunked on every axis; a two-process dask.distributed cluster.",
@@ -259,7 +262,7 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
             session.install(spec.first)
         session.install(*pin, ".[test]", *spec.also)
         families = spec.families or backend
-        _pytest(session, families)
+        _pytest(session, families, dict(spec.env))
         for core in spec.blas_cores:
             if not blas_core_runs(os.path.join(session.bin, "python"), core):
                 session.warn(f"NumPy's OpenBLAS crashes under OPENBLAS_CORETYPE={core}: skipped")

@@ -252,3 +252,11 @@ def test_a_core_type_whose_blas_crashes_is_skipped_with_a_warning(noxfile, monke
     bitwise = [r for r in session.runs if r[-len(tail) :] == tail]
     assert len(bitwise) == len(noxfile.BLAS_CORES) - 1
     assert any("OPENBLAS_CORETYPE=Haswell" in w for w in session.warnings)
+
+
+def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(noxfile, "_pytest", lambda session, families, env=None: seen.append(env))
+    session = FakeSession(tmp_path)
+    noxfile._tests_session("jax", noxfile.BACKENDS["jax"])(session)
+    assert seen == [{"JAX_NUMPY_RANK_PROMOTION": "raise"}]
