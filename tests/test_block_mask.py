@@ -10,6 +10,8 @@ get clear errors.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -166,7 +168,7 @@ def test_build_tiles_bound_the_entries_in_all(backend, xp, monkeypatch, name):
 
     def recorded(b, h, q_idx, kv_idx):
         allowed = MASK_MODS[name](b, h, q_idx, kv_idx)
-        full = xp.broadcast_to(allowed, (*allowed.shape[:-2], q_idx.shape[0], kv_idx.shape[1]))
+        full = xp.broadcast_to(allowed, (*allowed.shape[:-2], q_idx.shape[-2], kv_idx.shape[-1]))
         sizes.append(int(np.prod(full.shape)))
         return allowed
 
@@ -354,6 +356,38 @@ def test_gradients_equal_the_dense_mask(backend, xp, route):
     theirs = backend.grad(loss(mask=mask), q, k, v)
     for a, b in zip(ours, theirs, strict=True):
         assert_close(backend, a, backend.to_numpy(b), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+def test_under_jax_rank_promotion_raise(backend, xp, route):
+    """With ``jax_numpy_rank_promotion="raise"`` a FlexAttention-style ``mask_mod`` raised.
+
+    Issue 46, item 11: ``kv_idx < 6 + 4 * b`` or ``kv_idx % (h + 2)`` broadcast the
+    (B, 1, 1, 1) batch or (H, 1, 1) head index with the (1, bk) key positions (and
+    ``to_dense`` the same). The indices now come at one rank, (B, 1, 1, 1),
+    (1, H, 1, 1), (1, 1, bq, 1) and (1, 1, 1, bk); values and gradients as without.
+    """
+    import jax
+
+    q, k, v = problem()
+    mask_mod = and_masks(per_batch, per_head, doc_causal)
+    dense = dense_mask(mask_mod)
+    qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
+    cot = backend.asarray(np.random.default_rng(4).standard_normal((B, HQ, L, D)))
+
+    def loss(q, k, v, **kw):
+        return xp.sum(scaled_dot_product_attention(q, k, v, **route.kw, **kw) * cot)
+
+    with jax.numpy_rank_promotion("raise"):
+        bm = create_block_mask(mask_mod, B, HQ, L, L, block_size=(3, 2))
+        np.testing.assert_array_equal(backend.to_numpy(bm.to_dense()), dense)
+        for kw in ({"mask_mod": mask_mod}, {"block_mask": bm}):
+            out = scaled_dot_product_attention(qb, kb, vb, **route.kw, **kw)
+            assert_close(backend, out, reference_attention(q, k, v, mask=dense))
+            grads = backend.grad(partial(loss, **kw), qb, kb, vb)
+            expected = backend.grad(partial(loss, mask=backend.asarray(dense)), qb, kb, vb)
+            for g, e in zip(grads, expected, strict=True):
+                assert_close(backend, g, backend.to_numpy(e), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.backends("jax", reason="jax.grad under jit with a traced block mask (the loop)")

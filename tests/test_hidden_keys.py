@@ -109,7 +109,7 @@ def test_packed_documents_gradients(backend, xp, route):
         name: backend.asarray(a)
         for name, a in (("q_segment_ids", Q_IDS), ("kv_segment_ids", KV_IDS))
     }
-    rows = backend.asarray((Q_IDS == 1).astype(np.float64)[:, None])  # document 1's rows
+    rows = backend.asarray((Q_IDS == 1).astype(np.float64)[:, None])[None, None]  # doc 1's rows
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(q, k, v, **ids, **route.kw)

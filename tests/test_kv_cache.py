@@ -51,6 +51,18 @@ class TestKVCache:
         )
         np.testing.assert_array_equal(backend.to_numpy(cache.lengths), [9, 9])
 
+    @pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+    def test_under_jax_rank_promotion_raise(self, backend, xp):
+        """With ``jax_numpy_rank_promotion="raise"`` every append raised.
+
+        Issue 46, item 11: the (C, 1) slots less the (B, 1, 1, 1) lengths. The slots
+        are now given the lengths' rank first; values as the oracle's.
+        """
+        import jax
+
+        with jax.numpy_rank_promotion("raise"):
+            self.test_decoding_equals_full_causal_attention(backend, xp, [4, 1, 3, 1])
+
     def test_layout_is_refused(self, backend, xp):
         """``layout`` would swap the cache's (Hkv, capacity) axes too: silently wrong."""
         cache = kv_cache_append(
@@ -191,7 +203,8 @@ class TestDecoderBlock:
         x = backend.asarray(randn(2, length, d_model))
 
         def project(x, w, b, heads):
-            y = xp.reshape(x @ params[w] + params[b], (2, x.shape[1], heads, dh))
+            bias = xp.reshape(params[b], (1, 1, -1))  # at the rank of x @ w (JAX's option)
+            y = xp.reshape(x @ params[w] + bias, (2, x.shape[1], heads, dh))
             return xp.permute_dims(y, (0, 2, 1, 3))
 
         def attend(x, positions, cache=None):
@@ -204,7 +217,7 @@ class TestDecoderBlock:
                 cache = kv_cache_append(cache, k, v)
                 out = kv_cache_attention(q, cache)
             out = xp.reshape(xp.permute_dims(out, (0, 2, 1, 3)), (2, x.shape[1], h * dh))
-            return out @ params["wo"] + params["bo"], cache
+            return out @ params["wo"] + xp.reshape(params["bo"], (1, 1, -1)), cache
 
         full, _ = attend(x, backend.asarray(np.arange(length)))
         cache = kv_cache_init(

@@ -135,6 +135,25 @@ def test_merge_equals_the_full_call(backend, xp, path, bounds, with_sinks):
         assert np.all(backend.to_numpy(out)[..., 1, :] == 0.0)
 
 
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+def test_merge_under_jax_rank_promotion_raise(backend, xp):
+    """With ``jax_numpy_rank_promotion="raise"`` every merge raised (issue 46, item 11).
+
+    The parts' (P, ..., Lq, 1) lse less their (..., Lq, 1) maximum over the parts:
+    operands of different ranks. The maximum is now given the parts' rank first.
+    """
+    import jax
+
+    q, k, v = qkv(**problem)
+    mask = MASK.copy()
+    mask[3, :4] = False  # row 3 sees nothing in the first part
+    outs, lses = _parts(backend, q, k, v, ((0, 4), (4, 9)), mask=mask, sinks=SINKS)
+    with jax.numpy_rank_promotion("raise"):
+        out, lse = merge_attention(outs, lses)
+    assert_close(backend, out, reference_attention(q, k, v, mask=mask, sinks=SINKS))
+    assert_lse(backend, lse, reference_lse(q, k, mask=mask, sinks=SINKS))
+
+
 @pytest.mark.autodiff
 def test_merge_is_differentiable(backend, xp):
     q, k, v = qkv(backend=backend, **problem)

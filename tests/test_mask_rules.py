@@ -124,7 +124,7 @@ def test_block_mask_of_a_rule(backend, xp, name):
     assert_close(backend, both, expected)
 
 
-@pytest.mark.parametrize(
+ALIGNED_BY_LENGTHS = pytest.mark.parametrize(
     ("rule", "hand"),
     [
         (causal_mask_mod(), lambda off, i, j: j <= i + off),
@@ -139,21 +139,53 @@ def test_block_mask_of_a_rule(backend, xp, name):
     ],
     ids=["causal", "chunked", "prefix_lm", "window", "document", "document_per_sequence"],
 )
-def test_offset_none_follows_the_valid_lengths(backend, xp, rule, hand):
-    """Decoding 3 queries over a padded cache: aligned at each sequence's valid end."""
+
+
+def _decoding(backend, rule, hand):
+    """Decoding 3 queries over a padded cache: the backend's call and its oracle."""
     lq, lk, q_len, kv_len = 3, 16, np.array([3, 2]), np.array([16, 9])
     q, k, v = qkv(batch=(B,), hq=HQ, hkv=HKV, lq=lq, lk=lk, dk=D, dv=D)
-    qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
     if rule == "doc":  # one row of ids, read at each sequence's own positions
         rule = document_mask_mod(backend.asarray(DOC2[0]))
     elif rule == "docs":  # the ids of each sequence (offsets 13 and 7: rows 1 and 1)
         rule = document_mask_mod(backend.asarray(DOC2[[1, 1]]))
-    lengths = {"q_lengths": backend.asarray(q_len), "kv_lengths": backend.asarray(kv_len)}
-    out = scaled_dot_product_attention(qb, kb, vb, mask_mod=rule, **lengths)
+    args = [backend.asarray(a) for a in (q, k, v, q_len, kv_len)]
+
+    def call(q, k, v, q_lengths, kv_lengths):
+        return scaled_dot_product_attention(
+            q, k, v, mask_mod=rule, q_lengths=q_lengths, kv_lengths=kv_lengths
+        )
+
     i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
     mask = np.stack([hand(kv_len[b] - q_len[b], i, j) for b in range(B)])[:, None]
     expected = reference_attention(q, k, v, mask=mask, q_lengths=q_len, kv_lengths=kv_len)
-    assert_close(backend, out, expected)
+    return call, args, expected
+
+
+@ALIGNED_BY_LENGTHS
+def test_offset_none_follows_the_valid_lengths(backend, xp, rule, hand):
+    """Decoding 3 queries over a padded cache: aligned at each sequence's valid end."""
+    call, args, expected = _decoding(backend, rule, hand)
+    assert_close(backend, call(*args), expected)
+
+
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+@ALIGNED_BY_LENGTHS
+def test_under_jax_rank_promotion_raise(backend, xp, rule, hand):
+    """With ``jax_numpy_rank_promotion="raise"`` a rule aligned by the lengths raised.
+
+    Issue 46, item 11: the (bq, 1) query rows plus the (B, 1, 1, 1) offsets
+    ``kv_len[b] - q_len[b]``, and under ``jit`` the (nq, 1) block bounds plus the
+    traced (B, 1, 1) offsets. Each operand now at one rank; eager and jitted as
+    the oracle.
+    """
+    import jax
+
+    call, args, expected = _decoding(backend, rule, hand)
+    with jax.numpy_rank_promotion("raise"):
+        eager, jitted = call(*args), jax.jit(call)(*args)
+    assert_close(backend, eager, expected)
+    assert_close(backend, jitted, expected)
 
 
 # the lowering and the skipping

@@ -30,6 +30,18 @@ class TestMultiHeadAttention:
         att = reference_attention(q, k, v, is_causal=True).transpose(0, 2, 1, 3).reshape(2, 5, -1)
         assert_close(backend, out, att @ p["wo"] + p["bo"])
 
+    @pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+    def test_under_jax_rank_promotion_raise(self, backend, xp):
+        """With ``jax_numpy_rank_promotion="raise"`` every call with biases raised.
+
+        Issue 46, item 11: the (..., L, H·D) projections plus the (H·D,) biases. The
+        biases are now given the projections' rank first; values as the oracle's.
+        """
+        import jax
+
+        with jax.numpy_rank_promotion("raise"):
+            self.test_self_attention_matches_oracle(backend, xp, 2)
+
     @pytest.mark.backends("torch", reason="peer comparison with torch.nn.MultiheadAttention")
     @pytest.mark.parametrize("cross", [False, True])
     def test_against_torch_multihead_attention(self, backend, cross):

@@ -76,6 +76,33 @@ def test_native_matches_portable(backend, name):
     np.testing.assert_allclose(backend.to_numpy(native), backend.to_numpy(portable), atol=atol)
 
 
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_under_jax_rank_promotion_raise(backend, xp, name):
+    """With ``jax_numpy_rank_promotion="raise"`` the JAX kernel's call raised (issue 46, 11).
+
+    The rows that see a finite score came from a (1, 1, Lq, Lk) "allowed" AND-ed with
+    the finite entries of an (Lq, Lk) bias. The bias is now at the logits' rank
+    first; values and gradients as the float64 oracle's.
+    """
+    import jax
+
+    args, kw = build(backend, name)
+    as_np = {n: backend.to_numpy(a) if hasattr(a, "shape") else a for n, a in kw.items()}
+    q, k, v = (backend.to_numpy(a) for a in args)
+    cot = backend.asarray(np.random.default_rng(5).standard_normal((2, 4, q.shape[-2], 8)))
+
+    def loss(q, k, v):
+        return xp.sum(scaled_dot_product_attention(q, k, v, implementation="native", **kw) * cot)
+
+    with jax.numpy_rank_promotion("raise"):
+        out = scaled_dot_product_attention(*args, implementation="native", **kw)
+        grads = backend.grad(loss, *args)
+    expected = reference_attention(q, k, v, **as_np)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=tolerance(backend))
+    assert all(np.all(np.isfinite(backend.to_numpy(g))) for g in grads)
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [

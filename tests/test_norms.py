@@ -56,6 +56,17 @@ class TestRmsNorm:
         expected = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * w
         assert_close(backend, out, expected)
 
+    @pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+    def test_under_jax_rank_promotion_raise(self, backend):
+        """With ``jax_numpy_rank_promotion="raise"`` a (D,) weight times (..., D) raised.
+
+        Issue 46, item 11: the weight is now given the input's rank first.
+        """
+        import jax
+
+        with jax.numpy_rank_promotion("raise"):
+            self.test_matches_formula(backend)
+
     def test_bad_eps(self, backend):
         with pytest.raises(ValueError, match="`eps` must be > 0"):
             rms_norm(backend.asarray(np.ones(3)), eps=0.0)

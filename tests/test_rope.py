@@ -417,6 +417,42 @@ class TestMRope:
         assert_close(backend, out, rope_oracle(x, pos, interleaved=interleaved))
 
 
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_under_jax_rank_promotion_raise(backend, interleaved):
+    """With ``jax_numpy_rank_promotion="raise"`` every call raised (issue 46, item 11).
+
+    The (B..., 1, L, 1) positions times the (R/2,) frequencies, and the cos and sin
+    (B..., 1, L, R/2) times the (..., H, L, R/2) features: operands of different
+    ranks. Each is now given one rank first; values as without the option.
+    """
+    import jax
+
+    x = randn(2, 2, 4, 12)
+    pos, per_seq = np.arange(3, 7), np.array([[0, 1, 2, 3], [13, 14, 15, 16]])
+    rows = np.random.default_rng(3).integers(0, 40, (3, 2, 4))
+    a = backend.asarray
+    with jax.numpy_rank_promotion("raise"):
+        plain = apply_rope(a(x), a(pos), interleaved=interleaved)
+        longrope = apply_rope(a(x), a(per_seq), scaling=LONGROPE, interleaved=interleaved)
+        mrope = apply_rope(a(x), a(rows), mrope_section=[1, 2, 3], interleaved=interleaved)
+        part = apply_rope(a(x), a(pos), rotary_dim=4, interleaved=interleaved)
+    assert_close(backend, plain, rope_oracle(x, pos, interleaved=interleaved))
+    freqs = [f / e for f, e in zip(plain_freqs(12), LONG, strict=True)]
+    attention = np.sqrt(1 + np.log(8.0) / np.log(16))
+    expected = rotate_oracle(
+        x, in_all_rows(per_seq), freqs, attention=attention, interleaved=interleaved
+    )
+    assert_close(backend, longrope, expected)
+    row = [0, 1, 1, 2, 2, 2]
+    expected = rotate_oracle(x, lambda p: rows[row[p]], plain_freqs(12), interleaved=interleaved)
+    assert_close(backend, mrope, expected)
+    expected = rotate_oracle(
+        x, in_all_rows(pos), plain_freqs(4), rotary_dim=4, interleaved=interleaved
+    )
+    assert_close(backend, part, expected)
+
+
 class TestScalingErrors:
     @pytest.mark.parametrize(
         ("scaling", "match"),

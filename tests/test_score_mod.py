@@ -9,13 +9,13 @@ import pytest
 
 from _helpers import assert_close, qkv, randn, run
 from portable_attn import get_alibi_slopes, scaled_dot_product_attention
-from portable_attn.testing import reference_attention
+from portable_attn.testing import central_differences, reference_attention
 
 problem = partial(qkv, batch=(3,), lq=7, lk=9, dk=6, dv=6)
 
 
 def _rel(xp, table, q_idx, kv_idx):
-    idx = q_idx - kv_idx + 16  # (bq, bk)
+    idx = q_idx - kv_idx + 16  # (1, 1, bq, bk)
     flat = xp.take(table, xp.reshape(idx, (-1,)), axis=0)
     return xp.reshape(flat, idx.shape)
 
@@ -39,7 +39,7 @@ class TestScoreMod:
     def test_expresses_alibi_and_softcap(self, backend, xp, route):
         q, k, v = problem(lq=9, lk=9)
         slopes = get_alibi_slopes(4)
-        s = backend.asarray(slopes)[:, None, None]
+        s = xp.reshape(backend.asarray(slopes), (1, 4, 1, 1))  # at the rank of the scores
 
         def alibi_and_cap(scores, b, h, q_idx, kv_idx):
             dist = xp.astype(xp.abs(q_idx - kv_idx), scores.dtype)
@@ -92,3 +92,47 @@ class TestScoreMod:
         q, k, v = problem(backend=backend)
         with pytest.raises(TypeError, match="`score_mod` must be callable"):
             scaled_dot_product_attention(q, k, v, score_mod=3)
+
+
+@pytest.mark.backends("jax", reason="jax_numpy_rank_promotion is an option of JAX")
+def test_under_jax_rank_promotion_raise(backend, xp, route):
+    """With ``jax_numpy_rank_promotion="raise"`` a FlexAttention-style ``score_mod`` raised.
+
+    Issue 46, item 11: ``score + table[q_idx - kv_idx]`` added a (bq, bk) term to the
+    (B, H, bq, bk) scores, ``slopes[h]`` was (H, 1, 1). The indices now come at the
+    scores' rank; values, and a learned table's gradient under ``jax.jit``, as without.
+    """
+    import jax
+
+    table, shift, slopes = randn(32, seed=9), np.array([0.0, 5.0, -5.0]), get_alibi_slopes(4)
+
+    def make(table, shift, slopes):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            distance = abs(q_idx - kv_idx)
+            return score + table[q_idx - kv_idx + 16] - slopes[h] * distance + shift[b]
+
+        return score_mod
+
+    q, k, v = problem()
+    on = [backend.asarray(a) for a in (table, shift, slopes)]
+    qb, kb, vb = (backend.asarray(a) for a in (q, k, v))
+    cot = backend.asarray(randn(3, 4, 7, 6, seed=4))
+
+    def loss(table):
+        mod = make(table, *on[1:])
+        out = scaled_dot_product_attention(qb, kb, vb, score_mod=mod, is_causal=True, **route.kw)
+        return xp.sum(out * cot)
+
+    with jax.numpy_rank_promotion("raise"):
+        out, _ = run(backend, q, k, v, route=route, score_mod=make(*on), is_causal=True)
+        grad = jax.jit(jax.grad(loss))(on[0])
+    expected = reference_attention(q, k, v, score_mod=make(table, shift, slopes), is_causal=True)
+    assert_close(backend, out, expected)
+    cot_np = backend.to_numpy(cot)
+
+    def loss_np(table):
+        mod = make(table, shift, slopes)
+        return float(np.sum(reference_attention(q, k, v, score_mod=mod, is_causal=True) * cot_np))
+
+    (numeric,) = central_differences(loss_np, [table])
+    np.testing.assert_allclose(backend.to_numpy(grad), numeric, atol=1e-6, rtol=1e-5)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _helpers import assert_close, randn
@@ -218,8 +218,20 @@ def ragged_batches(draw):
 
 
 @pytest.mark.main_kinds
+@pytest.mark.skip_backends("jax", reason="compiles a program per shape: the test below")
 @given(ragged_batches())
 def test_property_any_ragged_batch_matches_the_oracle_and_each_request_alone(backend, xp, case):
+    _ragged_batch_matches_the_oracle_and_each_request_alone(backend, case)
+
+
+@pytest.mark.backends("jax", reason="a program per shape and request: fewer examples")
+@settings(max_examples=6)
+@given(ragged_batches())
+def test_property_any_ragged_batch_compiled_by_jax(backend, xp, case):
+    _ragged_batch_matches_the_oracle_and_each_request_alone(backend, case)
+
+
+def _ragged_batch_matches_the_oracle_and_each_request_alone(backend, case):
     lengths, new, page_size, seed, window, causal = case
     pages = sum(-(-n // page_size) for n in lengths) + 2
     pool = Pool(lengths, new, page_size=page_size, num_pages=pages, seed=seed, dtype=np.float32)

@@ -136,8 +136,10 @@ def scaled_dot_product_attention(
         ``score_mod(scores, batch, head, q_idx, kv_idx) -> scores``, applied after
         `scale` and `softcap`, before `bias`/ALiBi and the masks, on each block of
         scores (..., Hq, bq, bk). The index arrays broadcast against it: `batch`
-        (B..., 1, 1, 1) flat batch index, `head` (Hq, 1, 1), `q_idx` (bq, 1) and
-        `kv_idx` (1, bk) absolute positions. Write it with array-API operations.
+        (B..., 1, 1, 1) flat batch index, `head` (1..., Hq, 1, 1), `q_idx`
+        (1..., 1, bq, 1) and `kv_idx` (1..., 1, 1, bk) absolute positions, each with
+        as many axes as `batch` (so JAX's ``jax_numpy_rank_promotion="raise"`` holds).
+        Write it with array-API operations.
     dropout_p : float, default 0.0
         Dropout probability on the attention weights; needs `dropout_mask`.
     dropout_mask : array of bool, broadcastable to (B..., Hq, Lq, Lk), optional
@@ -162,7 +164,8 @@ def scaled_dot_product_attention(
         ``mask_mod(batch, head, q_idx, kv_idx) -> bool array`` (FlexAttention's
         convention): True where a query may attend to a key, AND-ed with every
         other mask. The index arrays are those of `score_mod` (`batch`
-        (B..., 1, 1, 1), `head` (Hq, 1, 1), `q_idx` (bq, 1), `kv_idx` (1, bk)):
+        (B..., 1, 1, 1), `head` (1..., Hq, 1, 1), `q_idx` (1..., 1, bq, 1), `kv_idx`
+        (1..., 1, 1, bk)):
         raw positions, so ``q_idx >= kv_idx`` is top-left causal (the library's
         `is_causal` is bottom-right; they agree when ``Lq == Lk``). Evaluated once on
         the dense path and per block on the tiled path, where NumPy and torch

@@ -2,8 +2,10 @@
 
 A ``mask_mod(batch, head, q_idx, kv_idx) -> bool array`` says which queries may
 attend to which keys, written with array-API operations on broadcasting index
-arrays (``batch`` (B, 1, 1, 1), ``head`` (H, 1, 1), ``q_idx`` (bq, 1), ``kv_idx``
-(1, bk): raw positions, FlexAttention's convention). :func:`create_block_mask`
+arrays of one rank (``batch`` (B, 1, 1, 1), ``head`` (1, H, 1, 1), ``q_idx``
+(1, 1, bq, 1), ``kv_idx`` (1, 1, 1, bk): raw positions, FlexAttention's convention;
+no rank promotion, so JAX's ``jax_numpy_rank_promotion="raise"`` is fine).
+:func:`create_block_mask`
 evaluates it once, tile by tile, into a :class:`BlockMask`: per (batch, head,
 query block, key block) whether the block is hidden (not computed at all),
 partially visible (computed, the mask evaluated) or fully visible (computed, no
@@ -36,7 +38,15 @@ from typing import Any
 
 from ._lib import _route
 from ._lib import _validation as v
-from ._lib._block_states import FULL, HIDDEN, PARTIAL, BlockMask, MaskMod, build_states
+from ._lib._block_states import (
+    FULL,
+    HIDDEN,
+    PARTIAL,
+    BlockMask,
+    MaskMod,
+    block_index,
+    build_states,
+)
 from ._lib._compat import array_namespace, namespace_or_numpy, numpy_namespace, on_device
 from ._lib._cpu import available_workers
 from ._lib._rules import (
@@ -96,8 +106,9 @@ def create_block_mask(
     ----------
     mask_mod : callable
         ``mask_mod(batch, head, q_idx, kv_idx) -> bool array`` broadcasting to
-        (B, H, bq, bk), from ``batch`` (B, 1, 1, 1), ``head`` (H, 1, 1), ``q_idx``
-        (bq, 1) and ``kv_idx`` (1, bk): raw positions (FlexAttention's convention).
+        (B, H, bq, bk), from ``batch`` (B, 1, 1, 1), ``head`` (1, H, 1, 1), ``q_idx``
+        (1, 1, bq, 1) and ``kv_idx`` (1, 1, 1, bk): raw positions (FlexAttention's
+        convention).
         True where the query may attend to the key.
         A ready rule (:func:`causal_mask_mod` ...) is aligned to `q_len` and `kv_len`
         (bottom-right, not to a call's ``q_lengths`` / ``kv_lengths``), and a positional
@@ -203,12 +214,10 @@ def _check_broadcast_axes(
     nb, nh = (2 if batch is None else batch), (2 if heads is None else heads)
     kw = on_device(device)
     b = xp.reshape(xp.arange(0, nb, **kw), (nb, 1, 1, 1))
-    h = xp.arange(0, nh, **kw)[:, None, None]
-    q_idx = xp.arange(0, min(block[0], q_len), **kw)[:, None]
-    kv_idx = xp.arange(0, min(block[1], kv_len), **kw)[None, :]
+    first = (min(block[0], q_len), min(block[1], kv_len))
+    index = block_index(xp, b, nh, (0, first[0]), (0, first[1]), device)
     try:
-        result = mask_mod(b, h, q_idx, kv_idx)
-        result = xp.broadcast_to(result, (nb, nh, q_idx.shape[0], kv_idx.shape[1]))
+        result = xp.broadcast_to(mask_mod(*index), (nb, nh, *first))
     except Exception:  # a rule that fails here: the build raises its errors, checked
         return
     for name, given, axis, what in (
@@ -247,7 +256,7 @@ def _combine(name: str, mask_mods: tuple[MaskMod, ...], *, all_of: bool) -> Mask
         return MaskRule(Both(parts) if all_of else Either(parts), f"{name}({names})")
 
     def constant(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
-        return (q_idx >= 0) if all_of else (q_idx < 0)  # True / False, (bq, 1)
+        return (q_idx >= 0) if all_of else (q_idx < 0)  # True / False, (1, 1, bq, 1)
 
     combined = combine_mask_mods(list(mask_mods), all_of=all_of) if mask_mods else constant
     combined.__name__ = f"{name}({names})"

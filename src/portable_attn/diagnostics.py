@@ -179,7 +179,8 @@ def logit_stats(query: Any, key: Any, **kwargs: Any) -> LogitStats:
     count = xp.where(count > 0, count, 1.0)
     vals = xp.where(allowed, logits, 0.0)
     mean = _heads_last(xp, vals, 3) / count
-    centred = xp.where(allowed, logits - xp.reshape(mean, (-1, 1, 1)), 0.0)
+    by_head = xp.reshape(mean, (*(1,) * (logits.ndim - 3), -1, 1, 1))  # (1..., H, 1, 1)
+    centred = xp.where(allowed, logits - by_head, 0.0)
     std = xp.sqrt(_heads_last(xp, centred * centred, 3) / count)
     max_abs = xp.max(xp.abs(vals), axis=tuple(i for i in range(vals.ndim) if i != vals.ndim - 3))
     return LogitStats(mean, std, max_abs)

@@ -23,7 +23,7 @@ from ._lib._compat import (
     register_pytree,
     to_host,
 )
-from ._lib._masks import arange
+from ._lib._masks import arange, at_rank
 from ._lib._validation import check_count
 
 __all__ = ["KVCache", "kv_cache_append", "kv_cache_attention", "kv_cache_init"]
@@ -156,9 +156,8 @@ def kv_cache_init(
 def _write(xp: Any, slots: Any, new: Any, lengths: Any, t: int) -> Any:
     """Write `new` (..., Hkv, T, D) at slots [length, length + T) of `slots` (..., Hkv, C, D)."""
     cap = slots.shape[-2]
-    pos = arange(xp, 0, cap, device(slots))[:, None] - xp.reshape(
-        lengths, (*lengths.shape, 1, 1, 1)
-    )
+    start = xp.reshape(lengths, (*lengths.shape, 1, 1, 1))  # (..., 1, 1, 1)
+    pos = at_rank(xp, arange(xp, 0, cap, device(slots))[:, None], start.ndim) - start
     inside = xp.logical_and(pos >= 0, pos < t)  # (..., 1, C, 1)
     if hasattr(xp, "take_along_axis"):
         index = xp.clip(pos, 0, t - 1)  # (..., 1, C, 1)

@@ -9,6 +9,7 @@ import numpy as np
 
 from ._attention import scaled_dot_product_attention
 from ._lib._compat import array_namespace, namespace_or_numpy, on_device
+from ._lib._masks import at_rank
 from ._lib._validation import check_count
 
 __all__ = ["init_mha_params", "multi_head_attention"]
@@ -120,7 +121,7 @@ def _project(xp: Any, x: Any, w: Any, b: Any | None, heads: int) -> Any:
     """``x @ w + b`` split into heads: (..., L, d) -> (..., L, heads, D)."""
     y = xp.matmul(x, w)  # (..., L, heads*D)
     if b is not None:
-        y = y + b
+        y = y + at_rank(xp, b, y.ndim)
     return xp.reshape(y, (*y.shape[:-1], heads, y.shape[-1] // heads))
 
 
@@ -200,5 +201,5 @@ def multi_head_attention(
     out = xp.reshape(out, (*out.shape[:-2], out.shape[-2] * out.shape[-1]))  # (..., Lq, H*Dv)
     out = xp.matmul(out, params["wo"])  # (..., Lq, d_model)
     if params.get("bo") is not None:
-        out = out + params["bo"]
+        out = out + at_rank(xp, params["bo"], out.ndim)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._lib._compat import array_namespace, result_type
+from ._lib._masks import at_rank
 
 __all__ = ["l2_normalize", "rms_norm"]
 
@@ -91,5 +92,5 @@ def rms_norm(x: Any, weight: Any | None = None, *, axis: int = -1, eps: float = 
     xc = xp.astype(x, result_type(xp, x.dtype, xp.float32), copy=False)
     out = xc / xp.sqrt(xp.mean(xc * xc, axis=axis, keepdims=True) + eps)
     if weight is not None:
-        out = out * xp.astype(weight, out.dtype, copy=False)
+        out = out * at_rank(xp, xp.astype(weight, out.dtype, copy=False), out.ndim)
     return xp.astype(out, x.dtype, copy=False)

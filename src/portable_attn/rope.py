@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._lib._compat import array_namespace, device, namespace_or_numpy, on_device, result_type
+from ._lib._masks import at_rank
 from ._lib._validation import check_positive_scalar
 
 __all__ = ["apply_rope", "rope_frequencies"]
@@ -584,12 +585,12 @@ def apply_rope(
     inv_freq, attention = _frequencies(xp, rot, base, parsed, seq_len, compute, device(x))
     if section is None:
         pos = xp.reshape(pos, (*pos.shape[:-1], 1, length, 1))  # (B..., 1, L, 1): over H
-        angles = pos * inv_freq  # (B..., 1, L, R/2)
+        angles = pos * at_rank(xp, inv_freq, pos.ndim)  # (B..., 1, L, R/2)
     else:
         parts, start = [], 0
         for row, size in enumerate(section):  # frequency pairs of row `row` of positions
             p_row = xp.reshape(pos[row, ...], (*pos.shape[1:-1], 1, length, 1))
-            parts.append(p_row * inv_freq[start : start + size])
+            parts.append(p_row * at_rank(xp, inv_freq[start : start + size], p_row.ndim))
             start += size
         angles = xp.concat(parts, axis=-1)  # (B..., 1, L, R/2)
     cos, sin = xp.cos(angles), xp.sin(angles)
@@ -597,6 +598,8 @@ def apply_rope(
         cos, sin = cos * attention, sin * attention
     xc = xp.astype(x, compute, copy=False)
     xr = xc[..., :rot] if rot < dim else xc
+    rank = max(xr.ndim, cos.ndim)  # one rank for every operand (jax_numpy_rank_promotion)
+    xr, cos, sin = (at_rank(xp, a, rank) for a in (xr, cos, sin))
     if interleaved:
         pairs = xp.reshape(xr, (*xr.shape[:-1], half, 2))  # (..., L, R/2, 2)
         even, odd = pairs[..., 0], pairs[..., 1]

@@ -419,7 +419,7 @@ def varlen_attention(
         def score_mod(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
             slope = xp.reshape(xp.astype(alibi_slopes, scores.dtype), (-1, 1, 1))
             dist = xp.astype(xp.abs(rows(qi, pos_q) - rows(ki, pos_k)), scores.dtype)
-            return scores - slope * dist[None, ...]  # (Hq, bq, bk): no rank promotion
+            return scores - slope * dist  # (Hq, bq, bk): the indices are at the scores' rank
 
     structured = is_causal or left is not None or right is not None
     result = scaled_dot_product_attention(

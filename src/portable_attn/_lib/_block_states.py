@@ -35,6 +35,7 @@ from ._compat import (
     register_pytree,
     to_host,
 )
+from ._masks import at_rank
 
 __all__ = [
     "FULL",
@@ -42,6 +43,7 @@ __all__ = [
     "PARTIAL",
     "BlockMask",
     "HostStates",
+    "block_index",
     "build_states",
     "evaluate_mask_mod",
 ]
@@ -52,6 +54,25 @@ MaskMod = Callable[[Array, Array, Array, Array], Array]
 HIDDEN, PARTIAL, FULL = 0, 1, 2
 
 Range = tuple[int, int]
+
+
+def block_index(
+    xp: Any, batch: Any, heads: int, q_range: Range, k_range: Range, device: Any = None
+) -> tuple[Any, Any, Any, Any]:
+    """Return the index arrays of one block for ``mask_mod`` and ``score_mod``, at one rank.
+
+    `batch` is the (*batch, 1, 1, 1) flat batch index; ``head`` comes back as
+    (1..., H, 1, 1), ``q_idx`` as (1..., 1, bq, 1) and ``kv_idx`` as (1..., 1, 1, bk)
+    (absolute positions), each with ``batch.ndim`` axes: a ``mask_mod`` or
+    ``score_mod`` written FlexAttention's way (``score + table[q_idx - kv_idx]``,
+    ``kv_idx < lengths[b]``) then broadcasts without rank promotion, which JAX with
+    ``jax_numpy_rank_promotion="raise"`` refuses.
+    """
+    rank = batch.ndim
+    head = at_rank(xp, xp.arange(0, heads, **on_device(device))[:, None, None], rank)
+    q_idx = at_rank(xp, xp.arange(q_range[0], q_range[1], **on_device(device))[:, None], rank)
+    kv_idx = at_rank(xp, xp.arange(k_range[0], k_range[1], **on_device(device))[None, :], rank)
+    return batch, head, q_idx, kv_idx
 
 
 def evaluate_mask_mod(
@@ -65,13 +86,10 @@ def evaluate_mask_mod(
 ) -> Any:
     """``mask_mod`` of one block: bool (..., H, bq, bk), broadcast as it returned it.
 
-    `batch` is the (*batch, 1, 1, 1) flat batch index; `heads` the number of heads
-    (``head`` is (H, 1, 1)); `q_idx` (bq, 1) and `kv_idx` (1, bk) are absolute positions.
+    `batch` is the (*batch, 1, 1, 1) flat batch index; the indices are those of
+    :func:`block_index` (absolute positions, every one at the rank of `batch`).
     """
-    head = xp.arange(0, heads, **on_device(device))[:, None, None]  # (H, 1, 1)
-    q_idx = xp.arange(q_range[0], q_range[1], **on_device(device))[:, None]  # (bq, 1)
-    kv_idx = xp.arange(k_range[0], k_range[1], **on_device(device))[None, :]  # (1, bk)
-    return mask_mod(batch, head, q_idx, kv_idx)
+    return mask_mod(*block_index(xp, batch, heads, q_range, k_range, device))
 
 
 def build_states(
@@ -312,10 +330,8 @@ class BlockMask:
         b, h, lq, lk = self.shape
         dev = device(self.states)
         batch = xp.reshape(xp.arange(0, b, **on_device(dev)), (b, 1, 1, 1))
-        head = xp.arange(0, h, **on_device(dev))[:, None, None]
-        q_idx = xp.arange(0, lq, **on_device(dev))[:, None]
-        kv_idx = xp.arange(0, lk, **on_device(dev))[None, :]
-        return xp.broadcast_to(self.mask_mod(batch, head, q_idx, kv_idx), (b, h, lq, lk))
+        allowed = evaluate_mask_mod(xp, self.mask_mod, batch, h, (0, lq), (0, lk), dev)
+        return xp.broadcast_to(allowed, (b, h, lq, lk))
 
     def __repr__(self) -> str:
         name = getattr(self.mask_mod, "__name__", type(self.mask_mod).__name__)

@@ -597,7 +597,7 @@ def _mask_mod_terms(
 
     def checked(batch: Array, head: Array, q_idx: Array, kv_idx: Array) -> Array:
         result = rule_of(batch, head, q_idx, kv_idx)
-        v.check_mask_mod_result(xp, result, (*target, q_idx.shape[0], kv_idx.shape[1]))
+        v.check_mask_mod_result(xp, result, (*target, q_idx.shape[-2], kv_idx.shape[-1]))
         return result
 
     rule: Any = checked

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ._masks import at_rank
 from ._softmax import finite_shift, safe_denominator
 
 __all__ = ["merge_partials"]
@@ -54,7 +55,7 @@ def merge_partials(
         lse, row_max = lse[..., :1], max_over(lse[..., 1:])
     m = max_over(lse)
     m_safe = finite_shift(xp, m)  # every part empty: weights are exp(-inf) = 0
-    w = xp.exp(lse - m_safe)  # (P..., ..., Lq, 1)
+    w = xp.exp(lse - at_rank(xp, m_safe, lse.ndim))  # (P..., ..., Lq, 1)
     total = sum_over(w)  # (..., Lq, 1)
     merged = sum_over(w * out) / safe_denominator(xp, total)
     lse_all = xp.where(total == 0.0, -xp.inf, m_safe + xp.log(safe_denominator(xp, total)))

@@ -23,6 +23,7 @@ array-API standard.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 
 from ._block_states import FULL, HIDDEN, PARTIAL, HostStates
 from ._compat import array_namespace, device, library_name, numpy_namespace, on_device
+from ._masks import at_rank
 
 __all__ = [
     "Band",
@@ -191,7 +193,8 @@ class Document(Rule):
             k_doc, k_inside = _read(xp, kv_ids, xp.reshape(kv_idx, (-1,))[:, None])
             k_doc = xp.matrix_transpose(k_doc)  # (*batch, 1, 1, bk)
             k_inside = xp.matrix_transpose(k_inside)
-            return xp.logical_and(xp.logical_and(q_doc == k_doc, inside), k_inside)
+            parts = _one_rank(xp, q_doc, k_doc, inside, k_inside)
+            return xp.logical_and(xp.logical_and(parts[0] == parts[1], parts[2]), parts[3])
 
         return mask_mod
 
@@ -202,8 +205,8 @@ class Document(Rule):
 def _read(xp: Any, ids: Array, pos: Array) -> tuple[Array, Array]:
     """Ids (L,) or (*batch, L) at positions `pos`, clipped into range, and whether in range.
 
-    `pos` is (n, 1), or (*batch, 1, n, 1) per sequence; the ids come back as
-    (*batch | 1, 1, n, 1).
+    `pos` is one row of positions, (..., n, 1) with every leading axis of size one,
+    or (*batch, 1, n, 1) per sequence; the ids come back as (*batch | 1, 1, n, 1).
     """
     length = ids.shape[-1]
     inside = xp.logical_and(pos >= 0, pos < length)
@@ -211,7 +214,7 @@ def _read(xp: Any, ids: Array, pos: Array) -> tuple[Array, Array]:
     n = where.shape[-2]
     if ids.ndim == 1:  # one row of ids: positions of any shape
         return xp.reshape(xp.take(ids, xp.reshape(where, (-1,))), where.shape), inside
-    if where.ndim == 2:  # one row of positions for every sequence's ids
+    if math.prod(where.shape[:-2]) == 1:  # one row of positions for every sequence's ids
         got = xp.take(ids, xp.reshape(where, (-1,)), axis=-1)  # (*batch, n)
         return xp.reshape(got, (*got.shape[:-1], 1, n, 1)), inside
     # per sequence: each sequence's ids at its positions, read from the flat table
@@ -276,7 +279,7 @@ def combine_mask_mods(mods: list[Callable[..., Array]], *, all_of: bool) -> Call
         xp = array_namespace(q_idx=q_idx)
         result = mods[0](batch, head, q_idx, kv_idx)
         for mod in mods[1:]:
-            part = mod(batch, head, q_idx, kv_idx)
+            result, part = _one_rank(xp, result, mod(batch, head, q_idx, kv_idx))
             result = xp.logical_and(result, part) if all_of else xp.logical_or(result, part)
         return result
 
@@ -321,13 +324,14 @@ def rule_states(
     array (..., 1, 1) (the states then have its leading axes).
     """
     (bq, bk), (lq, lk) = block, (q_len, kv_len)
-    q_start = np.arange(0, lq, bq).reshape(-1, 1)
-    k_start = np.arange(0, lk, bk).reshape(1, -1)
+    ones = (1,) * (getattr(default, "ndim", 2) - 2)  # the bounds at the offsets' rank
+    q_start = np.arange(0, lq, bq).reshape(*ones, -1, 1)
+    k_start = np.arange(0, lk, bk).reshape(*ones, 1, -1)
     q_stop = np.minimum(q_start + bq, lq) - 1
     k_stop = np.minimum(k_start + bk, lk) - 1
     hidden, full = _blocks_at(rule, default, q_start, q_stop, k_start, k_stop)
     lead = tuple(getattr(default, "shape", ())[:-2])
-    shape = (*lead, q_start.shape[0], k_start.shape[1])
+    shape = (*lead, q_start.shape[-2], k_start.shape[-1])
     hidden = ns.broadcast_to(ns.asarray(hidden), shape)
     full = ns.broadcast_to(ns.asarray(full), shape)
     states = ns.where(hidden, HIDDEN, ns.where(full, FULL, PARTIAL))
@@ -650,7 +654,19 @@ class _LengthOffset:
         xp = array_namespace(positions=positions)
         kv = kv_len if kv_lengths is None else _column(xp, kv_lengths, positions.dtype)
         q = q_len if q_lengths is None else _column(xp, q_lengths, positions.dtype)
-        return positions + (kv - q)
+        positions, shift = _one_rank(xp, positions, kv - q)  # (*batch, 1, bq, 1)
+        return positions + shift
+
+
+def _one_rank(xp: Any, *arrays: Array) -> list[Array]:
+    """`arrays` lifted to the largest rank among them (no implicit rank promotion).
+
+    A ``mask_mod``'s indices, a user's ``mask_mod`` result and the lengths' columns
+    may differ in rank; JAX with ``jax_numpy_rank_promotion="raise"`` refuses to
+    broadcast those (see :func:`~._masks.at_rank`). Python scalars pass unchanged.
+    """
+    rank = max(getattr(a, "ndim", 0) for a in arrays)
+    return [at_rank(xp, a, rank) if hasattr(a, "ndim") else a for a in arrays]
 
 
 def _column(xp: Any, lengths: Array, dtype: Any) -> Array:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
-from ._block_states import evaluate_mask_mod
+from ._block_states import block_index, evaluate_mask_mod
 from ._compat import branch_on_finite, on_device, reads_host_values
 from ._masks import Alignment, Band, arange, at_rank, padding_allowed, segment_allowed
 
@@ -102,7 +101,7 @@ class AttentionPlan:
             return self.kv_len - self.q_len
         return self.align.static_offset(self.q_len, self.kv_len)
 
-    @cached_property
+    @property
     def band(self) -> Band:
         """The causal / window band of the call (:meth:`Band.of` its two options)."""
         return Band.of(self.is_causal, self.window)
@@ -470,17 +469,18 @@ def score_index(
 ) -> tuple[Any, Any, Any, Any]:
     """Return the index arrays of ``score_mod`` for a block: batch, head, q_idx, kv_idx.
 
-    `batch` (*batch, 1, 1, 1) the flat batch index, `head` (Hq, 1, 1), `q_idx` (bq, 1)
-    and `kv_idx` (1, bk) absolute positions: a part of a call (a block of the traced
-    loop, a Dask chunk pair) adds its starts (:class:`Alignment`), so ``score_mod``
-    itself is never wrapped.
+    Those of :func:`~._block_states.block_index`, at the logits' rank: `batch`
+    (*batch, 1, 1, 1) the flat batch index, `head` (1..., Hq, 1, 1), `q_idx`
+    (1..., 1, bq, 1) and `kv_idx` (1..., 1, 1, bk) absolute positions: a part of a
+    call (a block of the traced loop, a Dask chunk pair) adds its starts
+    (:class:`Alignment`), so ``score_mod`` itself is never wrapped.
     """
-    head = arange(xp, 0, plan.num_q_heads, plan.device)[:, None, None]  # (Hq, 1, 1)
-    q_idx = arange(xp, q_range[0], q_range[1], plan.device)[:, None]  # (bq, 1)
-    kv_idx = arange(xp, k_range[0], k_range[1], plan.device)[None, :]  # (1, bk)
+    batch, head, q_idx, kv_idx = block_index(
+        xp, terms.batch_index, plan.num_q_heads, q_range, k_range, plan.device
+    )
     if plan.align is not None:
         q_idx, kv_idx = q_idx + plan.align.q_start, kv_idx + plan.align.kv_start
-    return terms.batch_index, head, q_idx, kv_idx
+    return batch, head, q_idx, kv_idx
 
 
 def scores_block(

@@ -583,8 +583,8 @@ def guarded_rule(name: str, rule: Any) -> Any:
             index = "(batch, head, q_idx, kv_idx)" if name == "mask_mod" else "(scores, ...)"
             msg = (
                 f"`{name}` used Python `and`, `or`, `not` or `if` on its arguments {index}, "
-                "which are arrays (q_idx (bq, 1), kv_idx (1, bk): one block of positions at "
-                "a time): write it with `&`, `|`, `~` and `xp.where` instead"
+                "which are arrays (q_idx (1..., bq, 1), kv_idx (1..., 1, bk): one block of "
+                "positions at a time): write it with `&`, `|`, `~` and `xp.where` instead"
             )
             raise TypeError(msg) from error
 

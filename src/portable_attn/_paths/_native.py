@@ -33,6 +33,7 @@ from .._lib._call import AttentionCall
 from .._lib._compat import to_host
 from .._lib._dense import dense_attention
 from .._lib._fields import axis_of, field
+from .._lib._masks import at_rank
 from .._lib._path import Native
 from .._lib._scores import (
     AttentionPlan,
@@ -40,6 +41,7 @@ from .._lib._scores import (
     allowed_block,
     hidden_by_value,
     if_finite,
+    logits_rank,
     rows_may_be_empty,
     without_hidden_keys,
 )
@@ -131,8 +133,9 @@ def _kernel_args(call: AttentionCall, path: Native) -> _KernelArgs:
     (``path.guard`` False). A call over fewer than ``path.min_keys`` keys gets a mask
     (the unmasked kernel drops a query's NaN there).
     """
-    xp, q, k, v, bias = call.xp, call.query, call.key, call.value, call.bias
+    xp, q, k, v = call.xp, call.query, call.key, call.value
     terms, plan = call.terms, call.plan
+    bias = at_rank(xp, call.bias, logits_rank(plan))  # as `allowed` (jax_numpy_rank_promotion)
     whole_k = (0, plan.kv_len)  # keys past the lengths: zero, whatever they hold
     k = without_hidden_keys(xp, k, terms, plan, whole_k)
     v = without_hidden_keys(xp, v, terms, plan, whole_k)
