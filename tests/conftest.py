@@ -175,6 +175,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # a run with JAX_NUMPY_RANK_PROMOTION=raise (the tests-jax session) runs every test
+    # under the option: the tests that set it around one call add nothing there
+    if os.environ.get("JAX_NUMPY_RANK_PROMOTION") == "raise":
+        whole = pytest.mark.skip(reason="the whole run is under jax_numpy_rank_promotion")
+        for item in items:
+            if "jax_rank_promotion_raise" in item.name:
+                item.add_marker(whole)
     # a test without the `backend` fixture (a dask.distributed cluster...) may still be
     # for some families only: skip it when the run asks for none of them
     for item in items:
