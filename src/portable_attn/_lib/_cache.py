@@ -8,8 +8,10 @@ the same static checks and get the same plan and, unless the route reads host
 values, the same route. So the first call of a signature validates, plans and
 routes, and keeps an :class:`Entry`; a later call replays it:
 
-- an entry with a kept kernel call (:class:`~portable_attn._paths._native.DirectKernel`:
-  torch, whose Q, K, V and mask go to SDPA as they are) is that call alone;
+- an entry with a kept kernel call is that call alone: torch's SDPA
+  (:class:`~portable_attn._paths._native.DirectKernel`) or the dense path
+  (:class:`~portable_attn._lib._dense.DenseKernel`: NumPy, array-api-strict, CuPy, torch
+  on the portable path), where the call's Q, K, V and mask go to it as they are;
 - an entry with a route runs it on the call's arrays (the score terms still gathered
   and checked), with its compiled program for an eager JAX call;
 - an entry without a route (the router read host values: lengths or segment ids)
@@ -40,7 +42,8 @@ class Entry:
 
     `xp` and `plan`: the namespace and the static facts; `route`: the route, or None
     where the router reads host values (decided per call); `kept`: the kernel call of
-    a torch call SDPA takes as it is, or the compiled program of an eager JAX call.
+    a call SDPA or the dense path takes as it is, or the compiled program of an eager
+    JAX call.
     """
 
     xp: Any
