@@ -160,6 +160,10 @@ def test_finite_keys_past_the_lengths_cost_no_pass_over_the_cache(backend, xp, j
     """
     import jax
 
+    from portable_attn._lib._compat import has_cond_in_shard_map
+
+    if not has_cond_in_shard_map():
+        pytest.skip("JAX before jax.shard_map: no cond (its shard_map has no rule for one)")
     q, k, v = qkv(batch=(4,), lq=1, lk=64, dk=8, dv=8, seed=3)
     lengths = np.array([64, 40, 9, 1])
     call = partial(scaled_dot_product_attention, is_causal=True)

@@ -33,6 +33,7 @@ __all__ = [
     "device",
     "device_kind",
     "has_concrete_values",
+    "has_cond_in_shard_map",
     "ids_in_one_dtype",
     "is_array_api_obj",
     "is_compiling",
@@ -310,6 +311,13 @@ def reads_host_values(x: Any) -> bool:
     return lib == "torch" and x.device.type == "cpu" and has_concrete_values(x)
 
 
+def has_cond_in_shard_map() -> bool:
+    """Whether JAX's ``shard_map`` takes a ``lax.cond`` (JAX with ``jax.shard_map``)."""
+    import jax
+
+    return hasattr(jax, "shard_map")
+
+
 def branch_on_finite(
     arrays: tuple[Any, ...], plain: Callable[[], Any], exact: Callable[[], Any]
 ) -> Any:
@@ -323,9 +331,11 @@ def branch_on_finite(
     ``kv_lengths`` (B=4, H=8, Lk=4096, D=64) under ``jax.jit``, each ``where`` over K or V
     took 15 ms and each sum 0.75 ms on XLA CPU; ``sum(x * 0)`` took 8 ms and a ``max`` /
     ``min`` pair missed NaN there. Returns None for every other library (the caller
-    takes ``exact()``).
+    takes ``exact()``), and for a JAX without the top-level ``jax.shard_map`` (before
+    0.7), whose experimental ``shard_map`` has no replication rule for ``cond``
+    (:func:`portable_attn.jax_parallel.sequence_parallel_attention` failed there).
     """
-    if library_name(arrays[0]) != "jax":
+    if library_name(arrays[0]) != "jax" or not has_cond_in_shard_map():
         return None
     import jax
     import jax.numpy as jnp
