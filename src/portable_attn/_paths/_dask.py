@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._lib._block_states import block_index
 from .._lib._blocks import host_pair_states
 from .._lib._call import AttentionCall
 from .._lib._compat import array_namespace, device, library_name
@@ -236,11 +237,8 @@ def _check_score_mod(call: AttentionCall, grid: dict[str, tuple[int, ...]]) -> N
     scores = xp.zeros(shape, dtype=plan.compute_dtype)
     n = math.prod(plan.batch)
     batch = xp.reshape(arange(xp, 0, n, None), (*plan.batch, 1, 1, 1))
-    head = arange(xp, 0, plan.num_q_heads, None)[:, None, None]
     score_mod: Any = call.terms.score_mod
-    score_mod(
-        scores, batch, head, arange(xp, 0, bq, None)[:, None], arange(xp, 0, bk, None)[None, :]
-    )
+    score_mod(scores, *block_index(xp, batch, plan.num_q_heads, (0, bq), (0, bk)))
 
 
 def _check_mask_mod(call: AttentionCall, grid: dict[str, tuple[int, ...]]) -> None:
@@ -251,9 +249,7 @@ def _check_mask_mod(call: AttentionCall, grid: dict[str, tuple[int, ...]]) -> No
     xp, plan = call.xp, call.plan
     bq, bk = grid["lq"][0], grid["lk"][0]
     mask_mod: Any = call.terms.mask_mod
-    head = arange(xp, 0, plan.num_q_heads, None)[:, None, None]
-    q_idx, kv_idx = arange(xp, 0, bq, None)[:, None], arange(xp, 0, bk, None)[None, :]
-    mask_mod(call.terms.batch_index, head, q_idx, kv_idx)
+    mask_mod(*block_index(xp, call.terms.batch_index, plan.num_q_heads, (0, bq), (0, bk)))
 
 
 def _bounds(chunks: tuple[int, ...]) -> set[int]:

@@ -201,12 +201,13 @@ def _masked_logits(
     if score_mod is not None:
         nb = int(np.prod(logits.shape[:-3]))
         b_idx = np.arange(nb).reshape((*logits.shape[:-3], 1, 1, 1))
+        ones = (1,) * (b_idx.ndim - 3)  # every index at the logits' rank, as the library's
         logits = score_mod(
             logits,
             b_idx,
-            np.arange(hq)[:, None, None],
-            np.arange(lq)[:, None],
-            np.arange(lk)[None, :],
+            np.arange(hq).reshape(*ones, hq, 1, 1),
+            np.arange(lq).reshape(*ones, 1, lq, 1),
+            np.arange(lk).reshape(*ones, 1, 1, lk),
         )
     if bias is not None:
         logits = logits + np.asarray(bias, dtype=np.float64)
