@@ -76,6 +76,30 @@ def test_keys_past_the_lengths_never_reach_a_row(backend, xp, route, causal):
             assert np.all(backend.to_numpy(g)[b, :, n:] == 0.0)
 
 
+def test_nan_in_keys_alone_past_the_lengths_reaches_no_gradient(backend, xp, route):
+    """NaN in K alone past the lengths: no output shows it, but ``dQ = dS K`` meets it.
+
+    A check of the output alone (JAX's program takes the plain product where its
+    result is finite) would let it through; the gradients choose by K and V themselves.
+    """
+    q, k, v = qkv(**problem)
+    k_bad, _ = poisoned_past(k, v, LENGTHS)
+    kw_b = {"kv_lengths": backend.asarray(LENGTHS), **route.kw}
+    out = scaled_dot_product_attention(*(backend.asarray(a) for a in (q, k_bad, v)), **kw_b)
+    assert_close(backend, out, reference_attention(q, k, v, kv_lengths=LENGTHS))
+    if not backend.has_autodiff:
+        return
+    cot = backend.asarray(randn(3, 4, 4, 3, seed=6))
+
+    def loss(q, k, v):
+        return xp.sum(scaled_dot_product_attention(q, k, v, **kw_b) * cot)
+
+    grads = backend.grad(loss, *(backend.asarray(a) for a in (q, k_bad, v)))
+    clean = backend.grad(loss, *(backend.asarray(a) for a in (q, k, v)))
+    for g, expected in zip(grads, clean, strict=True):
+        assert_close(backend, g, backend.to_numpy(expected), atol=1e-12)
+
+
 def test_packed_documents_never_see_each_others_values(backend, xp, route):
     q, k, v = qkv(**packed)
     k_bad, v_bad = poisoned_packing(k, v)

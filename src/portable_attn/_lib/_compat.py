@@ -321,27 +321,79 @@ def has_cond_in_shard_map() -> bool:
 def branch_on_finite(
     arrays: tuple[Any, ...], plain: Callable[[], Any], exact: Callable[[], Any]
 ) -> Any:
-    """``plain()`` where every entry of the JAX `arrays` is finite, else ``exact()``.
+    """``plain()`` where it equals ``exact()``, else ``exact()``; None for another library.
 
-    One ``jax.lax.cond`` in the program (both branches traced, one run): for a traced
-    or device JAX array whose values cannot be read for free. The test is one
-    reduction per array, ``isfinite(sum(x))`` in float32 (NaN and ``±inf`` reach the
-    sum; a finite sum past float32's range takes ``exact()``, still exact), which costs a
-    fraction of the ``where`` over the whole array that ``exact()`` makes: decode with
-    ``kv_lengths`` (B=4, H=8, Lk=4096, D=64) under ``jax.jit``, each ``where`` over K or V
-    took 15 ms and each sum 0.75 ms on XLA CPU; ``sum(x * 0)`` took 8 ms and a ``max`` /
-    ``min`` pair missed NaN there. Returns None for every other library (the caller
-    takes ``exact()``), and for a JAX without the top-level ``jax.shard_map`` (before
-    0.7), whose experimental ``shard_map`` has no replication rule for ``cond``
-    (:func:`portable_attn.jax_parallel.sequence_parallel_attention` failed there).
+    The two differ only where a non-finite entry of the JAX `arrays` reaches the result.
+
+    `plain` computes without zeroing what a row never sees; `exact` zeroes it first.
+    They differ only where a hidden entry is not finite (``0 · NaN``), and then the
+    plain result is not finite: a non-finite value of V meets every row of the
+    product, with weight 0 or not. So the program (one ``jax.lax.cond``: both
+    branches traced, one run) computes ``plain()`` and takes ``exact()`` only where
+    its result (the first array of a tuple: a log-sum-exp may be ``-inf``) holds a
+    NaN or ``±inf``: a reduction over the output, not over the cache. Decode with
+    ``kv_lengths`` (B=4, H=8, Lk=4096, D=64) under ``jax.jit`` on XLA CPU: a
+    ``where`` over K or V took 15 ms and a sum over one 0.75 ms; the output is 1/4096
+    of V.
+
+    Derivatives need more: ``dQ = dS K`` meets a hidden non-finite row of K, which
+    the forward never shows. Their rule (``jax.custom_jvp``) chooses by the arrays'
+    own finite sums, ``isfinite(sum(x))`` in float32 (NaN and ``±inf`` reach the sum;
+    a finite sum past float32's range takes ``exact()``, still exact; ``sum(x * 0)``
+    took 8 ms and a ``max`` / ``min`` pair missed NaN there).
+
+    None also for a JAX without the top-level ``jax.shard_map`` (before 0.7), whose
+    experimental ``shard_map`` has no replication rule for ``cond``
+    (:func:`portable_attn.jax_parallel.sequence_parallel_attention` failed there):
+    the caller takes ``exact()``.
     """
     if library_name(arrays[0]) != "jax" or not has_cond_in_shard_map():
         return None
     import jax
     import jax.numpy as jnp
 
-    finite = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x, dtype=jnp.float32)) for x in arrays]))
-    return jax.lax.cond(finite, plain, exact)
+    def all_finite(xs: Any) -> Any:
+        return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x, dtype=jnp.float32)) for x in xs]))
+
+    def by_result() -> Any:
+        out = plain()
+        first = out[0] if isinstance(out, tuple) else out
+        return jax.lax.cond(all_finite((first,)), lambda: out, exact)
+
+    def by_arrays() -> Any:
+        return jax.lax.cond(all_finite(arrays), plain, exact)
+
+    forward, forward_args = _with_arguments(by_result)
+    derived, derived_args = _with_arguments(by_arrays)
+
+    @jax.custom_jvp
+    def chosen(forward_args: tuple[Any, ...], derived_args: tuple[Any, ...]) -> Any:
+        return forward(*forward_args)
+
+    @chosen.defjvp
+    def _(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+        return jax.jvp(derived, tuple(primals[1]), tuple(tangents[1]))
+
+    return chosen(tuple(forward_args), tuple(derived_args))
+
+
+def _with_arguments(thunk: Callable[[], Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """`thunk` as a function of the arrays it closes over, and those arrays.
+
+    Every closed-over array (Q, K, V, the lengths, a learned ``score_mod``'s table,
+    traced or not) becomes an argument, so that a ``jax.custom_jvp`` rule receives
+    their tangents, and no tracer of the program being traced is kept inside another
+    (``jax.closure_convert`` keeps integer tracers in, which leaked under ``jax.grad``).
+    """
+    import jax
+
+    closed, shape = jax.make_jaxpr(thunk, return_shape=True)()
+    tree = jax.tree_util.tree_structure(shape)
+
+    def run(*arrays: Any) -> Any:
+        return jax.tree_util.tree_unflatten(tree, jax.core.eval_jaxpr(closed.jaxpr, arrays))
+
+    return run, tuple(closed.consts)
 
 
 def torch_release() -> tuple[int, int]:

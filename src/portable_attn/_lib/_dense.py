@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, NamedTuple
@@ -17,7 +18,6 @@ from ._scores import (
     ScoreTerms,
     allowed_block,
     heads_to_rows,
-    hidden_rows_zeroed,
     if_finite,
     keys_hidden_from_rows,
     logits_block,
@@ -29,6 +29,7 @@ from ._scores import (
     visible_product,
     with_ones_column,
     without_hidden_keys,
+    zero_rows,
 )
 from ._softmax import masked_exp, safe_denominator
 
@@ -181,11 +182,14 @@ def _weighted_sum(
 
     `hidden` (*batch, 1, Lk, 1), from :func:`~._scores.keys_hidden_from_rows`, or None:
     K is zeroed there (whatever it holds, the gradient ``dQ = dS K`` never meets it),
-    V only in the product (:func:`~._scores.visible_product`).
+    V only in the product (:func:`~._scores.visible_product`). The caller gives
+    `hidden` where K or V holds a value that is not finite (:func:`dense_attention`):
+    both are zeroed then, without a second choice (under JAX, each would be a
+    ``cond`` whose result, a copy of the whole cache, XLA reserves on every call).
     """
     matmul = matmul_float32(q) if flash else None  # else: in the compute dtype
     fold = fold and matmul is None and not weights_first  # those sum P themselves
-    k = hidden_rows_zeroed(xp, k, hidden)
+    k = zero_rows(xp, k, hidden)
     if bias is not None and bias.dtype != plan.compute_dtype:
         bias = xp.astype(bias, plan.compute_dtype)
     e = _exp_logits(xp, q, k, bias, terms, plan, row_sum=not fold, matmul=matmul)
@@ -197,10 +201,14 @@ def _weighted_sum(
     # P rounded to the input dtype, P V summed in float32 (float32 P: rounded inside)
     mm = operator.matmul if matmul is None else matmul
 
+    chosen = None if hidden is None else _exact  # the finite check, where not made yet
+
     def product(values: Any) -> Any:  # (..., Hkv, G*Lq, Lk) @ values, as (..., Hq, Lq, D)
         some_rows = terms.q_segments is not None  # keys hidden from some rows only
         seen = None if e.allowed is None else partial(_rows_seeing, xp, e.allowed, plan)
-        out = visible_product(xp, mm, exp_logits, values, hidden, some_rows=some_rows, seen=seen)
+        out = visible_product(
+            xp, mm, exp_logits, values, hidden, some_rows=some_rows, seen=seen, choose=chosen
+        )
         return rows_to_heads(xp, out, plan.num_q_heads)
 
     if matmul is not None:
@@ -219,6 +227,11 @@ def _weighted_sum(
         return out
     lse = e.shift + xp.log(safe_denominator(xp, row_sum))
     return out, row_stats(xp, plan, xp.where(row_sum == 0.0, -xp.inf, lse), e.top)
+
+
+def _exact(values: Any, as_they_are: Callable[[], Any], exact: Callable[[], Any]) -> Any:
+    """Take ``exact()``: the choice of :func:`~._scores.visible_product`, made by the caller."""
+    return exact()
 
 
 def dense_weights(call: AttentionCall) -> Any:
