@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -249,12 +250,18 @@ def _gathered(x: Any, index: Any) -> Any:
     """Return ``x[index]`` for a CPU tensor indexed on every axis by integer tensors, or None.
 
     torch computes such a gather (a relative-position table read as
-    ``table[h, i - j + L - 1]``) several times slower than ``index_select`` of the
-    flat positions, and its gradient by a serial ``index_put_`` several times slower
-    than ``scatter_add_`` (:func:`_gather_function`): the same values, and each
-    gradient entry summed in a fixed order. None (torch's own indexing) for anything
-    else: slices, boolean masks, fewer indices than axes, an index out of range
-    (torch's error), another device (where torch's kernels are parallel).
+    ``table[h, i - j + L - 1]``) several times slower than ``gather`` on positions,
+    and its gradient by a serial ``index_put_`` several times slower than
+    ``scatter_add_`` (:func:`_gather_function`): the same values, and each gradient
+    entry summed in a fixed order. The block's positions are not made in full where
+    the index of the last axis varies along other axes than the others' (``h``
+    (1, H, 1, 1), ``i - j`` (1, 1, bq, bk)): the rows the leading indices pick are
+    gathered first (H rows of the table), then the last axis's positions in each,
+    so no (H, bq, bk) integer array is computed per block (an int64 broadcast add
+    that took 15% of a training step with a learned table, L = 4096). None (torch's
+    own indexing) for anything else: slices, boolean masks, fewer indices than axes,
+    an index out of range (torch's error), another device (where torch's kernels
+    are parallel).
     """
     import torch
 
@@ -262,9 +269,8 @@ def _gathered(x: Any, index: Any) -> Any:
     if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or len(index) != x.ndim:
         return None
     integers = (torch.int8, torch.int16, torch.int32, torch.int64)  # uint8, bool: masks
-    flat: Any = None
-    stride, tensors = 1, 0
-    for size, i in zip(reversed(x.shape), reversed(index), strict=True):
+    positions: list[Any] = []  # per axis: an int64 tensor or an int, from 0
+    for size, i in zip(x.shape, index, strict=True):
         if isinstance(i, torch.Tensor):
             if i.dtype not in integers or i.device != x.device or i.numel() == 0:
                 return None
@@ -274,21 +280,64 @@ def _gathered(x: Any, index: Any) -> Any:
             i = i.to(torch.int64)
             if low < 0:  # from the end, as torch reads it
                 i = torch.where(i < 0, i + size, i)
-            tensors += 1
         elif isinstance(i, int) and not isinstance(i, bool):
             if not -size <= i < size:
                 return None
             i %= size
         else:
             return None
-        term = i * stride if stride != 1 else i
-        flat = term if flat is None else flat + term
-        stride *= size
+        positions.append(i)
+    tensors = [i for i in positions if isinstance(i, torch.Tensor)]
     if not tensors:
         return None
+    shape = torch.broadcast_shapes(*(i.shape for i in tensors))
+    last, size = positions[-1], x.shape[-1]
+    lead: Any = 0  # the row of x.reshape(-1, size) the leading indices pick
+    for stride, i in zip(_strides(x.shape[:-1]), positions[:-1], strict=True):
+        lead = lead + i * stride
+    if not _outer(lead, last, shape):  # the rows vary with the last axis: flat positions
+        lead, last, size = 0, last + lead * size, x.numel()
+    rows = x.reshape(-1, size)
+    picks = torch.as_tensor(lead, dtype=torch.int64).reshape(-1)
+    columns = torch.as_tensor(last, dtype=torch.int64).reshape(1, -1)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _gather_function().apply(x, flat)
-    return x.reshape(-1).index_select(0, flat.reshape(-1)).reshape(flat.shape)
+        return _gather_function().apply(rows, picks, columns).reshape(shape)
+    return _gather_rows(rows, picks, columns).reshape(shape)
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    """Row-major strides of `shape`, in elements."""
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= size
+    return strides[::-1]
+
+
+def _outer(lead: Any, last: Any, shape: tuple[int, ...]) -> bool:
+    """Whether every (`lead`, `last`) pair of the broadcast `shape` is one row-major entry.
+
+    True where the axes along which `lead` varies all come before those of `last`
+    (an int varies along none): the gather of rows then columns, laid out as
+    (rows, columns), is the result in `shape`.
+    """
+
+    def axes(i: Any) -> list[int]:
+        if isinstance(i, int):
+            return []
+        offset = len(shape) - i.ndim
+        return [offset + a for a, n in enumerate(i.shape) if n != 1]
+
+    lead_axes, last_axes = axes(lead), axes(last)
+    if lead_axes and last_axes and max(lead_axes) > min(last_axes):
+        return False
+    numel = 1 if isinstance(lead, int) else lead.numel()
+    return numel * (1 if isinstance(last, int) else last.numel()) == math.prod(shape)
+
+
+def _gather_rows(rows: Any, picks: Any, columns: Any) -> Any:
+    """``rows[picks][:, columns]``: (len(picks), columns.numel())."""
+    return rows.index_select(0, picks).gather(1, columns.expand(len(picks), -1))
 
 
 @functools.cache
@@ -296,24 +345,25 @@ def _gather_function() -> Any:
     import torch
 
     class Gather(torch.autograd.Function):
-        """``x.flatten()[flat]``, differentiated by ``scatter_add_`` into x's positions."""
+        """:func:`_gather_rows`, differentiated by ``scatter_add_`` then ``index_add_``."""
 
         @staticmethod
-        def forward(x: Any, flat: Any) -> Any:
-            return x.reshape(-1).index_select(0, flat.reshape(-1)).reshape(flat.shape)
+        def forward(rows: Any, picks: Any, columns: Any) -> Any:
+            return _gather_rows(rows, picks, columns)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            x, flat = inputs
-            ctx.save_for_backward(flat)
-            ctx.shape = x.shape
+            rows, picks, columns = inputs
+            ctx.save_for_backward(picks, columns)
+            ctx.shape = rows.shape
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
-            (flat,) = ctx.saved_tensors
-            total = grad.new_zeros(ctx.shape.numel())
-            total.scatter_add_(0, flat.reshape(-1), grad.reshape(-1))
-            return total.reshape(ctx.shape), None
+            picks, columns = ctx.saved_tensors
+            picked = grad.new_zeros(len(picks), ctx.shape[1])
+            picked.scatter_add_(1, columns.expand(len(picks), -1), grad)
+            total = grad.new_zeros(ctx.shape).index_add_(0, picks, picked)
+            return total, None, None
 
     return Gather
 
