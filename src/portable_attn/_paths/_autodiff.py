@@ -26,8 +26,8 @@ The arrays are found by running the function, not by reading its closure:
   in every block. They become inputs of the autograd function, which returns the
   walk's result and, in the backward, their gradients. Under the same mode, forward
   and backward, a table read on every axis by integer tensors (``table[h, i - j +
-  c]``) is gathered by flat positions and its gradient summed by ``scatter_add_``
-  (:func:`_gathered`), several times faster than torch's indexing on CPU;
+  c]``) is gathered by its rows then its columns and its gradient summed by
+  ``index_add_`` (:func:`_gathered`), several times faster than torch's indexing on CPU;
 - JAX: the traced values it closes over (under ``jit``, ``grad``, ``vmap``), which
   :class:`JaxScoreMod` finds as the tracers among the constants of its jaxpr, traced
   once per block shape; they become explicit arguments of the ``custom_vjp`` (as
@@ -252,7 +252,7 @@ def _gathered(x: Any, index: Any) -> Any:
     torch computes such a gather (a relative-position table read as
     ``table[h, i - j + L - 1]``) several times slower than ``gather`` on positions,
     and its gradient by a serial ``index_put_`` several times slower than
-    ``scatter_add_`` (:func:`_gather_function`): the same values, and each gradient
+    ``index_add_`` (:func:`_gather_function`): the same values, and each gradient
     entry summed in a fixed order. The block's positions are not made in full where
     the index of the last axis varies along other axes than the others' (``h``
     (1, H, 1, 1), ``i - j`` (1, 1, bq, bk)): the rows the leading indices pick are
@@ -345,7 +345,7 @@ def _gather_function() -> Any:
     import torch
 
     class Gather(torch.autograd.Function):
-        """:func:`_gather_rows`, differentiated by ``scatter_add_`` then ``index_add_``."""
+        """:func:`_gather_rows`, differentiated by ``index_add_`` on the columns, then the rows."""
 
         @staticmethod
         def forward(rows: Any, picks: Any, columns: Any) -> Any:
@@ -360,8 +360,7 @@ def _gather_function() -> Any:
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             picks, columns = ctx.saved_tensors
-            picked = grad.new_zeros(len(picks), ctx.shape[1])
-            picked.scatter_add_(1, columns.expand(len(picks), -1), grad)
+            picked = grad.new_zeros(len(picks), ctx.shape[1]).index_add_(1, columns[0], grad)
             total = grad.new_zeros(ctx.shape).index_add_(0, picks, picked)
             return total, None, None
 
