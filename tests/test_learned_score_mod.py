@@ -268,7 +268,16 @@ def test_a_parameter_read_in_some_blocks_only(backend, xp, route):
 @pytest.mark.backends("torch", reason="the tiled path's own gather of a torch table")
 @pytest.mark.parametrize(
     "pattern",
-    ["relative", "from_the_end", "int32", "python_int", "per_head", "transposed", "three_axes"],
+    [
+        "relative",
+        "from_the_end",
+        "int32",
+        "python_int",
+        "per_head",
+        "transposed",
+        "three_axes",
+        "crossed",
+    ],
 )
 def test_torch_gathers_equal_torch_indexing(backend, pattern):
     """The tiled path computes ``table[h, i - j + c]`` and its gradient itself (issue 46,
@@ -293,6 +302,8 @@ def test_torch_gathers_equal_torch_indexing(backend, pattern):
                 return s * t[h]
             if pattern == "transposed":  # a strided view, made inside
                 return s + t.T[h, i - j + LK - 1]
+            if pattern == "crossed":  # the row varies with the column: flat positions
+                return s + t[(i + j) % H, i - j + LK - 1]
             return s + t[h, i % 2, j % 3]
 
         return score_mod

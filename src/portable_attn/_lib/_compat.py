@@ -323,12 +323,11 @@ def branch_on_finite(
 ) -> Any:
     """``plain()`` where it equals ``exact()``, else ``exact()``; None for another library.
 
-    The two differ only where a non-finite entry of the JAX `arrays` reaches the result.
-
     `plain` computes without zeroing what a row never sees; `exact` zeroes it first.
-    They differ only where a hidden entry is not finite (``0 · NaN``), and then the
-    plain result is not finite: a non-finite value of V meets every row of the
-    product, with weight 0 or not. So the program (one ``jax.lax.cond``: both
+    They differ only where a hidden entry of the JAX `arrays` is not finite
+    (``0 · NaN``), and then the plain result is not finite: a non-finite value of V
+    meets every row of the product, with weight 0 or not (a caller's `plain` must
+    show it so). So the program (one ``jax.lax.cond``: both
     branches traced, one run) computes ``plain()`` and takes ``exact()`` only where
     its result (the first array of a tuple: a log-sum-exp may be ``-inf``) holds a
     NaN or ``±inf``: a reduction over the output, not over the cache. Decode with

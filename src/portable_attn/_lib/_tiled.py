@@ -167,10 +167,9 @@ class Ops:
 
         The rule of :func:`~._scores.visible_product` (:func:`~._scores.if_finite`):
         the product over values as they are is exact where none of them is
-        non-finite. This portable form reads values only where that is free (NumPy,
-        torch CPU); a library that can branch inside its program may give its own
-        (JAX: ``lax.cond`` on the plain product being finite, in a forward that no
-        autodiff runs through).
+        non-finite. Values are read only where that is free (NumPy, torch CPU); JAX
+        chooses inside its program, by the plain product being finite
+        (:func:`~._compat.branch_on_finite`); a workspace may give its own rule.
         """
         return if_finite(self.xp, values, plain, exact)
 

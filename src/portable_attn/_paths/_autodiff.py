@@ -318,8 +318,8 @@ def _outer(lead: Any, last: Any, shape: tuple[int, ...]) -> bool:
     """Whether every (`lead`, `last`) pair of the broadcast `shape` is one row-major entry.
 
     True where the axes along which `lead` varies all come before those of `last`
-    (an int varies along none): the gather of rows then columns, laid out as
-    (rows, columns), is the result in `shape`.
+    (an int varies along none) and between them they cover `shape`: the gather of
+    rows then columns, laid out as (rows, columns), is the result in `shape`.
     """
 
     def axes(i: Any) -> list[int]:
@@ -329,7 +329,7 @@ def _outer(lead: Any, last: Any, shape: tuple[int, ...]) -> bool:
         return [offset + a for a, n in enumerate(i.shape) if n != 1]
 
     lead_axes, last_axes = axes(lead), axes(last)
-    if lead_axes and last_axes and max(lead_axes) > min(last_axes):
+    if lead_axes and last_axes and max(lead_axes) >= min(last_axes):
         return False
     numel = 1 if isinstance(lead, int) else lead.numel()
     return numel * (1 if isinstance(last, int) else last.numel()) == math.prod(shape)
