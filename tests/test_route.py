@@ -54,10 +54,10 @@ def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
 
 def _route(path):
     """The route of a path, without the decisions pinned by their own tests: folding,
-    the walk and the backward, the native kernel's guard and minimum of keys."""
+    the walk, the backward and its exp, the native kernel's guard and minimum of keys."""
     if isinstance(path, Tiled):
         walk = "loop" if path.walk == "loop" else "python"
-        return dataclasses.replace(path, fold=False, walk=walk, backward=None)
+        return dataclasses.replace(path, fold=False, walk=walk, backward=None, exp2=False)
     if isinstance(path, Dense):
         return dataclasses.replace(path, fold=False)
     if isinstance(path, Native):
@@ -217,6 +217,14 @@ class TestDefaultRoute:
         modded = choose_path(prepare(q, k, v, score_mod=lambda s, b, h, i, j: s), 4, None)
         modded = modded.inner if isinstance(modded, DaskGrid) else modded
         assert modded.backward == family
+
+    def test_the_python_walk_takes_exp2_where_the_library_row_says(self, backend):
+        """torch's Python walk computes exp as exp2 (Library.exp2); no other walk does."""
+        _, (q, k, v) = _arrays(backend)
+        path = choose_path(prepare(q, k, v), 4, None)
+        tiled = path.inner if isinstance(path, DaskGrid) else path
+        assert tiled.exp2 == (backend.family == "torch")
+        assert not tiled.exp2 or tiled.walk == "python"
 
     def test_no_query_or_no_key_is_empty(self, backend):
         assert _path(backend, shape={"lq": 0}) == Empty()

@@ -157,3 +157,25 @@ class TestErrors:
         q, k, v = problem(backend=backend)
         with pytest.raises(error, match=r"`block_size` must be None, 'auto', 'dense', a positive"):
             scaled_dot_product_attention(q, k, v, block_size=block_size)
+
+
+@pytest.mark.skip_backends("array_api_strict", "dask", reason="no exp2 (not in the standard)")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_exp2_form_of_exp_errs_by_the_rounding_of_its_argument(backend, dtype):
+    """Exp2Ops (torch's walk: Library.exp2): exp(x) within |x|·log2(e)·eps of float64 exp."""
+    from portable_attn._paths._ops import Exp2Ops
+
+    x = np.concatenate([-np.geomspace(1e-6, 100.0, 2000), [0.0, -np.inf, np.nan]]).astype(dtype)
+    ops = Exp2Ops(backend.xp)
+    given = backend.asarray(x)
+    got = backend.to_numpy(ops.exp(given))
+    np.testing.assert_array_equal(backend.to_numpy(given), x)  # not owned: left as it was
+    owned = backend.to_numpy(ops.exp(given * 1.0, owned=True))  # a fresh array of ours
+    np.testing.assert_array_equal(owned, got)
+    want = np.exp(x.astype(np.float64))
+    eps = np.finfo(dtype).eps
+    finite = np.isfinite(x) & (want > np.finfo(dtype).tiny)  # past that: subnormal results
+    bound = (np.abs(x[finite]) * np.log2(np.e) + 2.0) * eps
+    assert np.all(np.abs(got[finite] - want[finite]) <= bound * want[finite])
+    assert got[-2] == 0.0
+    assert np.isnan(got[-1])

@@ -55,7 +55,8 @@ class Tiled:
     the query blocks (NumPy), 1 for the calling thread alone; `backward`: what
     differentiates the walk -- ``"torch"`` / ``"jax"`` the recomputing O(L) backward
     registered with that library, ``"autodiff"`` the library's own autodiff through
-    the walk (a ``score_mod`` under ``torch.compile``), None no autodiff.
+    the walk (a ``score_mod`` under ``torch.compile``), None no autodiff; `exp2`: the
+    Python walk takes ``exp(x)`` as ``exp2(x · log2 e)`` (``Library.exp2``).
     """
 
     block_q: Blocks
@@ -64,6 +65,7 @@ class Tiled:
     walk: Literal["python", "buffered", "loop"] = "python"
     workers: int = 1
     backward: Literal["torch", "jax", "autodiff"] | None = None
+    exp2: bool = False
 
 
 @dataclass(frozen=True)

@@ -147,12 +147,16 @@ class Ops:
         """``maximum(m, m_blk)``."""
         return self.xp.maximum(m, m_blk)
 
+    def exp(self, x: Any, owned: bool = False) -> Any:
+        """``exp(x)``; `owned`: `x` is a fresh array of ours that may be overwritten."""
+        return self.xp.exp(x)
+
     def exp_shifted(self, s: Any, m: Any, owned: bool) -> Any:
         """``exp(s - m)``; `owned`: `s` is a fresh array of ours that may be overwritten."""
         if owned:
             s -= m  # saves a third (bq, bk) block
-            return self.xp.exp(s)
-        return self.xp.exp(s - m)
+            return self.exp(s, owned=True)
+        return self.exp(s - m, owned=True)
 
     def dropped(self, p: Any, keep: Any) -> Any:
         """`p` with the entries dropout drops zeroed."""
@@ -283,7 +287,7 @@ class OnlineSoftmax:
         owned = terms.score_mod is None and terms.sinks is None
         p = ops.exp_shifted(s, m_safe, owned)  # (..., Hq, bq, bk)
         del s  # keep at most two (bq, bk) blocks alive
-        alpha = None if m is None else xp.exp(m - m_safe)  # rescales the old sums
+        alpha = None if m is None else ops.exp(m - m_safe, owned=True)  # rescales old sums
         v_blk = keys.values[..., ks:ke, :]
         hidden, some_rows = None, False
         if not full:  # keys hidden from rows: their values never reach those rows
@@ -392,7 +396,7 @@ def _block_scores(
     full: bool,
     score_vjp: ScoreVjp | None,
     some_rows: bool = False,
-) -> tuple[Any, Any, Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any, Any, bool]:
     """Return (logits, capped logits, scores with hidden entries -inf, pullback, allowed).
 
     `pullback` is that of ``score_mod`` on this block (`score_vjp`), or None;
@@ -418,7 +422,12 @@ def _block_scores(
     )
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)  # (..., Hq, bq, bk)
-    return raw, capped, scores, pullback, allowed
+    # ours to overwrite: not the score_mod's own result, nor the softcap's operands
+    owned = not (
+        (pullback is not None and scores is modified)
+        or (plan.softcap is not None and (scores is capped or scores is raw))
+    )
+    return raw, capped, scores, pullback, allowed, owned
 
 
 def _cast_pullback(xp: Any, pullback: Any, dtype: Any, compute_dtype: Any) -> Any:
@@ -558,6 +567,7 @@ def tiled_backward(
     dlse: Any | None = None,
     states: Any = None,
     score_vjp: ScoreVjp | None = None,
+    ops: Ops | None = None,
 ) -> dict[str, Any]:
     """Gradients of the tiled attention by field name, each shaped like its input.
 
@@ -575,9 +585,11 @@ def tiled_backward(
     by the library's autodiff adapter): the scores' gradient passes through it, and
     the gradients of the arrays it closes over (its parameters) are summed over the
     visited blocks in a fixed order, returned as ``"score_params"`` (a tuple).
-    A call with a ``score_mod`` needs it.
+    A call with a ``score_mod`` needs it. `ops`: the forward's operations (their
+    ``exp``), by default the portable ones.
     """
     xp, q, k, v = call.xp, call.query, call.key, call.value
+    ops = Ops(xp) if ops is None else ops
     bias: Any = call.bias
     terms, plan = call.terms, call.plan
     if terms.score_mod is not None and score_vjp is None:
@@ -631,7 +643,7 @@ def tiled_backward(
                 hidden = keys_hidden_from_rows(xp, terms, plan, q_range, k_range)
                 k_blk = hidden_rows_zeroed(xp, k_blk, hidden)
                 v_blk = hidden_rows_zeroed(xp, v_blk, hidden)
-            raw, capped, s, pullback, allowed = _block_scores(
+            raw, capped, s, pullback, allowed, owned = _block_scores(
                 xp,
                 q_rows,
                 k_blk,
@@ -644,7 +656,10 @@ def tiled_backward(
                 score_vjp,
                 some_rows,
             )
-            p = xp.exp(s - lse_blk)  # (..., Hq, bq, bk): exact probabilities
+            # in place but with sinks: lse varies along them and s does not (torch.func.vmap
+            # over the sinks refuses to write such an lse into an unbatched s)
+            owned = owned and terms.sinks is None
+            p = ops.exp_shifted(s, lse_blk, owned)  # (..., Hq, bq, bk): exact probabilities
             p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)
             p_rows = heads_to_rows(xp, p_kept, hkv)  # (..., Hkv, G*bq, bk)
             dv_blk = xp.matmul(xp.matrix_transpose(p_rows), do_rows)  # (..., Hkv, bk, Dv)
@@ -654,7 +669,8 @@ def tiled_backward(
             dp = rows_to_heads(xp, xp.matmul(do_rows, xp.matrix_transpose(v_blk)), hq)
             if terms.dropout_keep is not None:
                 dp = _keep(xp, dp, terms, q_range, k_range) * terms.dropout_scale
-            ds = p * (dp - delta_blk)  # d loss / d (logits + bias), (..., Hq, bq, bk)
+            ds = dp - delta_blk  # d loss / d (logits + bias), (..., Hq, bq, bk)
+            ds *= p  # ours: one block fewer (a new array where xp's are immutable)
             if some_rows and allowed is not None:  # a hidden entry's dp: another's value
                 ds = xp.where(allowed, ds, 0.0)
             if need_bias_grad:

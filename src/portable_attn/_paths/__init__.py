@@ -35,6 +35,7 @@ from ._compiled import program
 from ._dask import dask_attention
 from ._loop import loop_attention
 from ._native import native_attention, native_tiles
+from ._ops import walk_ops
 from ._partial import first_keys
 from ._threads import threaded_attention
 
@@ -118,10 +119,16 @@ def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[
             out, lse = recomputing_attention(call, path)
         case Tiled(backward="autodiff"):  # the max shift needs no gradient
             out, lse = tiled_forward(
-                call, path.block_q, path.block_k, fold=path.fold, stop_gradient=stop_gradient
+                call,
+                path.block_q,
+                path.block_k,
+                fold=path.fold,
+                stop_gradient=stop_gradient,
+                ops=walk_ops(path, call.xp),
             )
         case Tiled():
-            out, lse = tiled_forward(call, path.block_q, path.block_k, fold=path.fold)
+            ops = walk_ops(path, call.xp)
+            out, lse = tiled_forward(call, path.block_q, path.block_k, fold=path.fold, ops=ops)
         case Native(tiles=None):
             out, lse = native_attention(call, path), None  # in the input dtype when kept
         case Native():

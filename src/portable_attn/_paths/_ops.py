@@ -1,0 +1,36 @@
+"""The operations (:class:`~portable_attn._lib._tiled.Ops`) of the tiled path's Python walk.
+
+The portable ones, or, where the router's ``Tiled.exp2`` says the library's ``exp2``
+is the faster (``Library.exp2``: torch), :class:`Exp2Ops`: ``exp(x)`` as
+``exp2(x · log2 e)``. ``exp2`` is not in the array API standard, so this form lives
+here, outside the portable core.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._lib._path import Tiled
+from .._lib._tiled import Ops
+
+__all__ = ["Exp2Ops", "walk_ops"]
+
+LOG2_E = math.log2(math.e)
+
+
+class Exp2Ops(Ops):
+    """:class:`Ops` whose ``exp(x)`` is ``exp2(x · log2 e)`` (FlashAttention's form)."""
+
+    def exp(self, x: Any, owned: bool = False) -> Any:
+        """``exp2(x · log2 e)``; `owned`: `x` is a fresh array of ours, scaled in place."""
+        if owned:
+            x *= LOG2_E
+        else:
+            x = x * LOG2_E
+        return self.xp.exp2(x)
+
+
+def walk_ops(path: Tiled, xp: Any) -> Ops:
+    """Return the operations of `path`'s Python walk over arrays of namespace `xp`."""
+    return Exp2Ops(xp) if path.exp2 else Ops(xp)
