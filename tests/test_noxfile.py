@@ -46,6 +46,7 @@ class FakeSession:
         self.torch_version = torch_version
         self.installs: list[tuple[str, ...]] = []
         self.runs: list[tuple[str, ...]] = []
+        self.envs: list[dict[str, str] | None] = []  # each run's environment
         self.warnings: list[str] = []
         self.posargs: list[str] = []
         self.env: dict[str, str] = {}
@@ -57,6 +58,7 @@ class FakeSession:
 
     def run(self, *args: str, **kwargs):
         self.runs.append(args)
+        self.envs.append(kwargs.get("env"))
         if "importlib.metadata" in " ".join(args):
             return self.torch_version + "\n"
         return ""
@@ -260,3 +262,13 @@ def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, t
     session = FakeSession(tmp_path)
     noxfile._tests_session("jax", noxfile.BACKENDS["jax"])(session)
     assert seen == [{"JAX_NUMPY_RANK_PROMOTION": "raise"}]
+
+
+@pytest.mark.parametrize("name", ["tests_min_deps_jax", "tests_integrations"])
+def test_jax_keeps_its_compiled_programs_in_the_session_folder(noxfile, tmp_path, name):
+    session = FakeSession(tmp_path)
+    getattr(noxfile, name)(session)
+    (env,) = [e for r, e in zip(session.runs, session.envs, strict=True) if "pytest" in r]
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "jax-cache")
+    assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    assert env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] == "0"
