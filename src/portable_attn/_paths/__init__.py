@@ -7,8 +7,8 @@
 ``Empty``                   :meth:`AttentionCall.empty_result` (zeros, lse ``-inf`` or
                             the sink), tied to the inputs (:func:`tied_to_inputs`)
 ``Dense``                   :func:`portable_attn._lib._dense.dense_attention`
-``Tiled(walk="python")``    :func:`portable_attn._lib._tiled.tiled_forward`, with the
-                            recomputing backward of ``_autodiff.py`` (torch, JAX) or
+``Tiled(walk="python")``    :func:`portable_attn._lib._tiled.tiled_forward` (``_ops.walk``),
+                            with the recomputing backward of ``_autodiff.py`` (torch, JAX) or
                             torch's own autograd through it (a ``score_mod`` under
                             ``torch.compile``)
 ``Tiled(walk="buffered")``  the same walk in NumPy's reused buffers (``_buffered.py``),
@@ -25,17 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import stop_gradient
 from .._lib._dense import dense_attention
 from .._lib._path import DaskGrid, Dense, Empty, Native, Route, Tiled
-from .._lib._tiled import tiled_forward
 from ._autodiff import recomputing_attention
 from ._buffered import buffered_forward
 from ._compiled import program
 from ._dask import dask_attention
 from ._loop import loop_attention
 from ._native import native_attention, native_tiles
-from ._ops import walk_ops
+from ._ops import walk
 from ._partial import first_keys
 from ._threads import threaded_attention
 
@@ -117,18 +115,10 @@ def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[
             out, lse = threaded_attention(call, path)
         case Tiled(backward="torch" | "jax"):
             out, lse = recomputing_attention(call, path)
-        case Tiled(backward="autodiff"):  # the max shift needs no gradient
-            out, lse = tiled_forward(
-                call,
-                path.block_q,
-                path.block_k,
-                fold=path.fold,
-                stop_gradient=stop_gradient,
-                ops=walk_ops(path, call.xp),
-            )
+        case Tiled(backward="autodiff"):
+            out, lse = walk(call, path, autodiff=True)
         case Tiled():
-            ops = walk_ops(path, call.xp)
-            out, lse = tiled_forward(call, path.block_q, path.block_k, fold=path.fold, ops=ops)
+            out, lse = walk(call, path)
         case Native(tiles=None):
             out, lse = native_attention(call, path), None  # in the input dtype when kept
         case Native():

@@ -46,12 +46,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._lib._call import AttentionCall
-from .._lib._compat import stop_gradient
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._scores import score_index
-from .._lib._tiled import ScoreVjp, block_ranges, tiled_backward, tiled_forward
-from ._ops import walk_ops
+from .._lib._tiled import ScoreVjp, block_ranges, tiled_backward
+from ._ops import walk, walk_ops
 
 __all__ = [
     "JaxScoreMod",
@@ -81,14 +80,7 @@ def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
             # Python logic on the indices' values: JAX's own autodiff differentiates the
             # eager walk (every block's weights kept, as the dense path does), so what the
             # score_mod reads in any branch gets its gradient
-            return tiled_forward(
-                call,
-                path.block_q,
-                path.block_k,
-                fold=path.fold,
-                stop_gradient=stop_gradient,
-                ops=walk_ops(path, call.xp),
-            )
+            return walk(call, path, autodiff=True)
         return _jax_function(skeleton, path, mod)(arrays, mod.params if mod else ())
     import torch
 
@@ -129,8 +121,7 @@ def torch_requires_grad(x: Any) -> bool:
 
 
 def _forward(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
-    ops = walk_ops(path, call.xp)
-    return tiled_forward(call, path.block_q, path.block_k, fold=path.fold, ops=ops)
+    return walk(call, path)
 
 
 def _backward(

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .._lib._call import AttentionCall
+from .._lib._compat import stop_gradient
 from .._lib._path import Tiled
-from .._lib._tiled import Ops
+from .._lib._tiled import Ops, tiled_forward
 
-__all__ = ["Exp2Ops", "walk_ops"]
+__all__ = ["Exp2Ops", "walk", "walk_ops"]
 
 LOG2_E = math.log2(math.e)
 
@@ -34,3 +36,20 @@ class Exp2Ops(Ops):
 def walk_ops(path: Tiled, xp: Any) -> Ops:
     """Return the operations of `path`'s Python walk over arrays of namespace `xp`."""
     return Exp2Ops(xp) if path.exp2 else Ops(xp)
+
+
+def walk(call: AttentionCall, path: Tiled, *, autodiff: bool = False) -> tuple[Any, Any]:
+    """Run `path`'s Python walk on `call` with its operations: ``(out, row statistics)``.
+
+    `autodiff`: the library's own autodiff differentiates the walk (a ``score_mod``
+    under ``torch.compile``, a JAX one with Python logic on index values), so the
+    running max's shift is cut from it (it needs no gradient).
+    """
+    return tiled_forward(
+        call,
+        path.block_q,
+        path.block_k,
+        fold=path.fold,
+        stop_gradient=stop_gradient if autodiff else None,
+        ops=walk_ops(path, call.xp),
+    )
