@@ -116,7 +116,12 @@ def jax_cache(session: nox.Session) -> dict[str, str]:
     }
 
 
-def _pytest(session: nox.Session, backend: str, env: dict[str, str] | None = None) -> None:
+def _pytest(
+    session: nox.Session,
+    backend: str,
+    env: dict[str, str] | None = None,
+    ignore: tuple[str, ...] = (),
+) -> None:
     session.run(
         "python",
         "-m",
@@ -125,6 +130,7 @@ def _pytest(session: nox.Session, backend: str, env: dict[str, str] | None = Non
         "--backend",
         backend,
         "--ignore=tests/integrations",  # the tests-integrations session runs those
+        *(f"--ignore={path}" for path in ignore),
         *session.posargs,
         env={"PORTABLE_ATTN_BACKEND": backend, **jax_cache(session), **(env or {})},
     )
@@ -324,6 +330,11 @@ PYPROJECT = Path(__file__).parent / "pyproject.toml"
 MIN_DEPS_EXTRAS = ("test", "strict")
 MIN_DEPS_BACKENDS = "numpy,array_api_strict"
 MIN_DEPS_JAX_EXTRAS = ("test", "strict", "jax")
+#: what tests-min-deps-jax leaves to tests-jax: the paged serving tests (a quarter of the
+#: JAX suite's time: eager and jit invariance grids, a property test compiling a program
+#: per batch) use no JAX API the rest of the suite does not (jit, grad, lax.cond,
+#: fori_loop, the array API through array-api-compat)
+MIN_DEPS_JAX_LEAVES = ("tests/test_serving.py",)
 MIN_DEPS_PYTHON = "3.10" if "3.10" in PYTHONS else PYTHONS[0]  # the oldest supported
 
 
@@ -357,7 +368,9 @@ def lower_bounds(pyproject: dict, extras: tuple[str, ...]) -> list[str]:
     return list(pins.values())
 
 
-def _min_deps_session(extras: tuple[str, ...], backends: str) -> Callable[[nox.Session], None]:
+def _min_deps_session(
+    extras: tuple[str, ...], backends: str, leaves: tuple[str, ...] = ()
+) -> Callable[[nox.Session], None]:
     def tests(session: nox.Session) -> None:
         pins = lower_bounds(tomllib.loads(PYPROJECT.read_text()), extras)
         for p in pins:  # jax and jaxlib 0.4-0.7 are released together, in lockstep
@@ -368,7 +381,7 @@ def _min_deps_session(extras: tuple[str, ...], backends: str) -> Callable[[nox.S
         session.install("--only-binary=:all:", "-c", pin, *(p.split("==")[0] for p in pins))
         session.install("-c", pin, f".[{','.join(extras)}]")
         session.run("python", "-m", "pip", "list")  # the versions tested, in the log
-        _pytest(session, backends)
+        _pytest(session, backends, ignore=leaves)
 
     return tests
 
@@ -380,10 +393,11 @@ tests_min_deps.__doc__ = (
     "NumPy and array-api-strict at the declared lower bounds of every dependency."
 )
 tests_min_deps_jax = nox.session(name="tests-min-deps-jax", python=MIN_DEPS_PYTHON)(
-    _min_deps_session(MIN_DEPS_JAX_EXTRAS, "jax")
+    _min_deps_session(MIN_DEPS_JAX_EXTRAS, "jax", MIN_DEPS_JAX_LEAVES)
 )
 tests_min_deps_jax.__doc__ = (
-    "JAX with every dependency at its declared lower bound (jax, numpy...)."
+    "JAX with every dependency at its declared lower bound (jax, numpy...), "
+    "the serving tests left to tests-jax."
 )
 
 

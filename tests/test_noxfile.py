@@ -233,6 +233,15 @@ def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, tmp_path):
     assert "jaxlib==" + jax.split("==")[1] in pins
     pytest_run = next(r for r in session.runs if "pytest" in r)
     assert pytest_run[pytest_run.index("--backend") + 1] == "jax"
+    assert "--ignore=tests/test_serving.py" in pytest_run  # left to tests-jax
+    assert (ROOT / "tests" / "test_serving.py").is_file()
+
+
+def test_the_other_sessions_run_the_serving_tests(noxfile, tmp_path):
+    session = FakeSession(tmp_path)
+    noxfile.tests_min_deps(session)
+    pytest_run = next(r for r in session.runs if "pytest" in r)
+    assert not any("test_serving" in a for a in pytest_run)
 
 
 def test_the_blas_probe_tells_a_crash(noxfile, tmp_path):
