@@ -330,7 +330,7 @@ PYPROJECT = Path(__file__).parent / "pyproject.toml"
 MIN_DEPS_EXTRAS = ("test", "strict")
 MIN_DEPS_BACKENDS = "numpy,array_api_strict"
 MIN_DEPS_JAX_EXTRAS = ("test", "strict", "jax")
-#: what tests-min-deps-jax leaves to tests-jax: the paged serving tests (a quarter of the
+#: what tests-min-deps-jax leaves to tests-jax: the paged serving tests (a fifth or more of the
 #: JAX suite's time: eager and jit invariance grids, a property test compiling a program
 #: per batch) use no JAX API the rest of the suite does not (jit, grad, lax.cond,
 #: fori_loop, the array API through array-api-compat)
