@@ -323,8 +323,9 @@ def tests_integrations(session: nox.Session) -> None:
 
 PYPROJECT = Path(__file__).parent / "pyproject.toml"
 # tests-min-deps: the extras whose lower bounds it installs, and the backends it tests.
-# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (3-4
-# minutes on a 2-core machine: a session of its own, to run or skip alone). torch is
+# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (7
+# minutes on a 2-core machine with the serving tests: a session of its own, to run or
+# skip alone). torch is
 # left out: its lower bound cannot be installed here as a CPU build (see
 # [tool.portable-attn.min-deps] in pyproject.toml), and the torch suite is the longest.
 MIN_DEPS_EXTRAS = ("test", "strict")
