@@ -107,7 +107,9 @@ def jax_cache(session: nox.Session) -> dict[str, str]:
     kept, however quickly it compiled (JAX keeps those over 1 s by default). Its keys
     hold the JAX version, so a folder left by another version is never read from.
     The serving, loop and learned score_mod tests took 223 s with it and 261 s
-    without (2 workers, a cold cache, side by side on one 2-core machine).
+    without (2 workers, a cold cache, one run after the other on a 2-core machine);
+    the whole matrix's tests-jax took 845 and 758 s in two runs with it, so its
+    gain there is within that machine's noise.
     """
     return {
         "JAX_COMPILATION_CACHE_DIR": str(Path(session.create_tmp()) / "jax-cache"),
