@@ -9,6 +9,7 @@ or :func:`check`, and judges a result against the float64 oracle
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import array_api_compat
 import numpy as np
 
 from portable_attn import testing
+from portable_attn._lib import _route
 from portable_attn.testing import Backend
 
 # ---------------------------------------------------------------------------
@@ -35,7 +37,8 @@ class RouteCase:
 
     `kw`: the arguments that ask for it (pass them with ``**route.kw``); `settings`: the
     router constants set while the test runs (``portable_attn._lib._route``), as
-    ``name -> value`` (``LIBRARIES`` rows as ``"LIBRARIES.<name>.<field>"``); `takes`:
+    ``name -> value`` (a field of every ``LIBRARIES`` row of a library as
+    ``"LIBRARIES.<name>.<field>"``, of every kernel as ``"KERNELS.<field>"``); `takes`:
     whether a decided path is this route. A call with these arguments that the router
     sends elsewhere (a feature the route cannot compute: a native kernel and a
     softcap) skips the test, with the reason.
@@ -48,6 +51,18 @@ class RouteCase:
     takes: Any
 
 
+#: ``FLEX_CUDA`` as torch runs flex on a CPU: forward only, no row max, any head dims and dtype
+#: (the suite's are 4-8), uncompiled (its compiled form took 6 s per signature there;
+#: the computation is the same)
+FLEX_ON_CPU = dataclasses.replace(
+    _route.FLEX_CUDA,
+    compiles=False,
+    backward=False,
+    head_dims=None,
+    dtypes=None,
+    equal_dims=False,
+    expresses=_route.FLEX_CUDA.expresses - {"return_max_logit"},
+)
 ALL_FAMILIES = ("numpy", "array_api_strict", "torch", "jax", "cupy", "dask")
 #: the routes: each is reached, through the router itself, on these backends
 ROUTES = {
@@ -91,15 +106,22 @@ ROUTES = {
             "native",
             ("torch",),
             {},
-            {"NATIVE_MIN_KEYS": {}, "NATIVE_TILES_MIN_SKIP": 2.0, "SKIP_FRACTION_FOR_TILED": 2.0},
+            {"KERNELS.min_keys": 0, "NATIVE_TILES_MIN_SKIP": 2.0, "SKIP_FRACTION_FOR_TILED": 2.0},
             lambda p: type(p).__name__ == "Native" and p.tiles is None,
         ),
         RouteCase(  # SDPA once per query tile of 4 over its visible key span
             "native_tiles",
             ("torch",),
             {},
-            {"NATIVE_MIN_KEYS": {}, "NATIVE_TILE": 4, "NATIVE_TILES_MIN_SKIP": -1.0},
+            {"KERNELS.min_keys": 0, "NATIVE_TILE": 4, "NATIVE_TILES_MIN_SKIP": -1.0},
             lambda p: type(p).__name__ == "Native" and p.tiles is not None,
+        ),
+        RouteCase(  # torch's flex_attention, CUDA's second kernel, as a CPU runs it
+            "flex",
+            ("torch",),
+            {},
+            {"LIBRARIES.torch.kernels": (FLEX_ON_CPU,)},
+            lambda p: getattr(p, "kernel", None) == "flex",
         ),
     )
 }
@@ -346,3 +368,22 @@ def half_precision_bound(
     rounded = backend.to_numpy(backend.asarray(expected.astype(np.float32), dtype))
     best = float(np.abs(rounded - expected).max())
     return max(2 * best + 1e-7, baseline_error)
+
+
+def set_rows(monkeypatch, name=None, **fields):
+    """Give the ``LIBRARIES`` rows of library `name` (a (name, kind) key; all: None) `fields`."""
+    from portable_attn._lib import _route
+
+    for key, row in list(_route.LIBRARIES.items()):
+        if name is None or name in (key, key[0]):
+            monkeypatch.setitem(_route.LIBRARIES, key, dataclasses.replace(row, **fields))
+
+
+def set_kernels(monkeypatch, name=None, **fields):
+    """Give every kernel of the rows of library `name` (a key; all: None) `fields`."""
+    from portable_attn._lib import _route
+
+    for key, row in list(_route.LIBRARIES.items()):
+        if name is None or name in (key, key[0]):
+            kernels = tuple(dataclasses.replace(k, **fields) for k in row.kernels)
+            monkeypatch.setitem(_route.LIBRARIES, key, dataclasses.replace(row, kernels=kernels))

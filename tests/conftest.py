@@ -225,13 +225,14 @@ def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     from portable_attn._lib import _route as router
 
     case = ROUTES[request.param]
+    from _helpers import set_kernels, set_rows
+
     for name, value in case.settings.items():
         if name.startswith("LIBRARIES."):
             _, library, field = name.split(".")
-            row = router.LIBRARIES[library]
-            monkeypatch.setitem(
-                router.LIBRARIES, library, type(row)(**{**row.__dict__, field: value})
-            )
+            set_rows(monkeypatch, library, **{field: value})
+        elif name.startswith("KERNELS."):
+            set_kernels(monkeypatch, **{name.split(".")[1]: value})
         else:
             monkeypatch.setattr(router, name, value)
     decide = router.route

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from _helpers import assert_close, qkv
+from _helpers import assert_close, qkv, set_kernels
 from portable_attn import attention_weights, scaled_dot_product_attention
 from portable_attn.block_mask import (
     FULL,
@@ -503,7 +503,7 @@ def test_native_kernel_per_tile(backend, xp, monkeypatch, kw):
     from portable_attn._lib._path import Native
 
     monkeypatch.setattr(_route, "NATIVE_TILE", 4)  # 4 query tiles of a 13-token call
-    monkeypatch.setattr(_route, "NATIVE_MIN_KEYS", {})  # which would take no kernel
+    set_kernels(monkeypatch, min_keys=0)  # which would take no kernel
     q, k, v = problem()
     on, dense = {}, np.ones((L, L), bool)
     for name, a in kw.items():

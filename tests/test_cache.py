@@ -8,13 +8,14 @@ a fresh derivation (``tests/conftest.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from _helpers import qkv
+from _helpers import qkv, set_kernels, set_rows
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib import _cache, _call, _route
-from portable_attn._lib._compat import device_kind
 from portable_attn._lib._dense import DenseKernel
 from portable_attn._paths._native import DirectKernel
 from portable_attn.testing import reference_attention
@@ -166,8 +167,7 @@ def test_calls_the_kernel_does_not_take_as_they_are_keep_no_kernel_call(
 ):
     kw = {n: backend.asarray(np.zeros((20, 24))) if a == "zeros" else a for n, a in kw.items()}
     arrays = _arrays(backend, **shape)
-    kind = ("torch", device_kind(arrays[0]))  # CPU's minimum, on every device
-    monkeypatch.setitem(_route.NATIVE_MIN_KEYS, kind, _route.NATIVE_MIN_KEYS[("torch", "cpu")])
+    set_kernels(monkeypatch, "torch", min_keys=_route.SDPA_CPU.min_keys)  # on every device
     scaled_dot_product_attention(*arrays, **kw)
     (entry,) = _cache._ENTRIES.values()
     assert not isinstance(entry.kept, DirectKernel)  # "few keys": the dense path's call
@@ -220,8 +220,8 @@ def test_a_router_change_without_forget_is_caught(backend, monkeypatch):
     q, k, v = _arrays(backend)
     scaled_dot_product_attention(q, k, v)
     row = _route.library(q)  # no native kernel, no dense path: the tiled path now
-    tiled = type(row)(**{**row.__dict__, "dense_limit": 0, "native_default": False})
-    monkeypatch.setitem(_route.LIBRARIES, _route.library_name(q), tiled)
+    tiled = dataclasses.replace(row, dense_limit=0, kernels=())
+    monkeypatch.setitem(_route.LIBRARIES, _route.row_key(q), tiled)
     with pytest.raises(AssertionError, match="cache hit"):
         scaled_dot_product_attention(q, k, v)
     _cache.forget()
@@ -229,10 +229,8 @@ def test_a_router_change_without_forget_is_caught(backend, monkeypatch):
 
 
 def _dense_route(monkeypatch, backend):
-    """Send every call of `backend`'s library to the portable paths (no SDPA)."""
-    monkeypatch.setitem(
-        _route.NATIVE_MIN_KEYS, ("torch", device_kind(backend.asarray(0.0))), 10**9
-    )
+    """Send every call of `backend`'s library to the portable paths (no kernel)."""
+    set_rows(monkeypatch, "torch", kernels=())
 
 
 @pytest.mark.skip_backends("dask", reason="a graph per call: nothing to save")

@@ -2,7 +2,7 @@
 
 The contract: a half-precision result is within :func:`half_precision_bound` of the
 float64 oracle on the same (representable) inputs, on every route. Which route a call
-takes is the router's (``NATIVE_HALF_ROUTES``, ``PORTABLE_HALF_FLASH``): a native kernel
+takes is the router's (``Kernel.own_half``, ``Library.half_flash``): a native kernel
 that accumulates in float32 itself receives Q, K, V in their own dtype where that was
 measured faster, and the dense path of JAX takes FlashAttention's form.
 """
@@ -12,12 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _helpers import half_precision_bound, qkv, randn, representable
+from _helpers import half_precision_bound, qkv, randn, representable, set_rows
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib import _cache, _route
-from portable_attn._lib._compat import device_kind
 from portable_attn._lib._cpu import has_half_arithmetic
-from portable_attn._lib._route import NATIVE_HALF_ROUTES
 from portable_attn.testing import reference_attention
 
 _KV_LENGTHS = np.array([48, 29])[:, None, None, None]
@@ -180,7 +178,7 @@ class TestJaxForms:
         monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
         _, _, (q, k, v), _ = _half_problem(backend, dtype, "causal")
         scaled_dot_product_attention(q, k, v, is_causal=True, implementation="native")
-        kept = NATIVE_HALF_ROUTES[("jax", device_kind(q), dtype)]  # CPU float16: upcast
+        kept = dtype in _route.library(q).kernels[0].own_half  # CPU float16: upcast
         assert seen == [((backend.dtype(dtype) if kept else jax.numpy.float32),) * 3]
 
     def test_dense_path_takes_half_products(self, backend, dtype, monkeypatch):
@@ -197,7 +195,7 @@ class TestJaxForms:
         monkeypatch.setattr(jnp, "matmul", recording)
         _, _, (q, k, v), _ = _half_problem(backend, dtype, "plain")
         # the form on every device (the table says where it is the default)
-        monkeypatch.setitem(_route.PORTABLE_HALF_FLASH, ("jax", device_kind(q)), True)
+        set_rows(monkeypatch, "jax", half_flash=True)
         monkeypatch.setattr(_route, "has_half_arithmetic", lambda dtype: True)
         _cache.forget()
         scaled_dot_product_attention(q, k, v, block_size="dense")
@@ -282,7 +280,7 @@ def test_flash_form_gradients_are_taken_in_float32(backend, monkeypatch):
 
     x = backend.asarray(randn(1, 4, 128, 64, seed=5), "bfloat16")  # (B, H, L, D)
     bias = backend.asarray(randn(1, 4, 128, 128, seed=6), "bfloat16")
-    monkeypatch.setitem(_route.PORTABLE_HALF_FLASH, ("jax", device_kind(x)), True)
+    set_rows(monkeypatch, "jax", half_flash=True)
     monkeypatch.setattr(_route, "has_half_arithmetic", lambda dtype: True)
 
     def grads(x, bias):
@@ -294,7 +292,7 @@ def test_flash_form_gradients_are_taken_in_float32(backend, monkeypatch):
 
     errors = {}
     for flash in (True, False):
-        monkeypatch.setitem(_route.PORTABLE_HALF_FLASH, ("jax", device_kind(x)), flash)
+        set_rows(monkeypatch, "jax", half_flash=flash)
         _cache.forget()
         got = jax.jit(lambda x, bias: grads(x, bias))(x, bias)  # traced anew: this form
         want = grads(x.astype(jnp.float64), bias.astype(jnp.float64))  # the fixture's x64

@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 
 import portable_attn._lib._route as policy
+from _helpers import set_kernels, set_rows
 from portable_attn import scaled_dot_product_attention
 from portable_attn._lib._call import prepare
 from portable_attn._lib._compat import reads_host_values
 from portable_attn._lib._path import DaskGrid, Dense, Empty, Native, Tiled
-from portable_attn._lib._route import LIBRARIES, Library, default_tiles
+from portable_attn._lib._route import LIBRARIES, default_tiles
 from portable_attn.testing import reference_attention
 
 
 @pytest.fixture(autouse=True)
 def _small_calls_take_the_kernel(monkeypatch):
-    """The 9-token calls below would take no kernel (``NATIVE_MIN_KEYS``, tested alone)."""
-    monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {})
+    """The 9-token calls below would take no kernel (``Kernel.min_keys``, tested alone)."""
+    set_kernels(monkeypatch, min_keys=0)
 
 
 def choose_path(call, block_size, implementation):
@@ -33,13 +34,12 @@ def choose_path(call, block_size, implementation):
 
 def _no_dense_limit(monkeypatch, *names):
     """Every library (or those named) tiles whatever its size."""
-    for name, row in LIBRARIES.items():
-        if not names or name in names:
-            monkeypatch.setitem(LIBRARIES, name, Library(**{**row.__dict__, "dense_limit": 0}))
+    for name in names or (None,):
+        set_rows(monkeypatch, name, dense_limit=0)
 
 
 def _tiles(name):
-    return LIBRARIES[name]
+    return LIBRARIES[(name, "cpu")]
 
 
 def _arrays(backend, *, hq=2, hkv=2, lq=9, lk=9, d=4, dv=4, seed=0):
@@ -136,7 +136,7 @@ class TestDefaultRoute:
         np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=1e-5, atol=1e-6)
 
     def test_too_few_keys_for_the_kernel_stay_portable(self, backend, monkeypatch):
-        monkeypatch.setattr(policy, "NATIVE_MIN_KEYS", {("torch", "cpu"): 16})
+        set_kernels(monkeypatch, ("torch", "cpu"), min_keys=16)
         few, enough = {"lq": 4, "lk": 15}, {"lq": 4, "lk": 16}
         on_cpu = _fused(backend) and backend.device_name == "cpu"
         assert (_path(backend, shape=few) == Native()) == (_fused(backend) and not on_cpu)

@@ -203,6 +203,7 @@ def ragged_paged_attention(
         device=device(query),
         head_major=library(query).gathers_strided,
         sums_by_product=library(query).sums_by_program,
+        keys_per_chunk=library(query).chunk_keys,
     )
     if t == 0 or n_req == 0:  # no row, or every row padding
         kw = on_device(device(query))

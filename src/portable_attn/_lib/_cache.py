@@ -75,7 +75,8 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
             parts: list[Any] = [
                 None
                 if x is None
-                else (type(x), x.shape, x.dtype, x.device, x.layout)
+                # requires_grad: a kernel without a backward is routed around
+                else (type(x), x.shape, x.dtype, x.device, x.layout, x.requires_grad)
                 if hasattr(x, "layout")
                 else (type(x), x.shape, x.dtype, x.device.id)  # CuPy's Device: unhashable
                 for x in arrays
@@ -84,6 +85,10 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
             parts = [None if x is None else (type(x), x.shape, x.dtype) for x in arrays]
             parts.append(device(query))
         # each option with its type, and a pair's entries' types: (1, 2) == (True, 2)
+        if _route.library(query).autodiff == "torch":  # a kernel without a backward
+            import torch
+
+            parts.append(torch.is_grad_enabled())
         parts += (options, tuple(map(type, options)))
         parts += [tuple(map(type, o)) for o in options if type(o) is tuple]
     except Exception:  # not an array: the checks will say what it is

@@ -600,6 +600,7 @@ def _mask_mod_terms(
         v.check_mask_mod_result(xp, result, (*target, q_idx.shape[-2], kv_idx.shape[-1]))
         return result
 
+    checked.rule = rule_of  # type: ignore[attr-defined]  # unchecked: flex's scalar indices
     rule: Any = checked
     if is_compiling(batch_index):  # evaluated outside inductor's codegen (its // bug)
         from .._paths._opaque import opaque_rule

@@ -51,6 +51,8 @@ __all__ = [
     "standard_namespace",
     "stop_gradient",
     "to_host",
+    "records_grad",
+    "torch_func_transforms",
     "torch_records",
     "torch_release",
 ]
@@ -151,6 +153,36 @@ def is_compiling(x: Any) -> bool:
     import torch
 
     return bool(torch.compiler.is_compiling())
+
+
+def records_grad(*arrays: Any, functions: bool = False) -> bool:
+    """Whether autograd may record a call of `arrays` (torch tensors that require grad).
+
+    `functions`: the call holds the caller's functions, whose captured tensors no one
+    can see: then wherever torch's grad mode is on. JAX differentiates by tracing, so
+    its arrays never say so: False.
+    """
+    torch_arrays = [x for x in arrays if library_name(x) == "torch"]
+    if not torch_arrays:
+        return False
+    if functions:
+        import torch
+
+        if torch.is_grad_enabled():
+            return True
+    return any(x.requires_grad for x in torch_arrays)
+
+
+def torch_func_transforms(x: Any) -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) records tensor `x`."""
+    if library_name(x) != "torch":
+        return False
+    import torch
+
+    functorch = torch._C._functorch
+    return bool(
+        functorch.is_functorch_wrapped_tensor(x) or functorch.peek_interpreter_stack() is not None
+    )
 
 
 def torch_records(x: Any) -> bool:
@@ -415,13 +447,21 @@ _RELEASES: dict[str, tuple[int, int]] = {}
 def device_kind(x: Any) -> str:
     """``"cpu"``, ``"cuda"`` / ``"gpu"``, ... : the kind of device `x` lives on.
 
-    torch's ``device.type`` and JAX's ``platform``; ``"cpu"`` for host libraries
-    (NumPy, array-api-strict, Dask's NumPy chunks) and anything without one.
+    torch's ``device.type`` and JAX's ``platform``; a JAX tracer, which has no device,
+    takes the platform of JAX's default backend (where ``jit`` places its program);
+    ``"cpu"`` for host libraries (NumPy, array-api-strict, Dask's NumPy chunks) and
+    anything without one.
     """
     dev = device(x)
     kind = getattr(dev, "type", None) or getattr(dev, "platform", None)
-    if kind is None and library_name(x) == "cupy":
-        return "cuda"
+    if kind is None:
+        name = library_name(x)
+        if name == "cupy":
+            return "cuda"
+        if name == "jax":
+            import jax
+
+            return str(jax.default_backend())
     return kind if isinstance(kind, str) else "cpu"
 
 

@@ -68,11 +68,12 @@ __all__ = [
 ]
 
 CHUNK_KEYS = 256
-"""Keys per chunk of the walk (rounded down to whole pages, at least one page).
+"""Keys per chunk of the walk on a CPU (rounded down to whole pages, at least one page).
 
-Fixed, not chosen per call: the chunks are the same for every call over a pool, which
-batch invariance needs. 256 keys: the decode step over 32 requests (Hkv=8, D=128)
-gathers 8 MiB of keys per chunk and the Python loop stays short."""
+Fixed per (library, device kind), not chosen per call (``Library.chunk_keys``): the
+chunks are the same for every call over a pool, which batch invariance needs. 256 keys:
+the decode step over 32 requests (Hkv=8, D=128) gathers 8 MiB of keys per chunk and the
+Python loop stays short."""
 
 INVARIANT_MATMUL_ROWS = 16
 """With ``batch_invariant=True``, a tile holds ``ceil(16 / G)`` rows, from a multiple of
@@ -115,6 +116,7 @@ class PagedProblem:
     aligned: bool = False  # tiles start at multiples of `rows` among a request's positions
     head_major: bool = False  # the pools given to the walk are (P, Hkv, page_size, D) views
     sums_by_product: bool = False  # sums as products with ones (Library.sums_by_program)
+    keys_per_chunk: int = CHUNK_KEYS  # the walk's chunks (Library.chunk_keys)
 
     @property
     def groups(self) -> int:
@@ -122,7 +124,7 @@ class PagedProblem:
 
     @property
     def chunk_pages(self) -> int:
-        return max(1, CHUNK_KEYS // self.page_size)
+        return max(1, self.keys_per_chunk // self.page_size)
 
     @property
     def chunk_keys(self) -> int:

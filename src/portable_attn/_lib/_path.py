@@ -72,7 +72,9 @@ class Tiled:
 class Native:
     """The framework's fused kernel with our masks and empty-row contract (``_native.py``).
 
-    `kernel`: ``"sdpa"`` (torch) or ``"jax_nn"`` (``jax.nn.dot_product_attention``).
+    `kernel`: ``"sdpa"`` (torch), ``"flex"`` (torch's ``flex_attention``, ``_flex.py``:
+    every mask, score term and the row statistics in one fused kernel) or ``"jax_nn"``
+    (``jax.nn.dot_product_attention``).
     `upcast`: half-precision Q, K, V (and bias) reach the kernel cast to float32;
     False: in their own dtype, for a kernel that accumulates in float32 itself.
     `tiles`: None, one kernel call for the whole call; an int, one call per query
@@ -83,14 +85,24 @@ class Native:
     unmasked kernel loses a NaN of a query there).
     `per_sequence`: one kernel call per sequence over its own valid keys (host-read
     `kv_lengths` that differ): no padding mask, no padded key computed or read.
+    `implementation`: the ``implementation=`` ``jax.nn.dot_product_attention`` is
+    given (``"cudnn"``, ``"xla"``, or None: its own choice).
+    `compiled`: the kernel runs ``torch.compile``-d, once per signature (flex; its
+    uncompiled form materialises the whole scores).
+    `fallback`: the portable route of a flex call with a user's ``score_mod`` or
+    ``mask_mod``, run where flex cannot trace them (a function written for the
+    portable path's blocks, which flex calls on scalar indices under ``vmap``).
     """
 
-    kernel: Literal["sdpa", "jax_nn"] = "sdpa"
+    kernel: Literal["sdpa", "flex", "jax_nn"] = "sdpa"
     upcast: bool = True
     tiles: int | None = None
     guard: bool = True
     min_keys: int = 0
     per_sequence: bool = False
+    implementation: Literal["cudnn", "xla"] | None = None
+    compiled: bool = False
+    fallback: Route | None = None
 
 
 @dataclass(frozen=True)

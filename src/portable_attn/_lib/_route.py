@@ -20,33 +20,41 @@ DaskGrid Dask arrays: one task per visible (query chunk, key chunk) pair running
          tiled path on the chunks, merged per query chunk by a tree (``_paths/_dask.py``)
 ======== ==============================================================================
 
+What a library can do depends on the device its arrays live on: the table has one
+row per (library, device kind) (:data:`LIBRARIES`, :func:`library`), holding its
+kernels (:class:`Kernel`: what each expresses, the dtypes and head dims it takes, how
+it handles half precision and empty rows), its tiles and its dense limit. The router
+reads the row; no other module names a device kind.
+
 The rules, in the order :func:`route` applies them:
 
 0. `kv_lengths` read on the host (NumPy, torch CPU) hide every key at or past the
    largest length from every row: only the first keys are computed
    (:func:`kept_keys`, ``Route.keys``), whatever the path.
 1. An int or a pair `block_size` is the tiled path with those blocks, ``"dense"`` the
-   dense path; ``implementation="native"`` is the native kernel, or a ValueError when
-   it cannot express the call (:func:`unsupported_reason`).
+   dense path; ``implementation="native"`` is the row's first kernel that computes
+   the call (:func:`native_kernel`), or a ValueError with each kernel's reason
+   (:func:`unsupported_reason`).
 2. Dask arrays: one task per (query chunk, key chunk) pair (:func:`_dask_path`).
-3. ``implementation=None`` on a library whose native kernel is fused (torch SDPA) and
-   a call it can express, with at least :data:`NATIVE_MIN_KEYS` keys: the kernel,
-   whole, or once per query tile where block skipping hides at least
-   :data:`NATIVE_TILES_MIN_SKIP` of the tiles (or a ``mask_mod`` is given); a call
-   whose structure lets the tiled path skip at least :data:`SKIP_FRACTION_FOR_TILED`
-   of its pairs takes the tiled path instead (:func:`_native_route`).
+3. ``implementation=None``: the row's first default kernel that computes the call
+   (:func:`_native_route`). SDPA with at least ``Kernel.min_keys`` keys: whole, or
+   once per query tile where block skipping hides at least
+   :data:`NATIVE_TILES_MIN_SKIP` of the tiles (or a ``mask_mod`` is given, on a CPU);
+   a call whose structure lets the tiled path skip at least
+   :data:`SKIP_FRACTION_FOR_TILED` of its pairs goes on to the next kernel (flex on
+   CUDA) or the tiled path. flex (torch CUDA) and cuDNN (JAX GPU): whole.
 4. Otherwise dense while the dense scores fit in the library's ``dense_limit``, tiled
    above (:func:`_tiles`): NumPy in reused buffers (:func:`buffered_tiles`), in
    threads above :data:`THREADS_MIN_SCORE_BYTES`; JAX as a traced loop from
    :data:`LOOP_MIN_SCORE_BYTES` (or with a traced block mask), unrolled below; other
-   libraries :data:`EAGER_TILES`.
+   libraries the row's ``tiles``.
 5. Eager libraries take the row sums from ``P @ [V | 1]`` where that pays
    (:func:`fold_row_sums`); XLA divides the weights before ``P @ V``
    (``Library.fuses_softmax``; benchmarks/results/xla-forms.json).
 6. Half precision accumulates in float32 on every path; a native kernel takes half
-   inputs in their own dtype where :data:`NATIVE_HALF_ROUTES` measured that faster
+   inputs in their own dtype where ``Kernel.own_half`` says that measured faster
    (:func:`native_upcasts`), the dense path takes FlashAttention's form where
-   :data:`PORTABLE_HALF_FLASH` did (:func:`dense_flash_form`).
+   ``Library.half_flash`` does (:func:`dense_flash_form`).
 7. A JAX call runs its path as one compiled program (``Route.compiled``), eagerly and
    under ``grad`` and ``vmap`` (under ``jit``, one call inside the caller's program).
 
@@ -56,12 +64,21 @@ A router setting changed at run time takes effect after :func:`portable_attn._li
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _validation as v
-from ._compat import chunk_sizes, device_kind, library_name, torch_records, torch_release
+from ._compat import (
+    chunk_sizes,
+    device_kind,
+    library_name,
+    records_grad,
+    torch_func_transforms,
+    torch_records,
+    torch_release,
+)
 from ._cpu import available_workers, can_limit_blas, has_half_arithmetic
+from ._paged import CHUNK_KEYS
 from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Route, Tiled
 
 if TYPE_CHECKING:
@@ -77,7 +94,14 @@ __all__ = [
     "DASK_TASK_SCORES",
     "DEFAULT_MASK_BLOCK",
     "EAGER_TILES",
-    "FLOAT16_CPU_ROUTES",
+    "FEATURES",
+    "FLEX_CUDA",
+    "GPU_CHUNK_KEYS",
+    "GPU_DENSE_LIMIT_BYTES",
+    "GPU_LOOP_TILES",
+    "GPU_TILES",
+    "JAX_CUDNN",
+    "JAX_NN_CPU",
     "KEEP_WORKSPACE_BYTES",
     "LIBRARIES",
     "LOOP_MIN_SCORE_BYTES",
@@ -85,163 +109,32 @@ __all__ = [
     "LOOP_WINDOW_TILES",
     "MASK_LOOP_MIN_TILE",
     "MASK_TILE_ENTRIES",
-    "NATIVE_HALF_ROUTES",
-    "NATIVE_MIN_KEYS",
     "NATIVE_TILE",
     "NATIVE_TILES_MIN_SKIP",
-    "PORTABLE_HALF_FLASH",
     "SKIP_FRACTION_FOR_TILED",
     "THREADS_MIN_SCORE_BYTES",
     "TRACED_BLOCK_STEP",
     "TRACED_MAX_BLOCKS",
     "TRACED_MIN_BLOCK",
     "WORKSPACE_ALIGN",
-    "ZEROES_EMPTY_ROWS",
+    "Kernel",
     "Library",
+    "SDPA_CPU",
+    "SDPA_CUDA",
     "buffered_tiles",
     "default_tiles",
     "fold_row_sums",
     "kept_keys",
+    "kernel_reason",
     "library",
+    "native_kernel",
     "reads_values",
     "route",
+    "row_key",
+    "rows_of",
     "skipped_fraction",
     "unsupported_reason",
 ]
-
-
-# ---------------------------------------------------------------------------
-# what each library can do
-
-
-@dataclass(frozen=True)
-class Library:
-    """What one array library can do: one row of :data:`LIBRARIES`.
-
-    Attributes
-    ----------
-    dense_limit : int
-        ``block_size=None`` keeps the dense path while the dense scores take at most
-        this many bytes (B x Hq x Lq x Lk x itemsize), and tiles above.
-    walk : {"python", "buffered", "traced"}
-        How its tiled path walks the blocks: a Python loop of fresh arrays, the same
-        loop in buffers reused through ``out=`` (NumPy), or a loop the library
-        traces into a program (JAX: unrolled when short, a traced loop when long).
-    threads : bool
-        Query blocks may run in threads: elementwise work on one core that releases
-        the GIL, no autodiff to record it (NumPy).
-    native : {"sdpa", "jax_nn"} or None
-        Its fused attention kernel, if any (``_paths/_native.py``).
-    native_default : bool
-        The default route may take `native`: a fused kernel (torch SDPA picks a
-        flash / memory-efficient kernel; ``jax.nn`` composes XLA operations).
-    native_equal_dims : bool
-        `native` needs ``Dv == Dk`` (``jax.nn.dot_product_attention``).
-    autodiff : {"torch", "jax"} or None
-        Whose custom-backward API its arrays take.
-    compiles_eager : bool
-        An eager call runs its path as one compiled program, cached per signature
-        (JAX dispatches each eager operation on its own, 10-20 us each on a CPU).
-    fuses_softmax : bool
-        Its compiler fuses the softmax into the ``P @ V`` after it (XLA).
-    half_matmul : bool
-        It has a half-precision matmul accumulating in float32 in the standard's
-        terms (``jnp.matmul(preferred_element_type=float32)``).
-    pins_devices : bool
-        Mixing devices among the arguments is an error to catch (torch, CuPy; JAX
-        places and shards arrays itself).
-    task_graphs : bool
-        Arrays are lazy task graphs (Dask): a call becomes tasks on their chunks.
-    sums_by_program : bool
-        Its compiler adds up a fused reduction in an order that depends on the whole
-        program (XLA: ``jnp.sum`` over the same values gave other bits in programs
-        compiled for other batches), while a matrix product's order depends on its
-        shapes alone. The paged walk then takes its sums as products with ones, so
-        that ``batch_invariant=True`` holds under ``jax.jit`` across programs; elsewhere
-        ``xp.sum``, already invariant in eager libraries and cheaper (torch's decode step
-        took 1.16x its time with products; benchmarks/results/serving-lanes.json).
-    gathers_strided : bool
-        Its ``take`` reads a permuted view as fast as contiguous memory, so a paged call
-        gathers pages from the pool's head-major view (P, Hkv, page_size, D) and
-        multiplies them without a copy; the others gather token-major pages and permute
-        them after. The decode step of ``benchmarks/serving.py`` took 0.53x its time
-        with it on torch, 21.6x on NumPy (benchmarks/results/serving-lanes.json); XLA
-        fuses the permutation into its gather either way.
-    exp2 : bool
-        Its ``exp2`` (not in the standard) is several times faster than its ``exp``, so
-        the Python walk takes ``exp(x)`` as ``exp2(x · log2 e)`` (``Tiled.exp2``;
-        FlashAttention's form). Rounding ``x · log2 e`` costs at most ``|x| · 2⁻²⁴``
-        relative in float32: 1e-6 at ``x = -20``, a weight of 2e-9. torch CPU, one
-        (8, 256, 256) float32 block (hand runs): ``exp`` 240 us, 1150 us when half the
-        entries are ``-inf`` (a diagonal causal block), the exp2 form 110 us either way;
-        ``benchmarks/results/learned-torch.json`` holds the training step it speeds up.
-    """
-
-    dense_limit: int
-    walk: Literal["python", "buffered", "traced"] = "python"
-    threads: bool = False
-    native: Literal["sdpa", "jax_nn"] | None = None
-    native_default: bool = False
-    native_equal_dims: bool = False
-    autodiff: Literal["torch", "jax"] | None = None
-    compiles_eager: bool = False
-    fuses_softmax: bool = False
-    half_matmul: bool = False
-    pins_devices: bool = False
-    task_graphs: bool = False
-    gathers_strided: bool = False
-    sums_by_program: bool = False
-    exp2: bool = False
-
-
-#: ``block_size=None`` keeps the dense path while its logits would take at most this
-#: many bytes, and tiles above. NumPy measured dense and tiled within a factor of 1.7
-#: either way at L = 1024-8192 without causal masking, the tiled path's memory O(L)
-#: (benchmarks/results/history/tiled.json and bench-numpy.json).
-AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
-
-#: One row per library (by the name of the module that owns its arrays); a library
-#: not listed takes ``Library(AUTO_DENSE_LIMIT_BYTES)``: the portable path, a Python
-#: walk, no native kernel.
-#:
-#: - numpy: the tiled path in reused buffers kept the dense path only up to 2 MiB of
-#:   scores (L = 256 at B=1, H=8): tiled over dense was 1.27 / 1.07 / 0.98 at L = 64 /
-#:   128 / 256 and 0.59 / 0.78 at L = 512 / 1024 (benchmarks/results/targets.json).
-#: - torch: its multi-threaded eager kernels made the dense path 1.7-2.6x (plain) and
-#:   2.8-6.1x (causal) slower than the tiled path at L = 512-8192, faster at L = 128
-#:   (0.5 MiB): 4 MiB (benchmarks/results/history/bench-torch.json).
-LIBRARIES: dict[str, Library] = {
-    "numpy": Library(2 * 2**20, walk="buffered", threads=True),
-    "torch": Library(
-        4 * 2**20,
-        native="sdpa",
-        native_default=True,
-        autodiff="torch",
-        pins_devices=True,
-        gathers_strided=True,
-        exp2=True,
-    ),
-    "jax": Library(
-        AUTO_DENSE_LIMIT_BYTES,
-        walk="traced",
-        native="jax_nn",
-        native_equal_dims=True,
-        autodiff="jax",
-        compiles_eager=True,
-        fuses_softmax=True,
-        half_matmul=True,
-        sums_by_program=True,
-    ),
-    "cupy": Library(AUTO_DENSE_LIMIT_BYTES, pins_devices=True),
-    "array_api_strict": Library(AUTO_DENSE_LIMIT_BYTES),
-    "dask": Library(AUTO_DENSE_LIMIT_BYTES, task_graphs=True),
-}
-_PORTABLE = Library(AUTO_DENSE_LIMIT_BYTES)
-
-
-def library(x: Any) -> Library:
-    """Return the row of :data:`LIBRARIES` of the library that owns array `x`."""
-    return LIBRARIES.get(library_name(x), _PORTABLE)
 
 
 # ---------------------------------------------------------------------------
@@ -331,61 +224,6 @@ NATIVE_TILE = 256
 #: ... chosen over one whole kernel call when block skipping hides at least this
 #: fraction of the (NATIVE_TILE, NATIVE_TILE) tile pairs.
 NATIVE_TILES_MIN_SKIP = 0.5
-#: The fewest keys an unmasked native kernel call may have, per ``(library, device
-#: kind)``: torch 2.13 CPU SDPA returns zeros, not NaN, for a query row holding a NaN
-#: when Lk < 16 and no ``attn_mask`` is given (float16 to float64, D = 16-128, any Lq),
-#: against the contract that NaN propagates; given a mask it propagates. Whole calls
-#: with fewer keys take the portable path (``implementation="native"`` still asks for
-#: the kernel as it is); shorter parts of a call per tile get a mask.
-NATIVE_MIN_KEYS: dict[tuple[str, str], int] = {("torch", "cpu"): 16}
-#: The release from which the native kernel returns zeros, with zero gradients, for a
-#: query row that sees no key (every key masked by a boolean mask or ``-inf`` in an
-#: additive one), per ``(library, device kind)``: then no guard is built around it.
-#: Measured on torch 2.13.0 CPU (float16 to float64; flash and math kernels; forward
-#: and backward; eager, under inductor and ``torch.func``): ``tests/test_native.py`` and
-#: ``tests/test_transforms.py`` check it on every run. Earlier releases and CUDA are
-#: not measured: they keep the guard.
-ZEROES_EMPTY_ROWS: dict[tuple[str, str], tuple[int, int]] = {("torch", "cpu"): (2, 13)}
-#: Half-precision inputs of a native kernel: ``(library, device kind, dtype)`` -> whether
-#: they reach the kernel in their own dtype (True) or as float32 copies (False); a route
-#: not listed upcasts. Each kernel accumulates in float32 and runs its softmax in
-#: float32, so both keep the contract; the table keeps the faster
-#: (benchmarks/results/half-torch.json and half-jax.json: B=1, H=8, D=64, L = 1024-4096):
-#:
-#: - torch CPU bfloat16: the float32 copies cost 7-21% at L = 1024-2048 and 31 MiB of
-#:   peak memory at L = 4096, for the same error. Own dtype.
-#: - torch CPU float16: on a CPU without float16 arithmetic SDPA in float16 is slow (the
-#:   float32 route ran at 0.63-0.74x of it). Upcast, except where FLOAT16_CPU_ROUTES.
-#: - torch CUDA: the fused kernels take half precision only and accumulate in float32.
-#:   Own dtype; not yet timed here (benchmarks/gpu.sh).
-#: - JAX (``implementation="native"`` only): own dtype, except float16 on a CPU, which
-#:   XLA CPU refuses ("The precision 'F16_F16_F32' is not supported by dot_general").
-NATIVE_HALF_ROUTES: dict[tuple[str, str, str], bool] = {
-    ("torch", "cpu", "bfloat16"): True,
-    ("torch", "cpu", "float16"): False,
-    ("torch", "cuda", "bfloat16"): True,
-    ("torch", "cuda", "float16"): True,
-    ("jax", "cpu", "bfloat16"): True,
-    ("jax", "cpu", "float16"): False,
-    ("jax", "gpu", "bfloat16"): True,
-    ("jax", "gpu", "float16"): True,
-}
-#: Routes of NATIVE_HALF_ROUTES that take the input dtype instead on a CPU with float16
-#: arithmetic (AVX512-FP16 or AMX-FP16): torch CPU float16 there ran the float32 route
-#: at 0.98-1.17x SDPA in float16 and the float16 route at 0.99-1.02x, the float32
-#: route's error 0.83-1.0x SDPA's (half-torch.json, L = 1024-4096).
-FLOAT16_CPU_ROUTES = frozenset({("torch", "cpu", "float16")})
-#: The dense path's half-precision form per ``(library, device kind)``: True is
-#: FlashAttention's form (half products accumulated in float32, float32 softmax,
-#: probabilities cast back for ``P @ V``), False and unlisted cast Q, K and V to
-#: float32 first. On a CPU, True holds only where the CPU has arithmetic in the inputs'
-#: half dtype (``_cpu.has_half_arithmetic``: AMX): JAX CPU bfloat16 under ``jit`` (dense,
-#: L = 1024) ran FlashAttention's form at 0.69-0.75x ``jax.nn`` and the float32 form at
-#: 0.80-0.88x on an Intel AMX CPU (benchmarks/results/history/half-jax-23f1316.json),
-#: while on AMD EPYC CPUs, with AVX512-BF16 and without, the float32 form was the faster
-#: (benchmarks/results/half-jax.json). JAX on an H200 (benchmarks/results/gpu.json):
-#: 1.20-1.41x faster at L = 4096, 0.94-1.08x at 1024.
-PORTABLE_HALF_FLASH: dict[tuple[str, str], bool] = {("jax", "cpu"): True, ("jax", "gpu"): True}
 
 # ---------------------------------------------------------------------------
 # Dask and the caches
@@ -407,11 +245,376 @@ COMPILED_SIGNATURES = 256
 
 
 # ---------------------------------------------------------------------------
+# what each (library, device kind) can do
+
+#: The features beyond Q, K, V, a boolean mask, a bias, lengths, a window, segment ids,
+#: a learned scale and GQA that a :class:`Kernel` may compute itself (every kernel
+#: takes those): the names its ``expresses`` holds.
+FEATURES = (
+    "mask_mod",
+    "score_mod",
+    "softcap",
+    "alibi_slopes",
+    "sinks",
+    "dropout",
+    "return_lse",
+    "return_max_logit",
+)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fused attention kernel of one (library, device kind) row, and what it takes.
+
+    Attributes
+    ----------
+    name : {"sdpa", "flex", "jax_nn"}
+        ``torch.nn.functional.scaled_dot_product_attention``, torch's ``flex_attention``
+        (``_paths/_flex.py``) or ``jax.nn.dot_product_attention`` (``_paths/_native.py``).
+    default : bool
+        The default route (``implementation=None``) may take it; otherwise only
+        ``implementation="native"`` does.
+    expresses : frozenset of str
+        The :data:`FEATURES` it computes itself.
+    per_tile : bool
+        The default route may run it once per query tile over the tile's visible key
+        span, where block skipping hides most tiles, a ``mask_mod`` (or block mask)
+        evaluated into each tile's boolean mask (SDPA on a CPU). Without it such calls
+        go on to the next kernel (flex on CUDA, which skips blocks itself).
+    backward : bool
+        It differentiates its inputs; a call that records gradients goes elsewhere.
+    transforms : bool
+        It runs under ``torch.func``'s transforms (``vmap``, ``grad``); flex does not
+        (dynamo refuses its batched tensors): such calls go elsewhere.
+    dtypes : frozenset of str or None
+        The input dtypes it takes (``"float16"``, ``"bfloat16"``, ``"float32"``,
+        ``"float64"``); None: any.
+    head_dims : frozenset of int or None
+        The head dims (Dk and Dv) it takes; None: any.
+    equal_dims : bool
+        It needs ``Dv == Dk``.
+    min_keys : int
+        The fewest keys an unmasked call may have (below, the kernel loses a query's
+        NaN: those calls get an explicit mask, whole calls the portable path).
+    zeroes_empty_rows : (int, int) or None
+        The torch release from which it returns zeros, with zero gradients, for a row
+        that sees no key, so no guard is built around it; None: guarded.
+    own_half : frozenset of str
+        Half dtypes it takes as they are (it accumulates in float32 itself); others
+        reach it as float32 copies.
+    own_half_with_arithmetic : frozenset of str
+        Half dtypes it takes as they are on a CPU with that arithmetic (AVX512-FP16,
+        AMX-FP16: ``_cpu.has_half_arithmetic``).
+    implementation : {"cudnn", "xla"} or None
+        ``jax.nn.dot_product_attention``'s ``implementation=``.
+    compiles : bool
+        It runs ``torch.compile``-d, once per signature (flex).
+    """
+
+    name: Literal["sdpa", "flex", "jax_nn"]
+    default: bool = False
+    expresses: frozenset[str] = frozenset()
+    per_tile: bool = False
+    backward: bool = True
+    transforms: bool = True
+    dtypes: frozenset[str] | None = None
+    head_dims: frozenset[int] | None = None
+    equal_dims: bool = False
+    min_keys: int = 0
+    zeroes_empty_rows: tuple[int, int] | None = None
+    own_half: frozenset[str] = frozenset()
+    own_half_with_arithmetic: frozenset[str] = frozenset()
+    implementation: Literal["cudnn", "xla"] | None = None
+    compiles: bool = False
+
+
+@dataclass(frozen=True)
+class Library:
+    """What one array library can do on one kind of device: one row of :data:`LIBRARIES`.
+
+    Attributes
+    ----------
+    dense_limit : int
+        ``block_size=None`` keeps the dense path while the dense scores take at most
+        this many bytes (B x Hq x Lq x Lk x itemsize), and tiles above.
+    walk : {"python", "buffered", "traced"}
+        How its tiled path walks the blocks: a Python loop of fresh arrays, the same
+        loop in buffers reused through ``out=`` (NumPy), or a loop the library
+        traces into a program (JAX: unrolled when short, a traced loop when long).
+    tiles : (int, int)
+        ``(block_q, block_k)`` of the Python walk above the dense limit.
+    loop_tiles, loop_window_tiles : (int, int)
+        Those of the traced loop, and of a call with a window (a left bound).
+    chunk_keys : int
+        Keys per chunk of the paged walk (``serving.ragged_paged_attention``), fixed
+        per row so that every call over a pool has the same chunks.
+    threads : bool
+        Query blocks may run in threads: elementwise work on one core that releases
+        the GIL, no autodiff to record it (NumPy).
+    kernels : tuple of Kernel
+        Its fused attention kernels, in the order a call tries them.
+    host : bool
+        Its arrays live in the CPU's memory: half-precision forms hold only where the
+        CPU has half arithmetic (``_cpu.has_half_arithmetic``).
+    half_flash : bool
+        The dense path computes half inputs in FlashAttention's form (half products
+        accumulated in float32, float32 softmax, probabilities cast back for
+        ``P @ V``); otherwise Q, K and V are cast to float32 first.
+    autodiff : {"torch", "jax"} or None
+        Whose custom-backward API its arrays take.
+    compiles_eager : bool
+        An eager call runs its path as one compiled program, cached per signature
+        (JAX dispatches each eager operation on its own, 10-20 us each on a CPU).
+    fuses_softmax : bool
+        Its compiler fuses the softmax into the ``P @ V`` after it (XLA).
+    half_matmul : bool
+        It has a half-precision matmul accumulating in float32 in the standard's
+        terms (``jnp.matmul(preferred_element_type=float32)``).
+    pins_devices : bool
+        Mixing devices among the arguments is an error to catch (torch, CuPy; JAX
+        places and shards arrays itself).
+    task_graphs : bool
+        Arrays are lazy task graphs (Dask): a call becomes tasks on their chunks.
+    sums_by_program : bool
+        Its compiler adds up a fused reduction in an order that depends on the whole
+        program (XLA: ``jnp.sum`` over the same values gave other bits in programs
+        compiled for other batches), while a matrix product's order depends on its
+        shapes alone. The paged walk then takes its sums as products with ones, so
+        that ``batch_invariant=True`` holds under ``jax.jit`` across programs; elsewhere
+        ``xp.sum``, already invariant in eager libraries and cheaper (torch's decode step
+        took 1.16x its time with products; benchmarks/results/serving-lanes.json).
+    gathers_strided : bool
+        Its ``take`` reads a permuted view as fast as contiguous memory, so a paged call
+        gathers pages from the pool's head-major view (P, Hkv, page_size, D) and
+        multiplies them without a copy; the others gather token-major pages and permute
+        them after. The decode step of ``benchmarks/serving.py`` took 0.53x its time
+        with it on torch, 21.6x on NumPy (benchmarks/results/serving-lanes.json); XLA
+        fuses the permutation into its gather either way.
+    exp2 : bool
+        Its ``exp2`` (not in the standard) is several times faster than its ``exp``, so
+        the Python walk takes ``exp(x)`` as ``exp2(x · log2 e)`` (``Tiled.exp2``;
+        FlashAttention's form). Rounding ``x · log2 e`` costs at most ``|x| · 2⁻²⁴``
+        relative in float32: 1e-6 at ``x = -20``, a weight of 2e-9. torch CPU, one
+        (8, 256, 256) float32 block (hand runs): ``exp`` 240 us, 1150 us when half the
+        entries are ``-inf`` (a diagonal causal block), the exp2 form 110 us either way;
+        ``benchmarks/results/learned-torch.json`` holds the training step it speeds up.
+    """
+
+    dense_limit: int
+    walk: Literal["python", "buffered", "traced"] = "python"
+    tiles: tuple[int, int] = EAGER_TILES
+    loop_tiles: tuple[int, int] = LOOP_TILES
+    loop_window_tiles: tuple[int, int] = LOOP_WINDOW_TILES
+    chunk_keys: int = CHUNK_KEYS
+    threads: bool = False
+    kernels: tuple[Kernel, ...] = ()
+    host: bool = True
+    half_flash: bool = False
+    autodiff: Literal["torch", "jax"] | None = None
+    compiles_eager: bool = False
+    fuses_softmax: bool = False
+    half_matmul: bool = False
+    pins_devices: bool = False
+    task_graphs: bool = False
+    gathers_strided: bool = False
+    sums_by_program: bool = False
+    exp2: bool = False
+
+
+#: ``block_size=None`` keeps the dense path while its logits would take at most this
+#: many bytes, and tiles above. NumPy measured dense and tiled within a factor of 1.7
+#: either way at L = 1024-8192 without causal masking, the tiled path's memory O(L)
+#: (benchmarks/results/history/tiled.json and bench-numpy.json).
+AUTO_DENSE_LIMIT_BYTES = 64 * 2**20
+#: The dense limit of a GPU row: the scores of B=1, H=16, L=8192 in float32. A GPU
+#: runs the (Lq, Lk) scores as a few large kernels at its memory bandwidth, while each
+#: block of the Python walk is a dozen kernel launches: not yet measured (gpu.sh).
+GPU_DENSE_LIMIT_BYTES = 4 * 2**30
+#: The Python walk's tiles on a GPU: blocks of (H, 2048, 2048) float32 scores (128 MiB
+#: at H = 8), a few large kernels per block. Not yet measured (gpu.sh).
+GPU_TILES = (2048, 2048)
+#: The traced loop's tiles on a GPU (JAX). Not yet measured (gpu.sh).
+GPU_LOOP_TILES = (1024, 1024)
+#: The paged walk's chunks on a GPU: 2048 keys, a decode step over 32 requests (Hkv=8,
+#: D=128) gathering 64 MiB of keys per chunk in a few kernels. Not yet measured (gpu.sh).
+GPU_CHUNK_KEYS = 2048
+
+#: torch SDPA on a CPU (torch 2.13):
+#:
+#: - default: a fused kernel (flash on a CPU) that it can express, with at least
+#:   ``min_keys`` keys (rule 3);
+#: - ``min_keys``: SDPA returns zeros, not NaN, for a query row holding a NaN when
+#:   Lk < 16 and no ``attn_mask`` is given (float16 to float64, D = 16-128, any Lq),
+#:   against the contract that NaN propagates; given a mask it propagates;
+#: - ``zeroes_empty_rows``: from 2.13 it returns zeros, with zero gradients, for a row
+#:   that sees no key (float16 to float64; flash and math kernels; forward and
+#:   backward; eager, under inductor and ``torch.func``): ``tests/test_native.py`` and
+#:   ``tests/test_transforms.py`` check it on every run;
+#: - half precision (benchmarks/results/half-torch.json: B=1, H=8, D=64, L = 1024-4096):
+#:   bfloat16 as it is (the float32 copies cost 7-21% at L = 1024-2048 and 31 MiB of
+#:   peak memory at L = 4096, for the same error); float16 as float32 copies (without
+#:   float16 arithmetic the float32 route ran at 0.63-0.74x of SDPA in float16), as it
+#:   is on a CPU with float16 arithmetic (AVX512-FP16 or AMX-FP16: the float32 route
+#:   at 0.98-1.17x, the float16 one at 0.99-1.02x, the float32 route's error 0.83-1.0x
+#:   SDPA's).
+#:
+#: torch's flex_attention is not in the CPU row: on a CPU it has no backward and no
+#: ``max_scores`` (torch 2.13 raises), and compiling it took 6 s per signature (hand
+#: run); the portable path is timed against it in benchmarks/results/flex.json.
+SDPA_CPU = Kernel(
+    "sdpa",
+    default=True,
+    per_tile=True,
+    min_keys=16,
+    zeroes_empty_rows=(2, 13),
+    own_half=frozenset({"bfloat16"}),
+    own_half_with_arithmetic=frozenset({"float16"}),
+)
+#: torch SDPA on CUDA: the fused kernels (FlashAttention, cuDNN, memory-efficient)
+#: take half precision and accumulate in float32. ``min_keys`` and
+#: ``zeroes_empty_rows``: not yet measured (guarded); the speed of the default call
+#: against cuDNN SDPA is in benchmarks/results/gpu.json (1.26-1.66x at L <= 4096 on an
+#: H200, from the per-call Python work; 1.02-1.03x at 16384). Not per tile: a call
+#: whose blocks mostly hide goes to flex, one fused kernel that skips them.
+SDPA_CUDA = Kernel("sdpa", default=True, own_half=frozenset({"bfloat16", "float16"}))
+#: torch's flex_attention on CUDA, compiled once per signature: the calls SDPA cannot
+#: express -- every mask as its ``BlockMask`` and ``mask_mod``, every score term as its
+#: ``score_mod``, the lse and the row max as its auxiliary outputs, sinks from the lse
+#: (``_paths/_flex.py``). Float64, Dv != Dk, head dims other than powers of two from 16
+#: to 256 and dropout take the portable path: not yet measured (gpu.sh). Its speed
+#: against flex_attention called directly with the same mods: not yet measured
+#: (benchmarks/gpu_features.py; issue 47).
+FLEX_CUDA = Kernel(
+    "flex",
+    default=True,
+    expresses=frozenset(FEATURES) - {"dropout"},
+    dtypes=frozenset({"float16", "bfloat16", "float32"}),
+    head_dims=frozenset({16, 32, 64, 128, 256}),
+    equal_dims=True,
+    own_half=frozenset({"bfloat16", "float16"}),
+    compiles=True,
+    transforms=False,
+)
+#: ``jax.nn.dot_product_attention`` on a CPU (XLA's composition of the operations, no
+#: fused kernel): only ``implementation="native"``; it needs Dv == Dk. Half precision:
+#: bfloat16 as it is; float16 as float32 copies (XLA CPU refuses "The precision
+#: 'F16_F16_F32'", benchmarks/results/half-jax.json).
+JAX_NN_CPU = Kernel("jax_nn", equal_dims=True, own_half=frozenset({"bfloat16"}))
+#: ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU, by default where
+#: cuDNN takes the call: float16 / bfloat16, Dv == Dk, head dims up to 128 and a
+#: multiple of 8 (jax 0.10's ``check_is_flash_attention``; 256 on Hopper and later).
+#: The portable default was 2.6-3.3x slower than it at L = 1024, 7.1-9.1x at 4096 and
+#: 12.5-15.7x at 16384 on an H200 (benchmarks/results/gpu.json); the default call
+#: through it: not yet measured (gpu.sh).
+JAX_CUDNN = Kernel(
+    "jax_nn",
+    default=True,
+    dtypes=frozenset({"float16", "bfloat16"}),
+    head_dims=frozenset(range(8, 129, 8)),
+    equal_dims=True,
+    own_half=frozenset({"bfloat16", "float16"}),
+    implementation="cudnn",
+)
+
+#: One row per (library, device kind): the library by the name of the module that owns
+#: its arrays, the kind as :func:`~._compat.device_kind` names it. A kind not listed
+#: takes its library's ``"cpu"`` row; a library not listed ``Library(AUTO_DENSE_LIMIT_BYTES)``:
+#: the portable path, a Python walk, no native kernel.
+#:
+#: - numpy: the tiled path in reused buffers kept the dense path only up to 2 MiB of
+#:   scores (L = 256 at B=1, H=8): tiled over dense was 1.27 / 1.07 / 0.98 at L = 64 /
+#:   128 / 256 and 0.59 / 0.78 at L = 512 / 1024 (benchmarks/results/targets.json).
+#: - torch CPU: its multi-threaded eager kernels made the dense path 1.7-2.6x (plain)
+#:   and 2.8-6.1x (causal) slower than the tiled path at L = 512-8192, faster at L = 128
+#:   (0.5 MiB): 4 MiB (benchmarks/results/history/bench-torch.json).
+#: - JAX: the dense path in FlashAttention's form for half inputs on a CPU with half
+#:   arithmetic: JAX CPU bfloat16 under ``jit`` (dense, L = 1024) ran it at 0.69-0.75x
+#:   ``jax.nn`` and the float32 form at 0.80-0.88x on an Intel AMX CPU
+#:   (benchmarks/results/history/half-jax-23f1316.json), while on AMD EPYC CPUs, with
+#:   AVX512-BF16 and without, the float32 form was the faster (half-jax.json); on an
+#:   H200 (gpu.json) 1.20-1.41x faster at L = 4096, 0.94-1.08x at 1024.
+#: - GPU rows (torch cuda, jax gpu, cupy cuda): GPU_DENSE_LIMIT_BYTES, GPU_TILES,
+#:   GPU_LOOP_TILES, GPU_CHUNK_KEYS; not yet measured.
+_TORCH_CPU = Library(
+    4 * 2**20,
+    kernels=(SDPA_CPU,),
+    autodiff="torch",
+    pins_devices=True,
+    gathers_strided=True,
+    exp2=True,
+)
+_JAX_CPU = Library(
+    AUTO_DENSE_LIMIT_BYTES,
+    walk="traced",
+    kernels=(JAX_NN_CPU,),
+    half_flash=True,
+    autodiff="jax",
+    compiles_eager=True,
+    fuses_softmax=True,
+    half_matmul=True,
+    sums_by_program=True,
+)
+LIBRARIES: dict[tuple[str, str], Library] = {
+    ("numpy", "cpu"): Library(2 * 2**20, walk="buffered", threads=True),
+    ("torch", "cpu"): _TORCH_CPU,
+    ("torch", "cuda"): replace(
+        _TORCH_CPU,
+        dense_limit=GPU_DENSE_LIMIT_BYTES,
+        tiles=GPU_TILES,
+        chunk_keys=GPU_CHUNK_KEYS,
+        kernels=(SDPA_CUDA, FLEX_CUDA),
+        host=False,
+    ),
+    ("jax", "cpu"): _JAX_CPU,
+    ("jax", "gpu"): replace(
+        _JAX_CPU,
+        dense_limit=GPU_DENSE_LIMIT_BYTES,
+        loop_tiles=GPU_LOOP_TILES,
+        loop_window_tiles=GPU_LOOP_TILES,
+        chunk_keys=GPU_CHUNK_KEYS,
+        kernels=(JAX_CUDNN,),
+        host=False,
+    ),
+    ("cupy", "cuda"): Library(
+        GPU_DENSE_LIMIT_BYTES,
+        tiles=GPU_TILES,
+        chunk_keys=GPU_CHUNK_KEYS,
+        host=False,
+        pins_devices=True,
+    ),
+    ("array_api_strict", "cpu"): Library(AUTO_DENSE_LIMIT_BYTES),
+    ("dask", "cpu"): Library(AUTO_DENSE_LIMIT_BYTES, task_graphs=True),
+}
+_PORTABLE = Library(AUTO_DENSE_LIMIT_BYTES)
+
+
+def library(x: Any) -> Library:
+    """Return the row of :data:`LIBRARIES` of the library and device kind that own array `x`."""
+    return LIBRARIES.get(row_key(x), _PORTABLE)
+
+
+def row_key(x: Any) -> tuple[str, str]:
+    """Return the key of `x`'s row in :data:`LIBRARIES` (a kind not listed: ``"cpu"``)."""
+    key = (library_name(x), device_kind(x))
+    return key if key in LIBRARIES else (key[0], "cpu")
+
+
+def rows_of(name: str) -> dict[tuple[str, str], Library]:
+    """Return the rows of library `name`, one per device kind."""
+    return {key: row for key, row in LIBRARIES.items() if key[0] == name}
+
+
+# ---------------------------------------------------------------------------
 # the router
 
 
 def route(
-    call: AttentionCall, block_size: Any, implementation: Any, *, return_lse: bool = False
+    call: AttentionCall,
+    block_size: Any,
+    implementation: Any,
+    *,
+    return_lse: bool = False,
+    row: Library | None = None,
 ) -> Route:
     """Decide how `call` is computed (the rules are in the module docstring).
 
@@ -422,7 +625,12 @@ def route(
     block_size, implementation
         The caller's choices, as :func:`portable_attn.scaled_dot_product_attention` takes them.
     return_lse : bool, default False
-        The caller needs the row log-sum-exp too (no native kernel gives it).
+        The caller needs the row statistics too (the lse, and the row max where the
+        plan says ``row_max``).
+    row : Library, optional
+        The row of :data:`LIBRARIES` to route by; by default that of `call`'s library
+        and device kind (:func:`library`). The decision is data: a test routes a CPU
+        call by a GPU row.
 
     Raises
     ------
@@ -434,16 +642,21 @@ def route(
 
     v.check_implementation(implementation)
     sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
-    lib = library(call.query)
+    lib = library(call.query) if row is None else row
     if implementation == "native":
         explicit = sizes != "auto"  # the caller asked for a portable path
-        reason = unsupported_reason(call, explicit_block_size=explicit, return_lse=return_lse)
+        reason = unsupported_reason(
+            call, explicit_block_size=explicit, return_lse=return_lse, row=lib
+        )
         v.check_native_route(reason)
     keys = kept_keys(call)  # rule 0
     if keys is not None:
         call = first_keys(call, keys)
     path = _path(call, lib, sizes, implementation, return_lse)
     user_functions = call.terms.score_mod is not None or call.terms.mask_mod is not None
+    if isinstance(path, Native) and path.kernel == "flex" and user_functions:
+        portable = _path(call, replace(lib, kernels=()), sizes, "portable", return_lse)
+        path = replace(path, fallback=Route(portable, keeps_dtype=_keeps_dtype(portable)))
     # eager, and under grad and vmap too (an eager jax.grad of the path would compile each
     # operation of its backward on its own: 378 programs for one gradient in the suite);
     # under jit the program is one call inside the caller's
@@ -487,7 +700,9 @@ def _path(
     if call.is_empty:
         return Empty()
     if implementation == "native":
-        return _native(call, lib)
+        kernel = native_kernel(call, lib, return_lse=return_lse)
+        assert kernel is not None  # unsupported_reason said so
+        return _native(call, kernel)
     if lib.task_graphs:
         return _dask_path(call, sizes)
     fold = fold_row_sums(call)
@@ -495,7 +710,7 @@ def _path(
         return _dense(call, lib, fold)
     if isinstance(sizes, tuple):
         return _tiled(call, lib, sizes, fold, workers=1)
-    if implementation is None and lib.native_default:
+    if implementation is None and lib.kernels:
         native = _native_route(call, lib, return_lse)
         if native is not None:
             return native
@@ -530,19 +745,25 @@ def _tiled(
     return Tiled(*tiles, fold=fold, walk=walk, workers=workers, backward=backward, exp2=exp2)
 
 
-def _native(call: AttentionCall, lib: Library, tiles: int | None = None) -> Native:
-    """Return the native kernel of `lib` for `call`, whole or per query tile of `tiles` rows.
+def _native(call: AttentionCall, kernel: Kernel, tiles: int | None = None) -> Native:
+    """Return `kernel` for `call`, whole or per query tile of `tiles` rows.
 
-    Whole, it runs once per sequence over the sequence's own keys where host-read
-    `kv_lengths` differ (:func:`_ragged`).
+    Whole, SDPA and ``jax.nn`` run once per sequence over the sequence's own keys where
+    host-read `kv_lengths` differ (:func:`_ragged`); flex skips blocks itself.
     """
-    assert lib.native is not None  # unsupported_reason said so
-    kind = (library_name(call.query), device_kind(call.query))
-    since = ZEROES_EMPTY_ROWS.get(kind)
+    since = kernel.zeroes_empty_rows
     zeroes = since is not None and torch_release() >= since
-    upcast, min_keys = native_upcasts(call), NATIVE_MIN_KEYS.get(kind, 0)
-    per_sequence = tiles is None and _ragged(call)
-    return Native(lib.native, upcast, tiles, not zeroes, min_keys, per_sequence)
+    per_sequence = tiles is None and kernel.name != "flex" and _ragged(call)
+    return Native(
+        kernel.name,
+        native_upcasts(call, kernel),
+        tiles,
+        not zeroes,
+        kernel.min_keys,
+        per_sequence,
+        kernel.implementation,
+        kernel.compiles,
+    )
 
 
 def _ragged(call: AttentionCall) -> bool:
@@ -581,47 +802,116 @@ def kept_keys(call: AttentionCall) -> int | None:
     return keep if keep < call.plan.kv_len else None
 
 
-def unsupported_reason(
+#: How an error message names a feature of :data:`FEATURES`.
+_FEATURE_NAMES = {"mask_mod": "mask_mod (or block_mask)", "dropout": "dropout_mask"}
+
+
+def kernel_reason(
     call: AttentionCall,
+    kernel: Kernel,
     *,
     explicit_block_size: bool = False,
     return_lse: bool = False,
     per_tile: bool = False,
 ) -> str | None:
-    """Why `call` cannot go to its library's native kernel, or None when it can.
+    """Why `kernel` cannot compute `call`, or None when it can.
 
     `explicit_block_size` is an int, a pair or "dense": a request for a portable
-    tiled path. `return_lse`: neither kernel returns the log-sum-exp publicly.
-    `per_tile`: the kernel runs per query tile, where a ``mask_mod`` is evaluated
-    into each tile's mask. torch SDPA and ``jax.nn.dot_product_attention`` (which
-    needs Dv == Dk) take masks, bias, lengths, windows, segment ids and GQA.
+    tiled path. `return_lse`: the call needs the row statistics (the lse, and the row
+    max where the plan says ``row_max``). `per_tile`: the kernel would run per query
+    tile, where a ``mask_mod`` is evaluated into each tile's mask
+    (``Kernel.per_tile``).
     """
     plan, terms = call.plan, call.terms
-    lib = library(call.query)
-    if lib.native is None:
-        name = library_name(call.query)
-        return f"there is no native attention kernel for {name} arrays (torch and jax only)"
+    used = {
+        "mask_mod": terms.mask_mod is not None and not (per_tile and kernel.per_tile),
+        "score_mod": terms.score_mod is not None,
+        "softcap": plan.softcap is not None,
+        "alibi_slopes": terms.alibi_slopes is not None,
+        "sinks": terms.sinks is not None,
+        "dropout": terms.dropout_keep is not None,
+        "return_lse": return_lse,
+        "return_max_logit": return_lse and plan.row_max,
+    }
     unsupported = [
-        name
-        for name, used in (
-            ("softcap", plan.softcap is not None),
-            ("score_mod", terms.score_mod is not None),
-            ("mask_mod (or block_mask)", terms.mask_mod is not None and not per_tile),
-            ("alibi_slopes", terms.alibi_slopes is not None),
-            ("dropout_mask", terms.dropout_keep is not None),
-            ("sinks", terms.sinks is not None),
-            ("return_lse", return_lse),
-            ("an explicit block_size (a portable path)", explicit_block_size),
-        )
-        if used
+        _FEATURE_NAMES.get(name, name)
+        for name, is_used in used.items()
+        if is_used and name not in kernel.expresses
     ]
+    if explicit_block_size:
+        unsupported.append("an explicit block_size (a portable path)")
     if unsupported:
         return f"the native kernel cannot express {', '.join(unsupported)}"
-    if lib.native_equal_dims and plan.value_dim != plan.key_dim:
+    what = _kernel_names[kernel.name]
+    dtype = _dtype_name(call)
+    if kernel.dtypes is not None and dtype not in kernel.dtypes:
+        return f"{what} takes {', '.join(sorted(kernel.dtypes))} inputs, but got {dtype}"
+    if kernel.equal_dims and plan.value_dim != plan.key_dim:
         return (
-            "jax.nn.dot_product_attention needs `value` axis -1 (Dv) == `key` axis -1 "
+            f"{what} needs `value` axis -1 (Dv) == `key` axis -1 "
             f"(Dk), but got Dv={plan.value_dim} and Dk={plan.key_dim}"
         )
+    dims = kernel.head_dims
+    if dims is not None and not {plan.key_dim, plan.value_dim} <= dims:
+        return (
+            f"{what} takes head dims (`query` axis -1) {sorted(dims)}, "
+            f"but got Dk={plan.key_dim}, Dv={plan.value_dim}"
+        )
+    functions = terms.score_mod is not None or terms.mask_mod is not None
+    if not kernel.backward and records_grad(*call.flatten()[0].values(), functions=functions):
+        return f"{what} has no backward here, and the inputs require grad"
+    if not kernel.transforms and torch_func_transforms(call.query):
+        return f"{what} does not run under torch.func's transforms"
+    return None
+
+
+_kernel_names = {
+    "sdpa": "torch's scaled_dot_product_attention",
+    "flex": "torch's flex_attention",
+    "jax_nn": "jax.nn.dot_product_attention",
+}
+
+
+def native_kernel(call: AttentionCall, lib: Library, *, return_lse: bool = False) -> Kernel | None:
+    """Return the first kernel of `lib` that computes `call` (rule 1), or None."""
+    for kernel in lib.kernels:
+        if kernel_reason(call, kernel, return_lse=return_lse) is None:
+            return kernel
+    return None
+
+
+def unsupported_reason(
+    call: AttentionCall,
+    *,
+    explicit_block_size: bool = False,
+    return_lse: bool = False,
+    row: Library | None = None,
+) -> str | None:
+    """Why no native kernel of `call`'s row (or `row`) can compute it, or None when one can.
+
+    Each kernel's reason (:func:`kernel_reason`), one per kernel of the row.
+    """
+    lib = library(call.query) if row is None else row
+    if not lib.kernels:
+        name = library_name(call.query)
+        return f"there is no native attention kernel for {name} arrays (torch and jax only)"
+    reasons = [
+        kernel_reason(call, kernel, explicit_block_size=explicit_block_size, return_lse=return_lse)
+        for kernel in lib.kernels
+    ]
+    if any(reason is None for reason in reasons):
+        return None
+    if len(reasons) == 1:
+        return reasons[0]
+    return "; ".join(f"{k.name}: {r}" for k, r in zip(lib.kernels, reasons, strict=True))
+
+
+def _dtype_name(call: AttentionCall) -> str | None:
+    """Return the name of the inputs' dtype (``"float32"``, ...) as ``Kernel.dtypes`` has it."""
+    xp, dt = call.xp, call.plan.result_dtype
+    for name in ("float32", "float16", "bfloat16", "float64"):
+        if getattr(xp, name, None) is not None and dt == getattr(xp, name):
+            return name
     return None
 
 
@@ -660,27 +950,21 @@ def _half_input_dtype(call: AttentionCall) -> str | None:
     return None
 
 
-def native_upcasts(call: AttentionCall) -> bool:
-    """Rule 6: whether the native kernel gets float32 copies of half Q, K, V."""
+def native_upcasts(call: AttentionCall, kernel: Kernel) -> bool:
+    """Rule 6: whether `kernel` gets float32 copies of half Q, K, V (``Kernel.own_half``)."""
     half = _half_input_dtype(call)
-    if half is None:
-        return True
-    key = (library_name(call.query), device_kind(call.query), half)
-    if key in FLOAT16_CPU_ROUTES and has_half_arithmetic(half):
-        return False
-    return not NATIVE_HALF_ROUTES.get(key, False)
+    if half is None or half in kernel.own_half:
+        return half is None
+    return not (half in kernel.own_half_with_arithmetic and has_half_arithmetic(half))
 
 
 def dense_flash_form(call: AttentionCall, lib: Library | None = None) -> bool:
     """Rule 6: whether the dense path computes half inputs in FlashAttention's form."""
     lib = library(call.query) if lib is None else lib
     half = _half_input_dtype(call)
-    if not lib.half_matmul or half is None:
+    if not (lib.half_matmul and lib.half_flash) or half is None:
         return False
-    kind = device_kind(call.query)
-    if not PORTABLE_HALF_FLASH.get((library_name(call.query), kind), False):
-        return False
-    return kind != "cpu" or has_half_arithmetic(half)
+    return not lib.host or has_half_arithmetic(half)
 
 
 def _workers(call: AttentionCall, lib: Library) -> int:
@@ -698,22 +982,33 @@ def _score_bytes(call: AttentionCall) -> int:
 
 
 def _native_route(call: AttentionCall, lib: Library, return_lse: bool) -> Native | None:
-    """Rule 3: the fused native kernel, whole or per query tile, unless the tiled path wins."""
-    if unsupported_reason(call, return_lse=return_lse, per_tile=True) is not None:
-        return None
+    """Rule 3: the row's first default kernel that takes the call, unless tiles win."""
+    for kernel in lib.kernels:
+        if not kernel.default:
+            continue
+        if kernel_reason(call, kernel, return_lse=return_lse, per_tile=True) is not None:
+            continue
+        if kernel.name != "sdpa":  # flex skips blocks itself; cuDNN runs whole
+            return _native(call, kernel)
+        native = _sdpa_route(call, lib, kernel)
+        if native is not None:
+            return native
+    return None
+
+
+def _sdpa_route(call: AttentionCall, lib: Library, kernel: Kernel) -> Native | None:
+    """SDPA whole, or per query tile, or None where the tiled path skips enough to win."""
     kv_len = call.plan.kv_len  # symbolic under torch.export: no guard on its value
-    if isinstance(kv_len, int) and kv_len < NATIVE_MIN_KEYS.get(
-        (library_name(call.query), device_kind(call.query)), 0
-    ):
+    if isinstance(kv_len, int) and kv_len < kernel.min_keys:
         return None
     if call.terms.mask_mod is not None:
-        return _native(call, lib, NATIVE_TILE)
+        return _native(call, kernel, NATIVE_TILE)
     if _kernel_causal(call):  # the kernel's own causal skipping: one call
-        return _native(call, lib)
+        return _native(call, kernel)
     if skipped_fraction(call, NATIVE_TILE, NATIVE_TILE) >= NATIVE_TILES_MIN_SKIP:
-        return _native(call, lib, NATIVE_TILE)
-    if skipped_fraction(call, *EAGER_TILES) < SKIP_FRACTION_FOR_TILED:
-        return _native(call, lib)
+        return _native(call, kernel, NATIVE_TILE) if kernel.per_tile else None
+    if skipped_fraction(call, *lib.tiles) < SKIP_FRACTION_FOR_TILED:
+        return _native(call, kernel)
     return None
 
 
@@ -759,7 +1054,8 @@ def _dask_path(call: AttentionCall, sizes: Any) -> DaskGrid:
     k_chunks = chunk_sizes(call.key, -2) or (plan.kv_len,)
     # the pair tasks run NumPy (CuPy) chunks: eager, so folding follows their query chunk
     fold = fold_row_sums(call, q_len=max(q_chunks))
-    chunk_lib = LIBRARIES.get(chunk_library(call.query), _PORTABLE)
+    # the chunks' library, on the one kind of device it has (NumPy's host, CuPy's GPU)
+    chunk_lib = next(iter(rows_of(chunk_library(call.query)).values()), _PORTABLE)
     walk: Literal["python", "buffered"] = "buffered" if chunk_lib.walk == "buffered" else "python"
     inner: Dense | Tiled
     if sizes == "dense":
@@ -826,7 +1122,7 @@ def default_tiles(
     if lib.walk == "buffered":
         return buffered_tiles(q_len, kv_len)
     if lib.walk == "traced" and loop:
-        bq, bk = LOOP_WINDOW_TILES if windowed else LOOP_TILES
+        bq, bk = lib.loop_window_tiles if windowed else lib.loop_tiles
         return min(bq, max(1, q_len)), min(bk, max(1, kv_len))
     if lib.walk == "traced":
         per_axis = TRACED_MAX_BLOCKS * TRACED_BLOCK_STEP
@@ -834,7 +1130,7 @@ def default_tiles(
             max(TRACED_MIN_BLOCK, TRACED_BLOCK_STEP * math.ceil(q_len / per_axis)),
             max(TRACED_MIN_BLOCK, TRACED_BLOCK_STEP * math.ceil(kv_len / per_axis)),
         )
-    return EAGER_TILES
+    return lib.tiles
 
 
 def buffered_tiles(q_len: int, kv_len: int) -> tuple[int, int]:

@@ -15,7 +15,8 @@
                             its query blocks in threads with ``workers > 1``
                             (``_threads.py``)
 ``Tiled(walk="loop")``      JAX's traced loop (``_loop.py``)
-``Native``                  torch SDPA / ``jax.nn`` (``_native.py``), whole or per tile
+``Native``                  torch SDPA / ``jax.nn`` (``_native.py``), whole or per tile;
+                            torch's ``flex_attention`` (``_flex.py``), with the lse
 ``DaskGrid``                one task per visible chunk pair (``_dask.py``)
 ==========================  ===========================================================
 """
@@ -31,6 +32,7 @@ from ._autodiff import recomputing_attention
 from ._buffered import buffered_forward
 from ._compiled import program
 from ._dask import dask_attention
+from ._flex import flex_attention
 from ._loop import loop_attention
 from ._native import native_attention, native_tiles
 from ._ops import walk
@@ -119,6 +121,13 @@ def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[
             out, lse = walk(call, path, autodiff=True)
         case Tiled():
             out, lse = walk(call, path)
+        case Native(kernel="flex", fallback=Route() as fallback):
+            try:
+                out, lse = flex_attention(call, path, with_stats=with_lse)
+            except Exception:  # flex could not trace the user's function: the portable path
+                out, lse = _run(call, fallback, with_lse=with_lse)
+        case Native(kernel="flex"):
+            out, lse = flex_attention(call, path, with_stats=with_lse)
         case Native(tiles=None):
             out, lse = native_attention(call, path), None  # in the input dtype when kept
         case Native():

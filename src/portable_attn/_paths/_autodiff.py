@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._lib._call import AttentionCall
+from .._lib._compat import reads_host_values
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._scores import score_index
@@ -277,7 +278,7 @@ def _gathered(x: Any, index: Any) -> Any:
     import torch
 
     index = index if isinstance(index, tuple) else (index,)
-    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or len(index) != x.ndim:
+    if not isinstance(x, torch.Tensor) or not reads_host_values(x) or len(index) != x.ndim:
         return None
     integers = (torch.int8, torch.int16, torch.int32, torch.int64)  # uint8, bool: masks
     positions: list[Any] = []  # per axis: an int64 tensor or an int, from 0

@@ -9,7 +9,7 @@ index arithmetic, and rows that see no key are given a harmless all-visible
 mask for the kernel and zeroed afterwards (the kernels would otherwise return
 NaN or uniform rows there), so their gradients are zero too, except where the
 kernel returns zeros with zero gradients there itself
-(``Native.guard``, from the router's ``ZEROES_EMPTY_ROWS``: torch CPU).
+(``Native.guard``, from the router's ``Kernel.zeroes_empty_rows``: torch CPU).
 
 What each kernel can express, and *when* a call is routed here, is decided by the
 router (:func:`portable_attn._lib._route.route`, ``Native``): which kernel, whether
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -213,8 +213,8 @@ def native_attention(call: AttentionCall, path: Native) -> Any:
 
 def _kernel(call: AttentionCall, path: Native) -> Any:
     a = _kernel_args(call, path)
-    kernel = _torch if path.kernel == "sdpa" else _jax
-    out = kernel(call.xp, a.query, a.key, a.value, a.allowed, a.bias, a.plan, a.causal)
+    args = (call.xp, a.query, a.key, a.value, a.allowed, a.bias, a.plan, a.causal)
+    out = _torch(*args) if path.kernel == "sdpa" else _jax(*args, path.implementation)
     return out if a.visible is None else call.xp.where(a.visible, out, 0.0)
 
 
@@ -429,6 +429,7 @@ def _jax(
     bias: Any,
     plan: AttentionPlan,
     causal: bool,
+    implementation: Literal["cudnn", "xla"] | None,
 ) -> Any:
     import jax
 
@@ -453,6 +454,7 @@ def _jax(
         mask=bnts(allowed),
         scale=plan.scale,
         is_causal=causal,
+        implementation=implementation,
     )
     out = xp.permute_dims(out, (0, 2, 1, 3))  # (B, N, T, H)
     return xp.reshape(out, (*plan.batch, plan.num_q_heads, plan.q_len, plan.value_dim))
