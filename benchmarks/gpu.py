@@ -8,6 +8,7 @@ in one process (``_timing.interleaved_seconds``; medians over rounds):
 - ``torch_flash`` / ``torch_cudnn``: ``torch.nn.functional.scaled_dot_product_attention``
   restricted to the FlashAttention or the cuDNN kernel (``torch.nn.attention.sdpa_kernel``);
 - ``jax_portable``: ours under ``jax.jit`` on the JAX GPU device;
+- ``jax_default``: our default call (``implementation=None``) under ``jax.jit``;
 - ``jax_cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
 - issue 25's half-precision forms: ``torch_default`` (the default call),
   ``torch_native_own_dtype`` / ``torch_native_float32`` (SDPA given half Q, K, V as
@@ -24,7 +25,8 @@ own speed settings (``make_backend(kind, exact=False)``: TF32 and JAX's default
 matmul precision are left as they are).
 
 ``--cpu`` is a dry run of this script without a GPU: the CPU kinds, float32,
-short sequences, and the kernels a CPU has (torch's math SDPA, jax.nn's XLA one).
+short sequences, and the kernels a CPU has (torch's math SDPA, jax.nn's XLA one),
+routed by the GPU rows of the router's table (``gpu_features._gpu_rows_on_cpu``).
 
 Usage::
 
@@ -131,6 +133,7 @@ def _time_case(
         return call.finish(run_path(call, Route(path, keeps_dtype=_keeps_dtype(path)))[0])
 
     ours_j = jax.jit(ours)
+    default_j = jax.jit(lambda q, k, v: sdpa(q, k, v, is_causal=causal))
     theirs_j = jax.jit(lambda q, k, v: jax_fn(q, k, v, causal))
     candidates = {
         "torch_portable": (tb, lambda: ours(q, k, v)),
@@ -139,6 +142,7 @@ def _time_case(
         "torch_native_float32": (tb, partial(on_path, Native(upcast=True), q, k, v)),
         **{name: (tb, partial(fn, q, k, v, causal)) for name, fn in kernels.items()},
         "jax_portable": (jb, lambda: ours_j(qj, kj, vj)),
+        "jax_default": (jb, lambda: default_j(qj, kj, vj)),
         jax_name: (jb, lambda: theirs_j(qj, kj, vj)),
     }
     if case["L"] <= 4096:  # the dense path's two half forms (B x H x L x L float32 scores)
@@ -155,7 +159,8 @@ def _time_case(
             errors[name] = error
     medians = interleaved_seconds(fns, repeats=repeats).medians
     row: dict[str, Any] = {**case, **{f"{n}_ms": 1e3 * s for n, s in medians.items()}}
-    for mine, theirs in [*(("torch_portable", n) for n in kernels), ("jax_portable", jax_name)]:
+    pairs = [*(("torch_portable", n) for n in kernels), ("jax_portable", jax_name)]
+    for mine, theirs in [*pairs, ("jax_default", jax_name)]:
         if mine in outs and theirs in outs:
             row[f"{mine}_vs_{theirs}_max_abs_diff"] = float(
                 np.abs(outs[mine] - outs[theirs]).max()
@@ -201,7 +206,14 @@ def run(cpu: bool, budget_s: float) -> dict[str, Any]:
                     continue
                 rows.append(_time_case(tb, jb, kernels, jax_kernel, case, cases["repeats"]))
                 print(json.dumps(rows[-1]), flush=True)
-    return {"rows": rows, "skipped": skipped, "torch": tb.version, "jax": jb.version}
+    shape = {"B": B, "H": H, "D": D}
+    return {
+        "rows": rows,
+        "skipped": skipped,
+        "torch": tb.version,
+        "jax": jb.version,
+        "shape": shape,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: results/)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting cases after")
     args = parser.parse_args(argv)
+    if args.cpu:  # route as a GPU would: the GPU rows of the router's table
+        from gpu_features import _gpu_rows_on_cpu
+
+        _gpu_rows_on_cpu()
     result = run(args.cpu, args.budget_s)
     if args.cpu:
         device = platform.processor() or platform.machine()

@@ -1186,9 +1186,11 @@ def gpu_block(results: Path) -> str:
     gpu = _read(results, "gpu.json")
     if gpu is None or gpu.get("cpu_dry_run"):
         return _not_measured("gpu.json", "`bash benchmarks/gpu.sh` on an NVIDIA GPU")
+    shape = gpu.get("shape", {"B": 2, "H": 16, "D": 128})  # gpu.py's, before it recorded it
     lines = [
         f"{gpu['device']}, torch {gpu['torch']}, JAX {gpu['jax']}, {_date(gpu.get('date'))}; "
-        "B=1, H=8, D=64. Our default call / the cuDNN kernel in the same dtype (torch's "
+        f"B={shape['B']}, H={shape['H']}, D={shape['D']}. "
+        "Our default call / the cuDNN kernel in the same dtype (torch's "
         "SDPA picks cuDNN here by itself), our time in brackets; FlashAttention-2 through "
         "torch SDPA for comparison.",
         "",
@@ -1208,6 +1210,77 @@ def gpu_block(results: Path) -> str:
     ]
     if skipped:
         lines += ["", "Not timed (past the run's time budget): " + ", ".join(skipped) + "."]
+    return "\n".join(lines)
+
+
+#: gpu_features.py's sections and the peer each is measured against, as the table names them
+_FEATURE_PEERS = {
+    "flex": "`torch.compile(flex_attention)`",
+    "sdpa_padded": "SDPA, padded cache + mask",
+    "sdpa_flash_per_sequence": "FlashAttention SDPA per sequence",
+    "jax_nn_cudnn": "`jax.nn` (cuDNN)",
+    "jax_nn_xla": "`jax.nn` (XLA)",
+    "torch_flash": "torch FlashAttention SDPA",
+}
+_FEATURE_SECTIONS = {
+    "torch": "torch",
+    "torch_serving": "torch",
+    "jax_serving": "JAX",
+    "cupy": "CuPy",
+}
+
+
+def _feature_cell(row: Mapping[str, Any] | None, peer: str) -> str:
+    """``0.93x (1.25)``: ours / `peer` (our ms), or what stopped it."""
+    if row is None:
+        return "—"
+    ratio = row.get("ratio", {}).get(peer)
+    if ratio is not None:
+        return f"{_x(ratio)} ({_ms(row['ms']['ours'])})"
+    failed = [n for n in ("ours", peer) if n in row.get("errors", {})]
+    if "error" in row or failed:
+        return "failed: " + (", ".join(failed) if failed else "the case")
+    return "not run" if row.get("not_run") else "—"
+
+
+def gpu_features_block(results: Path) -> str:
+    """gpu-features.json: ours / the peer per feature, dtype and L, fwd and fwd+bwd."""
+    data = _read(results, "gpu-features.json")
+    if data is None or data.get("cpu_dry_run"):
+        return _not_measured(
+            "gpu-features.json", "`bash benchmarks/gpu.sh` on an NVIDIA GPU"
+        ).replace("*Not measured:", "*Not measured on a GPU yet:")
+    groups: dict[tuple[Any, ...], dict[str, Mapping[str, Any]]] = {}
+    for r in data["rows"]:
+        key = (r["section"], r["feature"], r.get("dtype"), r.get("L"))
+        groups.setdefault(key, {})[r.get("mode", "fwd")] = r
+    shape = data.get("config", {})
+    lines = [
+        f"{data['device']}, torch {data.get('torch')}, JAX {data.get('jax')}, "
+        f"{_date(data.get('date'))}; torch features B={shape.get('B')}, H={shape.get('H')}, "
+        f"D={shape.get('D')}. Our default call / the peer called directly on the same inputs "
+        "(below 1 is faster), our time in ms in brackets; `fwd+bwd` is a training step "
+        "(gradients to Q, K, V and what learns). The largest difference of each output and "
+        "gradient from the peer's is in `gpu-features.json` (`max_abs_diff`).",
+        "",
+        "| library | feature | peer | dtype | L | fwd: ours / peer | fwd+bwd: ours / peer |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (section, feature, dtype, length), modes in groups.items():
+        first = next(iter(modes.values()))
+        peers = first.get("peers") or [""]
+        peer = next(
+            (p for p in peers if any(p in m.get("ratio", {}) for m in modes.values())), peers[0]
+        )
+        cells = [_feature_cell(modes.get(m), peer) for m in ("fwd", "fwd+bwd")]
+        lines.append(
+            f"| {_FEATURE_SECTIONS.get(section, section)} | {feature} "
+            f"| {_FEATURE_PEERS.get(peer, peer or '—')} | {dtype} | {length or '—'} "
+            f"| {cells[0]} | {cells[1]} |"
+        )
+    if data.get("skipped"):
+        n = len(data["skipped"])
+        lines += ["", f"Not timed (past the run's time budget): {n} case{'s' * (n != 1)}."]
     return "\n".join(lines)
 
 
@@ -1247,6 +1320,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "dask-memory": dask_memory_block,
     "packed": packed_block,
     "gpu": gpu_block,
+    "gpu-features": gpu_features_block,
     "readme-gpu": readme_gpu,
 }
 

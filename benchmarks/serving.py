@@ -497,12 +497,12 @@ def lanes(repeats):
 
     def with_row(lib, args, **fields):
         def call():
-            saved = rows[lib]
-            rows[lib] = dataclasses.replace(saved, **fields)
+            saved = rows[(lib, "cpu")]
+            rows[(lib, "cpu")] = dataclasses.replace(saved, **fields)
             try:
                 return ragged_paged_attention(*args)
             finally:
-                rows[lib] = saved
+                rows[(lib, "cpu")] = saved
 
         return call
 
