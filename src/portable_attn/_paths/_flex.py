@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .._lib._block_states import LazyHostStates
 from .._lib._blocks import FULL, SKIP, host_pair_states
 from .._lib._call import AttentionCall
 from .._lib._dense import dense_attention
@@ -240,17 +241,26 @@ def _block_mask(call: AttentionCall, mask_mod: Callable[..., Any] | None, n: int
     """Flex's ``BlockMask`` from the call's block states at flex's block size, or None.
 
     The states the router reads (:func:`~._lib._blocks.host_pair_states`: the band,
-    host lengths and segment ids, a block mask's or ``mask_mod``'s states) decide
+    host lengths and segment ids, a block mask's or a ready rule's states) decide
     which blocks flex visits, and which it visits without the ``mask_mod`` (shown in
-    full; never with a boolean mask array, which the states do not read).
+    full; never with a boolean mask array, which the states do not read). A
+    ``mask_mod`` given alone has no states until something builds them: flex's
+    ``create_block_mask`` evaluates the whole rule on the device instead, for every
+    sequence and head (a rule may differ between them).
     """
     if mask_mod is None:
         return None
     import torch
-    from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     plan = call.plan
     block = DEFAULT_MASK_BLOCK
+    if isinstance(call.terms.block_host, LazyHostStates):  # a mask_mod without states yet
+        # flex evaluates the rule on the device (ours would build the states on the host
+        # from a read of the device's result)
+        return create_block_mask(
+            mask_mod, n, plan.num_q_heads, plan.q_len, plan.kv_len, plan.device, block
+        )
     q_tiles, k_tiles = block_ranges(plan.q_len, block), block_ranges(plan.kv_len, block)
     states = np.asarray(host_pair_states(call, q_tiles, k_tiles), dtype=np.int8)
     if call.terms.mask is not None:
