@@ -180,24 +180,30 @@ def scaled_dot_product_attention(
         traced argument (a pytree), and the traced loop skips by its values.
     implementation : {None, "portable", "native"}, default None
         ``"portable"``: always the array-API implementation. ``"native"``: the
-        framework's fused kernel (torch SDPA, ``jax.nn.dot_product_attention``)
-        with our masks, alignment and empty-row handling; a call it cannot
-        express (softcap, score_mod, mask_mod or block_mask, ALiBi, dropout, an
-        int, pair or "dense" block_size, sinks, return_lse, JAX with Dv != Dk,
-        other libraries) raises ValueError; "auto" is allowed. (``jax.nn.dot_product_attention``
+        first of the framework's fused kernels on the inputs' device that
+        computes the call, with our masks, alignment and empty-row handling:
+        torch SDPA, then on CUDA ``flex_attention`` (which also takes softcap,
+        score_mod, mask_mod or block_mask, ALiBi, sinks, return_lse and
+        return_max_logit), ``jax.nn.dot_product_attention`` (cuDNN on a GPU); a
+        call none computes (on a CPU: softcap, score_mod, mask_mod or
+        block_mask, ALiBi, sinks, return_lse; dropout, an int, pair or "dense"
+        block_size, JAX with Dv != Dk, other libraries) raises ValueError with
+        each kernel's reason; "auto" is allowed. (``jax.nn.dot_product_attention``
         computes its softmax in float32 even for float64 inputs: about 1e-7 from
-        the float64 result.) None: the native kernel only where it is
-        expressible, honours the contract and is measured faster (torch's
-        fused kernels, run once per query tile over its visible keys where
-        block skipping hides most tiles: windows, packed documents, a
-        `mask_mod` or `block_mask`); the portable path otherwise (rules in
-        ``portable_attn._lib._route``).
+        the float64 result.) None: a kernel only where it computes the call,
+        honours the contract and is measured (or, on a GPU, expected) faster:
+        torch's fused kernels, on a CPU run once per query tile over its visible
+        keys where block skipping hides most tiles (windows, packed documents, a
+        `mask_mod` or `block_mask`); on CUDA SDPA, then ``flex_attention``; on a
+        JAX GPU cuDNN; the portable path otherwise (rules and the table per
+        library and device in ``portable_attn._lib._route``).
     return_lse : bool, default False
         Also return the row log-sum-exp ``log(exp(sink_h) + Σ_j exp(s_ij))`` over
         the visible keys (the sink term only with `sinks`), for
         :func:`merge_attention`. The output is the same as without it (bit for
-        bit on the same path; no native kernel returns the lse, so torch's
-        default moves such a call from SDPA to the portable path).
+        bit on the same path; SDPA returns no lse, so torch's default moves such
+        a call from SDPA to ``flex_attention`` on CUDA, to the portable path on a
+        CPU).
     return_max_logit : bool, default False
         Also return the largest logit of each row, after the output (and after
         the lse with `return_lse`): the largest final score over the row's

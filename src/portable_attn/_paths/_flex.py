@@ -164,6 +164,7 @@ def _score_mod(call: AttentionCall) -> Callable[..., Any] | None:
     if terms.alibi_slopes is not None:  # (..., Hq, 1, 1) -> (N | 1, Hq | 1)
         slopes = _flat(xp, at_rank(xp, terms.alibi_slopes, rank), plan, 3)[..., 0, 0]
     offset = _offset(call) if slopes is not None else None
+    q0, k0 = _starts(call)
     if cap is None and user is None and bias is None and slopes is None:
         return None
 
@@ -171,7 +172,8 @@ def _score_mod(call: AttentionCall) -> Callable[..., Any] | None:
         if cap is not None:
             score = cap * xp.tanh(score / cap)
         if user is not None:
-            score = xp.astype(user(score, b, h, q_idx, kv_idx), score.dtype)
+            result = user(score, b, h, q_idx + q0, kv_idx + k0)  # absolute positions
+            score = xp.astype(result, score.dtype)
         if bias is not None:
             score = score + _at(bias, b, h, q_idx, kv_idx)
         if slopes is not None:
@@ -189,6 +191,12 @@ def _offset(call: AttentionCall) -> Any:
     if not hasattr(offset, "ndim"):
         return xp.asarray([offset], **_on(plan))
     return _flat(xp, offset, plan, 3)[:, 0, 0, 0]
+
+
+def _starts(call: AttentionCall) -> tuple[int, int]:
+    """Where this call's first query and key sit in the whole call (a part: its starts)."""
+    align = call.plan.align
+    return (0, 0) if align is None else (align.q_start, align.kv_start)
 
 
 def _on(plan: Any) -> dict[str, Any]:
@@ -211,6 +219,7 @@ def _mask_mod(call: AttentionCall) -> Callable[..., Any] | None:
         kv_seg = _flat(xp, terms.kv_segments, plan, 3)[:, 0, 0, :]  # (N | 1, Lk)
     # the rule as the caller wrote it, without the portable path's shape check of blocks
     user = getattr(terms.mask_mod, "rule", terms.mask_mod)
+    q0, k0 = _starts(call)
     if all(x is None for x in (mask, offset, kv_lengths, q_lengths, q_seg, user)):
         return None
 
@@ -231,7 +240,7 @@ def _mask_mod(call: AttentionCall) -> Callable[..., Any] | None:
         if q_seg is not None:
             allowed = allowed & (_at(q_seg, b, q_idx) == _at(kv_seg, b, kv_idx))
         if user is not None:
-            allowed = allowed & user(b, h, q_idx, kv_idx)
+            allowed = allowed & user(b, h, q_idx + q0, kv_idx + k0)  # absolute positions
         return allowed
 
     return mask_mod
