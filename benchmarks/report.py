@@ -1296,8 +1296,9 @@ def readme_gpu(results: Path) -> str:
         f"default call on torch takes {min(torch_r):.2f}-{max(torch_r):.2f}x the time of "
         "the cuDNN SDPA kernel it runs (its own per-call work shows at the shorter "
         f"lengths); on JAX the portable path takes {min(jax_r):.1f}-{max(jax_r):.1f}x the "
-        f"time of `jax.nn`'s cuDNN kernel (at {gpu['commit'][:7]}, before the default call "
-        "on a GPU went to cuDNN and flex_attention; [GPU](docs/performance.md#gpu))."
+        f"time of `jax.nn`'s cuDNN kernel (measured {_date(gpu.get('date'))}, before the "
+        "default call on a GPU went to cuDNN and flex_attention; "
+        "[GPU](docs/performance.md#gpu))."
     )
 
 
