@@ -20,6 +20,7 @@ from portable_attn._lib import _route
 from portable_attn._lib._call import prepare
 from portable_attn._lib._path import Dense, Native, Tiled
 from portable_attn._paths import run
+from portable_attn.block_mask import chunked_mask_mod
 from portable_attn.testing import reference_attention
 
 TORCH_CUDA = _route.LIBRARIES[("torch", "cuda")]
@@ -235,7 +236,7 @@ def test_flex_under_torch_func_and_with_grad_goes_elsewhere(backend, monkeypatch
         {"is_causal": True},
         {"softcap": 30.0, "is_causal": True},
         {"score_mod": _rel},
-        {"mask_mod": "band"},
+        {"mask_mod": "rule"},  # a ready rule: its states by arithmetic, no host read
         {"sinks": "sinks", "return_lse": True},
         {"implementation": "portable", "block_size": 128, "is_causal": True},
         {"implementation": "portable", "is_causal": True},
@@ -249,7 +250,7 @@ def test_a_gpu_route_does_not_synchronise_with_the_host(backend, kw):
     if backend.device_name == "cpu":
         pytest.skip("CUDA's sync debug mode (a GPU route)")
     given = {
-        "band": lambda b, h, q, k: (q - k >= 0) & (q - k < 64),
+        "rule": chunked_mask_mod(128),
         "sinks": backend.asarray(np.zeros(2), "float32"),
     }
     kw = {n: given.get(a, a) if isinstance(a, str) else a for n, a in kw.items()}
@@ -290,3 +291,126 @@ def test_the_paged_walk_takes_the_rows_chunks(backend, monkeypatch):
         outs.append(backend.to_numpy(ragged_paged_attention(q, kp, vp, table, lengths, starts)))
     assert seen == [_route.GPU_CHUNK_KEYS, page]
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.backends("torch", reason="torch's flex_attention, as a CPU runs it")
+class TestFlexContract:
+    """What the flex route must keep of the contract (found in review)."""
+
+    @pytest.fixture(autouse=True)
+    def _flex_row(self, monkeypatch):
+        set_rows(monkeypatch, "torch", kernels=(FLEX_ON_CPU,))
+
+    @pytest.mark.parametrize(
+        ("shapes", "kw"),
+        [
+            (((2, 4, 8, 16), (1, 2, 8, 16)), {"softcap": 5.0}),
+            (((2, 4, 8, 16), (2, 8, 16)), {"softcap": 5.0, "is_causal": True}),
+            (((1, 4, 8, 16), (2, 2, 8, 16)), {"return_lse": True}),
+        ],
+        ids=["kv batch 1", "kv without heads", "q batch 1"],
+    )
+    def test_batch_axes_that_broadcast(self, backend, shapes, kw):
+        """flex takes one batch size: broadcast batch axes are expanded for it."""
+        import torch
+
+        rng = np.random.default_rng(2)
+        q, kv = (rng.standard_normal(s) for s in shapes)
+        arrays = [backend.asarray(x) for x in (q, kv, kv * 0.5)]
+        with torch.no_grad():
+            path = _route.route(prepare(*arrays, softcap=kw.get("softcap")), None, None).path
+            assert path.kernel == "flex"
+            got = scaled_dot_product_attention(*arrays, **kw)
+            want = scaled_dot_product_attention(*arrays, implementation="portable", **kw)
+        for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want)), strict=True):
+            np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(w), atol=1e-12)
+
+    def test_a_sink_of_minus_inf_on_a_row_without_keys_is_zeros(self, backend):
+        import torch
+
+        arrays = _qkv(backend, "float64", lq=4, lk=6, d=8)
+        kw = {
+            "sinks": backend.asarray(np.array([-np.inf, 0.5])),
+            "kv_lengths": backend.asarray(np.array([0])),
+            "return_lse": True,
+        }
+        with torch.no_grad():
+            out, lse = scaled_dot_product_attention(*arrays, **kw)
+        assert np.array_equal(backend.to_numpy(out), np.zeros((1, 2, 4, 8)))
+        assert np.array_equal(backend.to_numpy(lse)[0, 1], np.full(4, 0.5))
+        assert np.all(backend.to_numpy(lse)[0, 0] == -np.inf)
+
+    def test_a_rule_aligned_by_the_lengths_is_not_flexs(self, backend, monkeypatch):
+        """Its per-sequence arrays are not flex's scalars: the call stays portable."""
+        import torch
+
+        import portable_attn._paths as paths
+
+        calls = []
+        original = paths.flex_attention
+        monkeypatch.setattr(
+            paths, "flex_attention", lambda *a, **k: calls.append(1) or original(*a, **k)
+        )
+
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.standard_normal((2, 2, n, 8)) for n in (24, 40, 40))
+        arrays = [backend.asarray(x) for x in (q, k, v)]
+        lengths = {
+            "q_lengths": backend.asarray(np.array([24, 10])),
+            "kv_lengths": backend.asarray(np.array([40, 30])),
+        }
+        rule = chunked_mask_mod(8)
+        with torch.no_grad():
+            out = scaled_dot_product_attention(*arrays, mask_mod=rule, **lengths)
+        assert not calls  # lowered, the rule reads the lengths per sequence
+        want = scaled_dot_product_attention(*arrays, mask_mod=rule, block_size=8, **lengths)
+        np.testing.assert_allclose(backend.to_numpy(out), backend.to_numpy(want), atol=1e-12)
+
+    def test_segments_over_a_value_that_is_not_finite_take_the_portable_route(
+        self, backend, monkeypatch
+    ):
+        """Another document's NaN never reaches a row, even where values are read on a GPU."""
+        import torch
+
+        from portable_attn._paths import _flex
+
+        monkeypatch.setattr(_flex, "has_concrete_values", lambda x: True)
+        seen = []
+        original = _flex.values_finite
+        monkeypatch.setattr(_flex, "values_finite", lambda c: seen.append(1) or original(c))
+        q, k, v = (backend.to_numpy(a) for a in _qkv(backend, "float64", lq=16, lk=16, d=8))
+        v[0, :, 12] = np.nan  # a key of the second document
+        ids = backend.asarray((np.arange(16) >= 8).astype(np.int32)[None])
+        arrays = [backend.asarray(x) for x in (q, k, v)]
+        with torch.no_grad():
+            out = scaled_dot_product_attention(
+                *arrays, q_segment_ids=ids, kv_segment_ids=ids, softcap=30.0
+            )
+        got = backend.to_numpy(out)
+        assert seen
+        assert np.all(np.isfinite(got[0, :, :8]))  # the first document never sees it
+        assert np.all(np.isnan(got[0, :, 8:]))
+
+
+@pytest.mark.backends("torch", reason="a torch device kind with no row")
+def test_a_device_kind_without_a_row_keeps_the_guards(backend):
+    """torch's ``meta`` (as ``mps``, ``xpu``): the CPU row with nothing measured of its kernels."""
+    import torch
+
+    row = _route.library(torch.empty(1, device="meta"))
+    (kernel,) = row.kernels
+    assert kernel.name == "sdpa"
+    assert kernel.zeroes_empty_rows is None  # the guard around rows without keys
+    assert not kernel.own_half
+
+
+@pytest.mark.backends("jax", reason="the JAX GPU row")
+def test_jax_gpu_native_runs_xla_where_cudnn_does_not_take_the_call(backend):
+    arrays = _qkv(backend, "float32")
+    path = _path(JAX_GPU, arrays, implementation="native")
+    assert path == Native("jax_nn", upcast=True, implementation=None)
+    learned = _qkv(backend, "bfloat16")
+    scale = backend.asarray(np.float32(0.125))
+    assert not isinstance(_path(JAX_GPU, learned, scale=scale), Native)  # cuDNN: no float32
+    odd = _qkv(backend, "bfloat16", lq=255, lk=255)
+    assert not isinstance(_path(JAX_GPU, odd, is_causal=True), Native)  # even lengths

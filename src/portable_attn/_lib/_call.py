@@ -601,6 +601,9 @@ def _mask_mod_terms(
         return result
 
     checked.rule = rule_of  # type: ignore[attr-defined]  # unchecked: flex's scalar indices
+    # a ready rule aligned by the call's lengths reads them per sequence, as arrays
+    checked.per_sequence = hasattr(mask_mod, "length_states")  # type: ignore[attr-defined]
+    checked.original = mask_mod  # type: ignore[attr-defined]  # the caller's, kept per call
     rule: Any = checked
     if is_compiling(batch_index):  # evaluated outside inductor's codegen (its // bug)
         from .._paths._opaque import opaque_rule

@@ -91,7 +91,9 @@ class Native:
     uncompiled form materialises the whole scores).
     `fallback`: the portable route of a flex call with a user's ``score_mod`` or
     ``mask_mod``, run where flex cannot trace them (a function written for the
-    portable path's blocks, which flex calls on scalar indices under ``vmap``).
+    portable path's blocks, which flex calls on scalar indices under ``vmap``), or
+    with segment ids, run where a value is not finite (flex's ``P @ V`` would weigh
+    another document's NaN by 0).
     """
 
     kernel: Literal["sdpa", "flex", "jax_nn"] = "sdpa"

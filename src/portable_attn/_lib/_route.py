@@ -101,6 +101,7 @@ __all__ = [
     "GPU_LOOP_TILES",
     "GPU_TILES",
     "JAX_CUDNN",
+    "JAX_NN_GPU",
     "JAX_NN_CPU",
     "KEEP_WORKSPACE_BYTES",
     "LIBRARIES",
@@ -252,6 +253,7 @@ COMPILED_SIGNATURES = 256
 #: takes those): the names its ``expresses`` holds.
 FEATURES = (
     "mask_mod",
+    "mask_mod_per_sequence",
     "score_mod",
     "softcap",
     "alibi_slopes",
@@ -286,6 +288,9 @@ class Kernel:
     transforms : bool
         It runs under ``torch.func``'s transforms (``vmap``, ``grad``); flex does not
         (dynamo refuses its batched tensors): such calls go elsewhere.
+    even_lengths : bool
+        With a mask or a bias it needs even Lq and Lk (cuDNN's backward with a bias,
+        jax 0.10's ``check_is_flash_attention``).
     dtypes : frozenset of str or None
         The input dtypes it takes (``"float16"``, ``"bfloat16"``, ``"float32"``,
         ``"float64"``); None: any.
@@ -317,6 +322,7 @@ class Kernel:
     per_tile: bool = False
     backward: bool = True
     transforms: bool = True
+    even_lengths: bool = False
     dtypes: frozenset[str] | None = None
     head_dims: frozenset[int] | None = None
     equal_dims: bool = False
@@ -487,7 +493,7 @@ SDPA_CUDA = Kernel("sdpa", default=True, own_half=frozenset({"bfloat16", "float1
 FLEX_CUDA = Kernel(
     "flex",
     default=True,
-    expresses=frozenset(FEATURES) - {"dropout"},
+    expresses=frozenset(FEATURES) - {"dropout", "mask_mod_per_sequence"},
     dtypes=frozenset({"float16", "bfloat16", "float32"}),
     head_dims=frozenset({16, 32, 64, 128, 256}),
     equal_dims=True,
@@ -512,9 +518,14 @@ JAX_CUDNN = Kernel(
     dtypes=frozenset({"float16", "bfloat16"}),
     head_dims=frozenset(range(8, 129, 8)),
     equal_dims=True,
+    even_lengths=True,
     own_half=frozenset({"bfloat16", "float16"}),
     implementation="cudnn",
 )
+#: ``jax.nn.dot_product_attention`` with XLA's implementation on a GPU: what
+#: ``implementation="native"`` gets where cuDNN does not take the call (float32, other
+#: head dims); not the default (it builds the whole scores).
+JAX_NN_GPU = Kernel("jax_nn", equal_dims=True, own_half=frozenset({"bfloat16", "float16"}))
 
 #: One row per (library, device kind): the library by the name of the module that owns
 #: its arrays, the kind as :func:`~._compat.device_kind` names it. A kind not listed
@@ -572,7 +583,7 @@ LIBRARIES: dict[tuple[str, str], Library] = {
         loop_tiles=GPU_LOOP_TILES,
         loop_window_tiles=GPU_LOOP_TILES,
         chunk_keys=GPU_CHUNK_KEYS,
-        kernels=(JAX_CUDNN,),
+        kernels=(JAX_CUDNN, JAX_NN_GPU),
         host=False,
     ),
     ("cupy", "cuda"): Library(
@@ -589,14 +600,30 @@ _PORTABLE = Library(AUTO_DENSE_LIMIT_BYTES)
 
 
 def library(x: Any) -> Library:
-    """Return the row of :data:`LIBRARIES` of the library and device kind that own array `x`."""
-    return LIBRARIES.get(row_key(x), _PORTABLE)
+    """Return the row of :data:`LIBRARIES` of the library and device kind that own array `x`.
+
+    A device kind not listed (torch's ``mps``, ``xpu``) takes its library's CPU row with
+    nothing measured of its kernels: rows without keys are guarded, half inputs upcast.
+    """
+    key = row_key(x)
+    row = LIBRARIES.get(key)
+    if row is not None:
+        return row
+    cpu = LIBRARIES.get((key[0], "cpu"))
+    if cpu is None:
+        return _PORTABLE
+    unmeasured = (
+        replace(
+            k, zeroes_empty_rows=None, own_half=frozenset(), own_half_with_arithmetic=frozenset()
+        )
+        for k in cpu.kernels
+    )
+    return replace(cpu, kernels=tuple(unmeasured), host=False)
 
 
 def row_key(x: Any) -> tuple[str, str]:
-    """Return the key of `x`'s row in :data:`LIBRARIES` (a kind not listed: ``"cpu"``)."""
-    key = (library_name(x), device_kind(x))
-    return key if key in LIBRARIES else (key[0], "cpu")
+    """Return the key of `x`'s row in :data:`LIBRARIES`: its library and device kind."""
+    return (library_name(x), device_kind(x))
 
 
 def rows_of(name: str) -> dict[tuple[str, str], Library]:
@@ -654,7 +681,8 @@ def route(
         call = first_keys(call, keys)
     path = _path(call, lib, sizes, implementation, return_lse)
     user_functions = call.terms.score_mod is not None or call.terms.mask_mod is not None
-    if isinstance(path, Native) and path.kernel == "flex" and user_functions:
+    segments = call.terms.q_segments is not None
+    if isinstance(path, Native) and path.kernel == "flex" and (user_functions or segments):
         portable = _path(call, replace(lib, kernels=()), sizes, "portable", return_lse)
         path = replace(path, fallback=Route(portable, keeps_dtype=_keeps_dtype(portable)))
     # eager, and under grad and vmap too (an eager jax.grad of the path would compile each
@@ -803,7 +831,11 @@ def kept_keys(call: AttentionCall) -> int | None:
 
 
 #: How an error message names a feature of :data:`FEATURES`.
-_FEATURE_NAMES = {"mask_mod": "mask_mod (or block_mask)", "dropout": "dropout_mask"}
+_FEATURE_NAMES = {
+    "mask_mod": "mask_mod (or block_mask)",
+    "mask_mod_per_sequence": "a mask rule aligned by the lengths",
+    "dropout": "dropout_mask",
+}
 
 
 def kernel_reason(
@@ -823,8 +855,10 @@ def kernel_reason(
     (``Kernel.per_tile``).
     """
     plan, terms = call.plan, call.terms
+    tiled_rule = per_tile and kernel.per_tile  # evaluated into each tile's mask
     used = {
-        "mask_mod": terms.mask_mod is not None and not (per_tile and kernel.per_tile),
+        "mask_mod": terms.mask_mod is not None and not tiled_rule,
+        "mask_mod_per_sequence": getattr(terms.mask_mod, "per_sequence", False) and not tiled_rule,
         "score_mod": terms.score_mod is not None,
         "softcap": plan.softcap is not None,
         "alibi_slopes": terms.alibi_slopes is not None,
@@ -844,8 +878,15 @@ def kernel_reason(
         return f"the native kernel cannot express {', '.join(unsupported)}"
     what = _kernel_names[kernel.name]
     dtype = _dtype_name(call)
+    if dtype in ("float16", "bfloat16") and native_upcasts(call, kernel):
+        dtype = "float32"  # what the kernel is given (a learned scale, a float32 bias)
     if kernel.dtypes is not None and dtype not in kernel.dtypes:
         return f"{what} takes {', '.join(sorted(kernel.dtypes))} inputs, but got {dtype}"
+    masked = call.bias is not None or terms.hides_by_value or plan.band.restricts
+    # (only where the kernel asks: torch.export's symbolic lengths take no guard)
+    if kernel.even_lengths and masked and (plan.q_len % 2 or plan.kv_len % 2):
+        lengths = f"Lq={plan.q_len}, Lk={plan.kv_len}"
+        return f"{what} takes a mask or bias with even Lq and Lk only, but got {lengths}"
     if kernel.equal_dims and plan.value_dim != plan.key_dim:
         return (
             f"{what} needs `value` axis -1 (Dv) == `key` axis -1 "

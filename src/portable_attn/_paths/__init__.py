@@ -28,6 +28,7 @@ from typing import Any
 from .._lib._call import AttentionCall
 from .._lib._dense import dense_attention
 from .._lib._path import DaskGrid, Dense, Empty, Native, Route, Tiled
+from . import _flex
 from ._autodiff import recomputing_attention
 from ._buffered import buffered_forward
 from ._compiled import program
@@ -121,13 +122,8 @@ def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[
             out, lse = walk(call, path, autodiff=True)
         case Tiled():
             out, lse = walk(call, path)
-        case Native(kernel="flex", fallback=Route() as fallback):
-            try:
-                out, lse = flex_attention(call, path, with_stats=with_lse)
-            except Exception:  # flex could not trace the user's function: the portable path
-                out, lse = _run(call, fallback, with_lse=with_lse)
         case Native(kernel="flex"):
-            out, lse = flex_attention(call, path, with_stats=with_lse)
+            out, lse = _flex_or_fallback(call, path, with_lse)
         case Native(tiles=None):
             out, lse = native_attention(call, path), None  # in the input dtype when kept
         case Native():
@@ -139,3 +135,26 @@ def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[
             msg = f"not a path: {path!r}"
             raise TypeError(msg)
     return out, (lse if with_lse else None)
+
+
+def _flex_or_fallback(call: AttentionCall, path: Native, with_lse: bool) -> tuple[Any, Any]:
+    """flex_attention, or the route's portable fallback where flex cannot compute the call.
+
+    The fallback runs for segment ids over values that are not finite, and for the
+    caller's functions that flex cannot trace (remembered per function, so a later
+    call goes straight to the fallback).
+    """
+    fallback = path.fallback
+    if fallback is None:
+        return flex_attention(call, path, with_stats=with_lse)
+    if not _flex.traces(call) or (
+        call.terms.q_segments is not None and not _flex.values_finite(call)
+    ):
+        return _run(call, fallback, with_lse=with_lse)
+    if call.terms.score_mod is None and call.terms.mask_mod is None:
+        return flex_attention(call, path, with_stats=with_lse)
+    try:
+        return flex_attention(call, path, with_stats=with_lse)
+    except Exception:  # flex could not trace the caller's function: the portable path
+        _flex.failed(call)
+        return _run(call, fallback, with_lse=with_lse)

@@ -25,24 +25,25 @@ Flex's index ``b`` is the flat batch index, as the portable ``score_mod`` and
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .._lib._block_states import LazyHostStates
 from .._lib._blocks import FULL, SKIP, host_pair_states
 from .._lib._call import AttentionCall
-from .._lib._dense import dense_attention
+from .._lib._compat import has_concrete_values
 from .._lib._masks import at_rank
 from .._lib._path import Native
 from .._lib._route import DEFAULT_MASK_BLOCK
-from .._lib._scores import if_finite, logits_rank, query_offset, without_hidden_keys
+from .._lib._scores import logits_rank, query_offset, without_hidden_keys
 from .._lib._tiled import block_ranges
 from .._lib._validation import array_or_none
 
-__all__ = ["flex_attention"]
+__all__ = ["failed", "flex_attention", "traces", "values_finite"]
 
 
 def flex_attention(call: AttentionCall, path: Native, *, with_stats: bool) -> tuple[Any, Any]:
@@ -56,23 +57,6 @@ def flex_attention(call: AttentionCall, path: Native, *, with_stats: bool) -> tu
         With `with_stats`: the row lse (``w = 1``), and the row max after it with
         ``plan.row_max`` (``w = 2``), in float32 or the compute dtype.
     """
-    if call.terms.q_segments is not None:  # keys hidden from some rows only
-        # flex's P @ V weighs another document's NaN or inf by 0 (NaN): where a value
-        # is not finite (or cannot be read free), the portable dense path, whose product
-        # keeps documents apart (``_scores.visible_product``), as for SDPA
-        def exact() -> tuple[Any, Any]:
-            return dense_attention(call.in_compute_dtype(), with_lse=True)
-
-        def kernel() -> tuple[Any, Any]:
-            return _flex(call, path, with_stats=True)
-
-        out, stats = if_finite(call.xp, call.value, kernel, exact)
-        out = call.xp.astype(out, call.query.dtype)
-        return out, (stats if with_stats else None)
-    return _flex(call, path, with_stats=with_stats)
-
-
-def _flex(call: AttentionCall, path: Native, *, with_stats: bool) -> tuple[Any, Any]:
     from torch.nn.attention.flex_attention import AuxRequest
 
     xp, plan, terms = call.xp, call.plan, call.terms
@@ -80,7 +64,8 @@ def _flex(call: AttentionCall, path: Native, *, with_stats: bool) -> tuple[Any, 
     whole_k = (0, plan.kv_len)  # keys past the lengths: zero, whatever they hold
     k = without_hidden_keys(xp, call.key, terms, plan, whole_k)
     v = without_hidden_keys(xp, call.value, terms, plan, whole_k)
-    q, k, v = (_flat(xp, x, plan, 3) for x in (call.query, k, v))
+    # flex takes one batch size for Q, K and V: broadcast batch axes are expanded
+    q, k, v = (_batched(xp, x, plan) for x in (call.query, k, v))
     scale = plan.scale
     if array_or_none(scale) is not None:  # learned: flex takes a float scale
         q, scale = q * xp.astype(scale, q.dtype), 1.0
@@ -107,7 +92,9 @@ def _flex(call: AttentionCall, path: Native, *, with_stats: bool) -> tuple[Any, 
     if sinks is not None:  # one more logit in every row's denominator, with no value
         sink = xp.astype(at_rank(xp, sinks, lse.ndim), lse.dtype)
         total = xp.logaddexp(lse, sink)
-        out = out * xp.astype(xp.exp(lse - total), out.dtype)
+        seen = total > -xp.inf  # a row of no key and a sink of -inf: zeros, not 0 · NaN
+        kept = xp.where(seen, xp.exp(xp.where(seen, lse - total, 0.0)), 0.0)
+        out = out * xp.astype(kept, out.dtype)
         lse = total
     if not with_stats:
         return out, None
@@ -133,6 +120,51 @@ def _compiled_flex() -> Callable[..., Any]:
 
         _COMPILED.append(torch.compile(_eager_flex()))
     return _COMPILED[0]
+
+
+def _batched(xp: Any, x: Any, plan: Any) -> Any:
+    """Q, K or V as (N, H, L, D): its batch axes broadcast to the call's, as one."""
+    x = at_rank(xp, x, len(plan.batch) + 3)
+    shape = (*plan.batch, *x.shape[-3:])
+    if tuple(x.shape) != shape:
+        x = xp.broadcast_to(x, shape)
+    return xp.reshape(x, (math.prod(plan.batch), *shape[-3:]))
+
+
+def values_finite(call: AttentionCall) -> bool:
+    """Whether every value of `call` is finite, read on the device (one flag).
+
+    With segment ids flex's ``P @ V`` weighs another document's NaN or inf by 0, which
+    is NaN: a call whose values are not (or cannot be read: under a tracer) takes its
+    portable route. The read waits for the values: the one host synchronisation of a
+    flex call, and only with segment ids.
+    """
+    value = call.value
+    if not has_concrete_values(value):
+        return False
+    return bool(call.xp.all(call.xp.isfinite(value)))
+
+
+_UNTRACEABLE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def traces(call: AttentionCall) -> bool:
+    """Whether flex may trace the caller's functions of `call` (none failed it before)."""
+    return not any(f in _UNTRACEABLE for f in _functions(call))
+
+
+def failed(call: AttentionCall) -> None:
+    """Remember that flex could not run the caller's functions of `call`."""
+    for f in _functions(call):
+        # a function not weakly referable (a bound method) is tried again next time
+        with contextlib.suppress(TypeError):
+            _UNTRACEABLE.add(f)
+
+
+def _functions(call: AttentionCall) -> list[Any]:
+    terms = call.terms
+    mask_mod = getattr(terms.mask_mod, "original", terms.mask_mod)
+    return [f for f in (terms.score_mod, mask_mod) if f is not None]
 
 
 def _flat(xp: Any, x: Any, plan: Any, tail: int) -> Any:
@@ -253,23 +285,17 @@ def _block_mask(call: AttentionCall, mask_mod: Callable[..., Any] | None, n: int
     host lengths and segment ids, a block mask's or a ready rule's states) decide
     which blocks flex visits, and which it visits without the ``mask_mod`` (shown in
     full; never with a boolean mask array, which the states do not read). A
-    ``mask_mod`` given alone has no states until something builds them: flex's
-    ``create_block_mask`` evaluates the whole rule on the device instead, for every
-    sequence and head (a rule may differ between them).
+    ``mask_mod`` given alone gets its states built by the engine, in bounded tiles,
+    read on the host (a host synchronisation on a GPU; a ``block_mask`` or a ready
+    rule brings its states without one).
     """
     if mask_mod is None:
         return None
     import torch
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     plan = call.plan
     block = DEFAULT_MASK_BLOCK
-    if isinstance(call.terms.block_host, LazyHostStates):  # a mask_mod without states yet
-        # flex evaluates the rule on the device (ours would build the states on the host
-        # from a read of the device's result)
-        return create_block_mask(
-            mask_mod, n, plan.num_q_heads, plan.q_len, plan.kv_len, plan.device, block
-        )
     q_tiles, k_tiles = block_ranges(plan.q_len, block), block_ranges(plan.kv_len, block)
     states = np.asarray(host_pair_states(call, q_tiles, k_tiles), dtype=np.int8)
     if call.terms.mask is not None:
