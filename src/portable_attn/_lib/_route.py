@@ -565,34 +565,26 @@ _JAX_CPU = Library(
     half_matmul=True,
     sums_by_program=True,
 )
+
+
+def _on_gpu(row: Library, **fields: Any) -> Library:
+    """`row` sized for a GPU (the GPU constants above), with `fields`."""
+    gpu = {"dense_limit": GPU_DENSE_LIMIT_BYTES, "chunk_keys": GPU_CHUNK_KEYS, "host": False}
+    return replace(row, **{**gpu, **fields})
+
+
 LIBRARIES: dict[tuple[str, str], Library] = {
     ("numpy", "cpu"): Library(2 * 2**20, walk="buffered", threads=True),
     ("torch", "cpu"): _TORCH_CPU,
-    ("torch", "cuda"): replace(
-        _TORCH_CPU,
-        dense_limit=GPU_DENSE_LIMIT_BYTES,
-        tiles=GPU_TILES,
-        chunk_keys=GPU_CHUNK_KEYS,
-        kernels=(SDPA_CUDA, FLEX_CUDA),
-        host=False,
-    ),
+    ("torch", "cuda"): _on_gpu(_TORCH_CPU, tiles=GPU_TILES, kernels=(SDPA_CUDA, FLEX_CUDA)),
     ("jax", "cpu"): _JAX_CPU,
-    ("jax", "gpu"): replace(
+    ("jax", "gpu"): _on_gpu(
         _JAX_CPU,
-        dense_limit=GPU_DENSE_LIMIT_BYTES,
         loop_tiles=GPU_LOOP_TILES,
         loop_window_tiles=GPU_LOOP_TILES,
-        chunk_keys=GPU_CHUNK_KEYS,
         kernels=(JAX_CUDNN, JAX_NN_GPU),
-        host=False,
     ),
-    ("cupy", "cuda"): Library(
-        GPU_DENSE_LIMIT_BYTES,
-        tiles=GPU_TILES,
-        chunk_keys=GPU_CHUNK_KEYS,
-        host=False,
-        pins_devices=True,
-    ),
+    ("cupy", "cuda"): _on_gpu(Library(GPU_DENSE_LIMIT_BYTES), tiles=GPU_TILES, pins_devices=True),
     ("array_api_strict", "cpu"): Library(AUTO_DENSE_LIMIT_BYTES),
     ("dask", "cpu"): Library(AUTO_DENSE_LIMIT_BYTES, task_graphs=True),
 }
