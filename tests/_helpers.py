@@ -38,7 +38,8 @@ class RouteCase:
     `kw`: the arguments that ask for it (pass them with ``**route.kw``); `settings`: the
     router constants set while the test runs (``portable_attn._lib._route``), as
     ``name -> value`` (a field of every ``LIBRARIES`` row of a library as
-    ``"LIBRARIES.<name>.<field>"``, of every kernel as ``"KERNELS.<field>"``); `takes`:
+    ``"LIBRARIES.<name>.<field>"``, of every kernel as ``"KERNELS.<field>"``, any other
+    module's attribute as ``"<module>:<attribute>"``); `takes`:
     whether a decided path is this route. A call with these arguments that the router
     sends elsewhere (a feature the route cannot compute: a native kernel and a
     softcap) skips the test, with the reason.
@@ -63,6 +64,53 @@ FLEX_ON_CPU = dataclasses.replace(
     equal_dims=False,
     expresses=_route.FLEX_CUDA.expresses - {"return_max_logit"},
 )
+
+
+def block_aware_flex(q, k, v, *, block_mask=None, **kw):
+    """torch's eager ``flex_attention`` with a ``BlockMask`` as its fused kernel reads it.
+
+    The eager form applies the ``mask_mod`` everywhere and ignores which blocks the mask
+    skips or shows in full; the fused kernel visits only the listed blocks and skips the
+    ``mask_mod`` on the full ones. Here the mask is made what the kernel would see, so a
+    wrong block state changes the result on a CPU too.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if block_mask is not None:
+        shown = _kernel_view(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+        def seen(b, h, q_idx, kv_idx):
+            return shown[b, h, q_idx, kv_idx]
+
+        block_mask = create_block_mask(seen, *shown.shape, device=q.device)
+    return flex_attention(q, k, v, block_mask=block_mask, **kw)
+
+
+def _kernel_view(block_mask, batch, heads, q_len, kv_len):
+    """(B, H, Lq, Lk): full blocks, and partial ones where the ``mask_mod`` allows."""
+    import torch
+    from torch.nn.attention.flex_attention import _vmap_for_bhqkv
+
+    bq, bk = block_mask.BLOCK_SIZE
+    nk = -(-kv_len // bk)
+
+    def listed(num, idx, state):
+        take = torch.arange(idx.shape[-1]) < num[..., None]
+        out = torch.zeros((*num.shape, nk + 1), dtype=torch.int8)
+        return out.scatter_(-1, torch.where(take, idx, nk).long(), state)[..., :nk]
+
+    states = listed(block_mask.kv_num_blocks, block_mask.kv_indices, 1)
+    if block_mask.full_kv_num_blocks is not None:
+        full = listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)
+        states = torch.maximum(states, full)
+    states = states.expand(batch, heads, *states.shape[-2:])
+    states = states.repeat_interleave(bq, 2).repeat_interleave(bk, 3)[..., :q_len, :kv_len]
+    rule = _vmap_for_bhqkv(block_mask.mask_mod, prefix=())
+    index = (torch.arange(n) for n in (batch, heads, q_len, kv_len))
+    allowed = rule(*index).expand(batch, heads, q_len, kv_len)
+    return (states == 2) | ((states == 1) & allowed)
+
+
 ALL_FAMILIES = ("numpy", "array_api_strict", "torch", "jax", "cupy", "dask")
 #: the routes: each is reached, through the router itself, on these backends
 ROUTES = {
@@ -120,7 +168,10 @@ ROUTES = {
             "flex",
             ("torch",),
             {},
-            {"LIBRARIES.torch.kernels": (FLEX_ON_CPU,)},
+            {
+                "LIBRARIES.torch.kernels": (FLEX_ON_CPU,),
+                "portable_attn._paths._flex:_eager_flex": lambda: block_aware_flex,
+            },
             lambda p: getattr(p, "kernel", None) == "flex",
         ),
     )

@@ -31,6 +31,7 @@ when the run asks for none of the families.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -233,6 +234,9 @@ def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
             set_rows(monkeypatch, library, **{field: value})
         elif name.startswith("KERNELS."):
             set_kernels(monkeypatch, **{name.split(".")[1]: value})
+        elif ":" in name:  # "module:attribute"
+            module, attribute = name.split(":")
+            monkeypatch.setattr(importlib.import_module(module), attribute, value)
         else:
             monkeypatch.setattr(router, name, value)
     decide = router.route
