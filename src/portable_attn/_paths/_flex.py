@@ -305,9 +305,8 @@ def _block_mask(call: AttentionCall, mask_mod: Callable[..., Any] | None, n: int
         count = which.sum(axis=1).astype(np.int32)[None, None]  # (1, 1, nq)
         order = np.argsort(~which, axis=1, kind="stable").astype(np.int32)[None, None]
         # to the device without waiting for the copy (no host synchronisation)
-        return tuple(  # type: ignore[return-value]
-            torch.from_numpy(x).to(plan.device, non_blocking=True) for x in (count, order)
-        )
+        on = {"device": plan.device, "non_blocking": True}
+        return torch.from_numpy(count).to(**on), torch.from_numpy(order).to(**on)
 
     partial = (states != SKIP) & (states != FULL)
     kv_num, kv_idx = blocks(partial)
