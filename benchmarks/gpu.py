@@ -12,11 +12,11 @@ in one process (``_timing.interleaved_seconds``; medians over rounds):
 - ``jax_cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
 - issue 25's half-precision forms: ``torch_default`` (the default call),
   ``torch_native_own_dtype`` / ``torch_native_float32`` (SDPA given half Q, K, V as
-  they are, or float32 copies: the policy's ``NATIVE_HALF_ROUTES``) with the aten SDPA
+  they are, or float32 copies: the kernel's ``own_half``) with the aten SDPA
   kernel each runs (``torch_kernels_selected``: flash, efficient, cuDNN or math, by
   the profiler), and up to L = 4096 ``jax_dense_flash_form`` / ``jax_dense_float32``
   (the dense path in FlashAttention's form or on float32 copies:
-  ``PORTABLE_HALF_FLASH``).
+  the row's ``half_flash``).
 
 An implementation that cannot run (a kernel the GPU or the build lacks) is
 recorded with its error and left out of the timing. Each case also records the

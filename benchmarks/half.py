@@ -3,7 +3,7 @@
     python benchmarks/half.py torch    # writes benchmarks/results/half-torch.json
     python benchmarks/half.py jax      # writes benchmarks/results/half-jax.json
 
-Evidence for ``NATIVE_HALF_ROUTES`` and ``PORTABLE_HALF_FLASH`` in
+Evidence for the kernels' ``own_half`` and the rows' ``half_flash`` in
 ``portable_attn/_lib/_route.py`` (issue 25). B=1, H=8, D=64; each (dtype, length) in a
 fresh process (the allocator of a process that already made large calls hides the
 cost of the float32 copies); interleaved rounds, medians and per-round ratios.
