@@ -22,6 +22,11 @@ The targets of issue 39 (float32, this machine's CPUs):
   keys: ours against one padded SDPA call (B=4, Lq=512, Lk=the longest) with the mask.
 - ``memory``: the peak memory NumPy allocates during our decode step (tracemalloc),
   against the padded cache's size.
+- ``plan``: the decode step's plan (``plan_ragged``) against one layer's call given it
+  and one layer's call that plans for itself, interleaved, on torch and NumPy: the
+  plan's share of a 32-layer step, ``plan / (plan + 32 · planned call)``, and what each
+  layer saves. Under ``jax.jit``: 8 layers over one pool, one plan against a plan per
+  layer (the step's run time and its compile time).
 - ``lanes`` (``--only lanes --out benchmarks/results/serving-lanes.json``): the decode
   step with each of the router table's two paged settings on and off, side by side:
   ``gathers_strided`` (gather from the pool's head-major view) on torch and NumPy,
@@ -46,7 +51,7 @@ sys.path.insert(0, str(HERE))
 from _timing import interleaved_seconds  # noqa: E402
 from report import git_state  # noqa: E402
 
-from portable_attn import ragged_paged_attention  # noqa: E402
+from portable_attn import plan_ragged, ragged_paged_attention  # noqa: E402
 
 PAGE = 16
 
@@ -482,6 +487,109 @@ def memory():
     return out
 
 
+def _plan(args, t, hq, hkv):
+    kp, table, lengths, starts = args[1], args[3], args[4], args[5]
+    return plan_ragged(
+        table,
+        lengths,
+        starts,
+        num_tokens=t,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        page_size=kp.shape[1],
+        num_pages=kp.shape[0],
+    )
+
+
+def planned(repeats, layers=32):
+    """The step's plan against a layer's call with it and without it (planning itself)."""
+    import torch
+
+    c = decode_case()
+    t, hq, _ = c["q"].shape
+    hkv = c["kp"].shape[2]
+    host = (c["q"], c["kp"], c["vp"], c["table"], c["lengths"], c["starts"])
+    out = {}
+    for lib, args, reps in (
+        ("torch", tuple(torch.from_numpy(x) for x in host), repeats),
+        ("numpy", host, 3),
+    ):
+        plan = _plan(args, t, hq, hkv)
+        np.testing.assert_array_equal(
+            np.asarray(ragged_paged_attention(*args, plan=plan)),
+            np.asarray(ragged_paged_attention(*args)),
+        )
+        timed = interleaved_seconds(
+            {
+                "plan": lambda args=args: _plan(args, t, hq, hkv),
+                "call_with_plan": lambda args=args, plan=plan: ragged_paged_attention(
+                    *args, plan=plan
+                ),
+                "call_planning_itself": lambda args=args: ragged_paged_attention(*args),
+            },
+            repeats=reps,
+            warmup=1,
+        )
+        m = timed.medians
+        out[lib] = {
+            "median_s": m,
+            "layers": layers,
+            "plan_share_of_step": m["plan"] / (m["plan"] + layers * m["call_with_plan"]),
+            "with_plan_vs_without": float(
+                np.median(timed.ratios("call_with_plan", "call_planning_itself"))
+            ),
+        }
+        print("plan", lib, json.dumps(out[lib], indent=1), flush=True)
+    out["jax"] = planned_jax(c, repeats)
+    return out
+
+
+def planned_jax(c, repeats, layers=8):
+    """Under ``jax.jit``: a step of `layers` layers, one plan against a plan per layer."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    j = {k: jnp.asarray(v) for k, v in c.items() if isinstance(v, np.ndarray)}
+    args = (j["q"], j["kp"], j["vp"], j["table"], j["lengths"], j["starts"])
+    t, hq, _ = c["q"].shape
+    hkv = c["kp"].shape[2]
+
+    def step(shared):
+        def run(q, kp, vp, table, lengths, starts):
+            meta = (table, lengths, starts)
+            plan = _plan((q, kp, vp, *meta), t, hq, hkv) if shared else None
+            for _ in range(layers):
+                q = ragged_paged_attention(q, kp, vp, *meta, plan=plan)
+            return q
+
+        return jax.jit(run)
+
+    fns, compile_s = {}, {}
+    for name, shared in (("one_plan", True), ("plan_per_layer", False)):
+        start = time.perf_counter()
+        fns[name] = step(shared).lower(*args).compile()
+        compile_s[name] = time.perf_counter() - start
+    np.testing.assert_allclose(
+        np.asarray(fns["one_plan"](*args)), np.asarray(fns["plan_per_layer"](*args)), atol=1e-6
+    )
+    timed = interleaved_seconds(
+        {name: (lambda f=f: f(*args)) for name, f in fns.items()},
+        repeats=repeats,
+        warmup=1,
+        sync=lambda x: x.block_until_ready(),
+    )
+    result = {
+        "median_s": timed.medians,
+        "layers": layers,
+        "compile_s": compile_s,
+        "one_plan_vs_plan_per_layer": float(np.median(timed.ratios("one_plan", "plan_per_layer"))),
+    }
+    print("plan jax", json.dumps(result, indent=1), flush=True)
+    return result
+
+
 def lanes(repeats):
     """The decode step with each paged setting of the router's table on and off."""
     import dataclasses
@@ -528,7 +636,7 @@ def lanes(repeats):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="simulation,decode,prefill,memory")
+    parser.add_argument("--only", default="simulation,decode,prefill,memory,plan")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=str(HERE / "results" / "serving.json"))
     args = parser.parse_args()
@@ -546,6 +654,8 @@ def main() -> None:
         result["prefill"] = prefill(args.repeats)
     if "memory" in parts:
         result["memory"] = memory()
+    if "plan" in parts:
+        result["plan"] = planned(args.repeats)
     if "lanes" in parts:
         result["lanes"] = lanes(args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

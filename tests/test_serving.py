@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 from _helpers import assert_close, randn
 from portable_attn._lib import _paged
 from portable_attn._paths import _paged as paged_driver
-from portable_attn.serving import paged_kv_write, ragged_paged_attention, varlen_attention
+from portable_attn.serving import (
+    paged_kv_write,
+    plan_ragged,
+    ragged_paged_attention,
+    varlen_attention,
+)
 from portable_attn.testing import central_differences, reference_attention, reference_lse
 
 pytestmark = pytest.mark.skip_backends("dask", reason="serving calls take one device's arrays")
@@ -41,18 +46,20 @@ class Pool:
         dtype=np.float64,
         fill=np.nan,
         order=None,
+        heads=(HQ, HKV, DK, DV),
     ):
         rng = np.random.default_rng(seed)
+        self.heads = hq, hkv, dk, dv = heads
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.page_size = page_size
         r = len(lengths)
         max_pages = max(-(-n // page_size) for n in lengths) + 1
-        self.keys = [randn(n, HKV, DK, seed=seed * 100 + i) for i, n in enumerate(lengths)]
-        self.values = [randn(n, HKV, DV, seed=seed * 100 + 50 + i) for i, n in enumerate(lengths)]
+        self.keys = [randn(n, hkv, dk, seed=seed * 100 + i) for i, n in enumerate(lengths)]
+        self.values = [randn(n, hkv, dv, seed=seed * 100 + 50 + i) for i, n in enumerate(lengths)]
         free = list(rng.permutation(num_pages) if order is None else order)
         self.table = np.zeros((r, max_pages), dtype=np.int64)
-        kp = np.full((num_pages, page_size, HKV, DK), fill)
-        vp = np.full((num_pages, page_size, HKV, DV), fill)
+        kp = np.full((num_pages, page_size, hkv, dk), fill)
+        vp = np.full((num_pages, page_size, hkv, dv), fill)
         for i, n in enumerate(lengths):
             for j in range(-(-n // page_size)):
                 self.table[i, j] = free.pop(0)
@@ -61,7 +68,7 @@ class Pool:
                 vp[self.table[i, t // page_size], t % page_size] = self.values[i][t]
         self.key_pages, self.value_pages = kp.astype(dtype), vp.astype(dtype)
         self.starts = np.concatenate([[0], np.cumsum(new_rows)]).astype(np.int64)
-        self.query = randn(int(self.starts[-1]) + pad, HQ, DK, seed=seed + 7).astype(dtype)
+        self.query = randn(int(self.starts[-1]) + pad, hq, dk, seed=seed + 7).astype(dtype)
 
     def args(self, backend, dtype="float64"):
         b = backend.asarray
@@ -78,7 +85,8 @@ class Pool:
         """out (T, Hq, Dv) and lse (T, Hq) in float64, request by request."""
         kw = {"is_causal": True, **kw}
         t = self.query.shape[0]
-        out, lse = np.zeros((t, HQ, DV)), np.full((t, HQ), -np.inf)
+        hq, _, _, dv = self.heads
+        out, lse = np.zeros((t, hq, dv)), np.full((t, hq), -np.inf)
         for r in range(len(self.lengths)):
             a, b = self.starts[r], self.starts[r + 1]
             if a == b:
@@ -342,15 +350,17 @@ _SPLITS = {
 }
 
 
-def _fed(backend, splits, page_size, *, jit=False):
+def _fed(backend, splits, page_size, *, jit=False, heads=(HQ, HKV, DK, DV)):
     """The request's rows (out, lse) in float32 when fed in calls of `splits` new rows.
 
     Each call also holds another request, before it, of a number of rows that changes
     from call to call; the slots the request has not written yet hold NaN.
     """
     n = _PROMPT + _NEW
-    pool = Pool([n, 37], [1, 1], page_size=page_size, num_pages=2 * (n // page_size) + 12)
-    query = randn(n, HQ, DK, seed=11, dtype=np.float32)
+    num_pages = 2 * (n // page_size) + 12
+    pool = Pool([n, 37], [1, 1], page_size=page_size, num_pages=num_pages, heads=heads)
+    hq, _, dk, _ = heads
+    query = randn(n, hq, dk, seed=11, dtype=np.float32)
     fn = ragged_paged_attention
     if jit:
         import jax
@@ -365,7 +375,7 @@ def _fed(backend, splits, page_size, *, jit=False):
             page, slot = pool.table[0, pos // page_size], pos % page_size
             kp[page, slot] = vp[page, slot] = np.nan
         q = np.concatenate(
-            [randn(other, HQ, DK, seed=call, dtype=np.float32), query[done - rows : done]]
+            [randn(other, hq, dk, seed=call, dtype=np.float32), query[done - rows : done]]
         )
         arrays = (
             q,
@@ -381,12 +391,21 @@ def _fed(backend, splits, page_size, *, jit=False):
     return np.concatenate(outs), np.concatenate(lses)
 
 
+#: the heads of the held-out check of issue 48 (Hq = 32, Hkv = 8, D = 128), beside the
+#: suite's small ones
+_HELD_OUT = (32, 8, 128, 128)
+
+
 @pytest.mark.main_kinds
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("page_size", [4, 16])  # a tile's keys at once, or page by page
+@pytest.mark.parametrize(
+    ("page_size", "heads"),
+    [(4, None), (16, None), (16, _HELD_OUT)],  # a tile's keys at once, or page by page
+    ids=["page4", "page16", "page16-hq32-d128"],
+)
 @pytest.mark.parametrize("split", ["chunks", "decode"])
 def test_batch_invariant_chunks_and_decode_steps_equal_one_prefill(
-    backend, xp, split, page_size, jit
+    backend, xp, split, page_size, heads, jit
 ):
     # 300 + 48 tokens fed as a prompt and chunks of 7, 1, 17, 23, or as 48 decode steps:
     # the same bits as one prefill of all 348, out and lse, whatever the CPU's BLAS kernel
@@ -394,8 +413,9 @@ def test_batch_invariant_chunks_and_decode_steps_equal_one_prefill(
     # the product: the tiles start at multiples of their rows now)
     if jit and backend.family != "jax":
         pytest.skip("jax.jit only")
-    out, lse = _fed(backend, _SPLITS[split], page_size, jit=jit)
-    expected_out, expected_lse = _fed(backend, _SPLITS["prefill"], page_size, jit=jit)
+    kw = {"jit": jit, "heads": heads or (HQ, HKV, DK, DV)}
+    out, lse = _fed(backend, _SPLITS[split], page_size, **kw)
+    expected_out, expected_lse = _fed(backend, _SPLITS["prefill"], page_size, **kw)
     np.testing.assert_array_equal(out, expected_out)
     np.testing.assert_array_equal(lse, expected_lse)
 
@@ -585,6 +605,137 @@ def test_write_under_jit_with_wrong_metadata_changes_no_other_page(backend, xp, 
 
 
 # ---------------------------------------------------------------------------
+# a step's plan, shared by its layers
+
+
+def _plan_of(pool, backend, meta, **options):
+    return plan_ragged(
+        *meta,
+        num_tokens=pool.query.shape[0],
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        page_size=pool.page_size,
+        num_pages=pool.key_pages.shape[0],
+        **options,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "invariant", "traced"),
+    [
+        ("causal", False, False),
+        ("window", True, False),
+        ("alibi+window-right", False, True),
+        ("window", True, True),
+    ],
+    ids=["causal-host", "window-invariant-host", "alibi-traced", "window-invariant-traced"],
+)
+def test_a_plan_serves_every_layer_of_a_step(backend, xp, name, invariant, traced, monkeypatch):
+    # two layers (their own pools and queries) given one plan: each layer's rows are
+    # the bits of the call that plans for itself, and the metadata is read once
+    if traced:
+        _traced(monkeypatch)
+    kw = OPTIONS[name]
+    flags = {k: v for k, v in kw.items() if k in ("is_causal", "window")}
+    pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+    meta = tuple(backend.asarray(m) for m in (pool.table, pool.lengths, pool.starts))
+    reads = []
+    tiles_of = "bounded_tiles" if traced else "host_tiles"
+    original = getattr(_paged, tiles_of)
+    monkeypatch.setattr(_paged, tiles_of, lambda *a: reads.append(1) or original(*a))
+    plan = _plan_of(pool, backend, meta, batch_invariant=invariant, **flags)
+    for layer in range(2):
+        q, kp, vp = (
+            backend.asarray(x * (layer + 1.0))
+            for x in (pool.query, pool.key_pages, pool.value_pages)
+        )
+        args = (q, kp, vp, *meta)
+        opts = {"return_lse": True, "batch_invariant": invariant, **_on(backend, kw)}
+        out, lse = ragged_paged_attention(*args, plan=plan, **opts)
+        expected_out, expected_lse = ragged_paged_attention(*args, **opts)
+        np.testing.assert_array_equal(backend.to_numpy(out), backend.to_numpy(expected_out))
+        np.testing.assert_array_equal(backend.to_numpy(lse), backend.to_numpy(expected_lse))
+    assert len(reads) == 3  # the plan's, then each unplanned call's
+    out = ragged_paged_attention(
+        *pool.args(backend)[:3], *meta, plan=plan, batch_invariant=invariant, **_on(backend, kw)
+    )
+    assert_close(backend, out, pool.oracle(**kw)[0])
+
+
+@pytest.mark.backends("jax", reason="jax.jit with traced metadata")
+def test_a_plan_built_inside_jit_serves_the_layers(backend, xp):
+    import jax
+
+    pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+    q, kp, vp, *meta = pool.args(backend)
+
+    def step(q, kp, vp, table, lengths, starts):
+        plan = plan_ragged(
+            table,
+            lengths,
+            starts,
+            num_tokens=q.shape[0],
+            num_q_heads=HQ,
+            num_kv_heads=HKV,
+            page_size=kp.shape[1],
+            num_pages=kp.shape[0],
+            window=(6, 0),
+        )
+        outs = [
+            ragged_paged_attention(
+                q * s, kp * s, vp, table, lengths, starts, window=(6, 0), plan=plan
+            )
+            for s in (1.0, 2.0)
+        ]
+        return xp.stack(outs)
+
+    outs = jax.jit(step)(q, kp, vp, *meta)
+    for i, s in enumerate((1.0, 2.0)):
+        scaled = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+        scaled.query, scaled.keys = scaled.query * s, [k * s for k in scaled.keys]
+        assert_close(backend, outs[i], scaled.oracle(window=(6, 0))[0])
+
+
+def test_a_plan_of_another_call_is_refused_by_name(backend, xp):
+    pool = Pool([5, 9], [2, 1])
+    q, kp, vp, *meta = pool.args(backend)
+    plan = _plan_of(pool, backend, meta, window=(3, 0))
+    with pytest.raises(TypeError, match="`plan` must be a PagedPlan"):
+        ragged_paged_attention(q, kp, vp, *meta, window=(3, 0), plan=object())
+    other = backend.asarray(pool.lengths)
+    with pytest.raises(ValueError, match=r"other metadata.*`kv_lengths`"):
+        ragged_paged_attention(q, kp, vp, meta[0], other, meta[2], window=(3, 0), plan=plan)
+    with pytest.raises(ValueError, match=r"window=\(3, 0\), but this call has window=None"):
+        ragged_paged_attention(q, kp, vp, *meta, plan=plan)
+    with pytest.raises(ValueError, match="batch_invariant=False, but this call has"):
+        ragged_paged_attention(q, kp, vp, *meta, window=(3, 0), batch_invariant=True, plan=plan)
+    with pytest.raises(ValueError, match=r"num_tokens=5, but this call has 4 \(axis 0 of `query`"):
+        ragged_paged_attention(q[:-1, ...], kp, vp, *meta, window=(3, 0), plan=plan)
+    with pytest.raises(
+        ValueError, match=r"num_pages=48, but this call has 47 \(axis 0 of `key_pages`\)"
+    ):
+        ragged_paged_attention(q, kp[:-1, ...], vp[:-1, ...], *meta, window=(3, 0), plan=plan)
+    with pytest.raises(ValueError, match="`num_q_heads` \\(3\\) must be a multiple"):
+        plan_ragged(*meta, num_tokens=5, num_q_heads=3, num_kv_heads=2, page_size=4, num_pages=48)
+    with pytest.raises(TypeError, match="`page_size` must be a positive integer"):
+        plan_ragged(
+            *meta, num_tokens=5, num_q_heads=4, num_kv_heads=2, page_size=4.0, num_pages=48
+        )
+    bad = pool.table.copy()
+    bad[1, 0] = 99
+    with pytest.raises(ValueError, match=r"`page_table`\[1, 0\] = 99 is not a page of the pool"):
+        plan_ragged(
+            backend.asarray(bad),
+            *meta[1:],
+            num_tokens=5,
+            num_q_heads=4,
+            num_kv_heads=2,
+            page_size=4,
+            num_pages=48,
+        )
+
+
+# ---------------------------------------------------------------------------
 # the write
 
 
@@ -624,6 +775,44 @@ def test_write_then_attend_equals_the_oracle(backend, xp):
         np.testing.assert_array_equal(backend.to_numpy(kb), kp)  # the given pools unchanged
     out = ragged_paged_attention(backend.asarray(pool.query), k2, v2, *meta)
     assert_close(backend, out, pool.oracle()[0])
+
+
+def test_write_and_attend_with_the_step_plan(backend, xp, monkeypatch):
+    # the write takes the step's plan too: the same pools as the write that plans for
+    # itself, without reading the metadata again (its slots are the plan's)
+    if backend.kind == "numpy_readonly":
+        pytest.skip("writes into the pools")
+    lengths_before, new = np.array([3, 0, 9]), np.array([2, 4, 1])
+    pool = Pool(list(lengths_before + new), list(new), num_pages=16, fill=0.0)
+    meta = tuple(backend.asarray(m) for m in (pool.table, pool.lengths, pool.starts))
+    plan = _plan_of(pool, backend, meta)
+    new_k = randn(pool.query.shape[0], HKV, DK, seed=5)
+    new_v = randn(pool.query.shape[0], HKV, DV, seed=6)
+    written = []
+    for with_plan in (False, True):
+        kp, vp = backend.asarray(pool.key_pages), backend.asarray(pool.value_pages)
+        if with_plan:  # no host read of the metadata, no check of it
+            import portable_attn.serving as serving
+
+            monkeypatch.setattr(serving, "_check_metadata", None)
+            monkeypatch.setattr(serving, "to_host", None)
+        kw = {"plan": plan} if with_plan else {}
+        k2, v2 = paged_kv_write(
+            kp, vp, *meta, backend.asarray(new_k), backend.asarray(new_v), **kw
+        )
+        out = ragged_paged_attention(backend.asarray(pool.query), k2, v2, *meta, **kw)
+        written.append([backend.to_numpy(x) for x in (k2, v2, out)])
+    for a, b in zip(*written, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"num_kv_heads=2, but this call has 1 \(axis 2"):
+        paged_kv_write(
+            kp[:, :, :1, :],
+            vp[:, :, :1, :],
+            *meta,
+            backend.asarray(new_k[:, :1, :]),
+            backend.asarray(new_v[:, :1, :]),
+            plan=plan,
+        )
 
 
 @pytest.mark.backends("jax", reason="jax.jit with donated pools")

@@ -12,12 +12,19 @@ from .merge import merge_attention
 from .mha import init_mha_params, multi_head_attention
 from .norms import l2_normalize, rms_norm
 from .rope import apply_rope, rope_frequencies
-from .serving import paged_kv_write, ragged_paged_attention, varlen_attention
+from .serving import (
+    PagedPlan,
+    paged_kv_write,
+    plan_ragged,
+    ragged_paged_attention,
+    varlen_attention,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KVCache",
+    "PagedPlan",
     "__version__",
     "apply_rope",
     "attention_weights",
@@ -31,6 +38,7 @@ __all__ = [
     "merge_attention",
     "multi_head_attention",
     "paged_kv_write",
+    "plan_ragged",
     "ragged_paged_attention",
     "rms_norm",
     "rope_frequencies",

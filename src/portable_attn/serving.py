@@ -9,6 +9,7 @@ prefilling a chunk, others decoding one token.
 - :func:`paged_kv_write` writes the new tokens' keys and values into their pages;
 - :func:`ragged_paged_attention` is the attention of the new tokens over their
   requests' pages, without gathering any request's whole cache;
+- :func:`plan_ragged` plans a step once for every layer's call (:class:`PagedPlan`);
 - :func:`varlen_attention` is the same on contiguous packed keys (training on packed
   data: ``flash_attn_varlen_func``'s job), on the library's tiled engine.
 
@@ -19,7 +20,8 @@ Layouts are token-major, as in vLLM and flash-attn: ``(tokens, heads, features)`
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from ._attention import scaled_dot_product_attention
 from ._lib import _paged
@@ -28,21 +30,27 @@ from ._lib._compat import (
     array_namespace,
     device,
     has_concrete_values,
-    library_name,
     on_device,
     result_type,
     to_host,
 )
-from ._lib._route import library
+from ._lib._route import library, tile_rows
 from ._lib._validation import (
+    check_count,
     check_floating,
     check_is_flag,
     check_same_device,
     check_window,
 )
-from ._paths._paged import paged_attention
+from ._paths._paged import paged_attention, plan_walk
 
-__all__ = ["paged_kv_write", "ragged_paged_attention", "varlen_attention"]
+__all__ = [
+    "PagedPlan",
+    "paged_kv_write",
+    "plan_ragged",
+    "ragged_paged_attention",
+    "varlen_attention",
+]
 
 Array = Any
 
@@ -63,6 +71,7 @@ def ragged_paged_attention(
     alibi_slopes: Array | None = None,
     return_lse: bool = False,
     batch_invariant: bool = False,
+    plan: PagedPlan | None = None,
 ) -> Array | tuple[Array, Array]:
     """Attention of a ragged batch of new tokens over their requests' pages in a pool.
 
@@ -112,6 +121,11 @@ def ragged_paged_attention(
         place in it: OpenBLAS's AVX2 kernels do). Without it a tile holds the mean
         rows per request (one when decoding, up to 128), faster, and results may
         differ in the last bits.
+    plan : PagedPlan, optional
+        The step's plan (:func:`plan_ragged`), built once for every layer of the step
+        from the same `page_table`, `kv_lengths` and `q_starts` arrays and options:
+        the call then neither reads nor checks the metadata. Without it the call
+        plans for itself.
 
     Returns
     -------
@@ -161,7 +175,7 @@ def ragged_paged_attention(
     )
     t, hq, dk = _check_rank(xp, "query", query, 3, "(T, Hq, Dk)")
     _same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
-    n_pages, page_size, hkv, dv, n_req, max_pages = _check_paged(
+    n_pages, page_size, hkv, dv, _, max_pages = _check_paged(
         xp, key_pages, value_pages, page_table, kv_lengths, q_starts
     )
     _check_groups(query, key_pages, hq, hkv)
@@ -181,40 +195,260 @@ def ragged_paged_attention(
         sinks=sinks,
         alibi_slopes=alibi_slopes,
     )
-    _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
+    shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
+    flags = (is_causal, (left, right) if window is not None else None, batch_invariant)
+    if plan is None:
+        _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
+        walk = _walk_plan(xp, shape, page_table, kv_lengths, q_starts, *flags)
+    else:
+        walk = _plan_for(plan, shape, flags, page_table, kv_lengths, q_starts)[0]
     dtype = result_type(xp, query.dtype, key_pages.dtype, value_pages.dtype)
     compute = compute_dtype_of(xp, dtype)
+    out, lse = paged_attention(
+        xp,
+        walk,
+        query,
+        (key_pages, value_pages, page_table, kv_lengths),
+        sinks,
+        alibi_slopes,
+        dtype,
+        value_dim=dv,
+        scale=1.0 / math.sqrt(dk) if scale is None else scalar_option(xp, "scale", scale, compute),
+        softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
+        compute_dtype=compute,
+    )
+    return (out, lse) if return_lse else out
+
+
+class _StepShape(NamedTuple):
+    """The shapes a step's plan is built for: T, Hq, Hkv, page_size, P, max_pages."""
+
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    page_size: int
+    num_pages: int
+    max_pages: int
+
+
+@dataclass(frozen=True, eq=False)
+class PagedPlan:
+    """The plan of one serving step, shared by every layer's :func:`ragged_paged_attention`.
+
+    Built by :func:`plan_ragged` from the step's metadata; holds which tiles of query
+    rows the walk computes, which key chunks each visits and where their pages are,
+    so a model of ``n`` layers reads and checks the metadata once per step, not ``n``
+    times (on a GPU each read of the metadata is a synchronisation with the host).
+    The attributes are the shapes and options it was built for; a call given it must
+    have the same ones and the same metadata arrays.
+    """
+
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    page_size: int
+    num_pages: int
+    is_causal: bool
+    window: tuple[int | None, int | None] | None
+    batch_invariant: bool
+    _walk: _paged.WalkPlan = field(repr=False)
+    _slots: _Slots | None = field(repr=False)
+    _metadata: tuple[Any, Any, Any] = field(repr=False)
+    _max_pages: int = field(repr=False)
+
+
+def plan_ragged(
+    page_table: Array,
+    kv_lengths: Array,
+    q_starts: Array,
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    num_pages: int,
+    is_causal: bool = True,
+    window: tuple[int | None, int | None] | None = None,
+    batch_invariant: bool = False,
+) -> PagedPlan:
+    """Plan a serving step once, for every layer's :func:`ragged_paged_attention` of it.
+
+    A serving engine builds the plan after the scheduler has fixed the step's batch,
+    before the model's layers run, and passes it to each layer's call as ``plan=``
+    with the same metadata arrays (FlashInfer's ``plan()`` then ``run()``): the
+    metadata is checked, read on the host and turned into the walk's tiles, chunk
+    ranges and page indices once per step. Under ``jax.jit`` build it inside the
+    jitted step from the traced metadata: the tiles are then array operations, traced
+    once for all the layers.
+
+    Parameters
+    ----------
+    page_table, kv_lengths, q_starts : integer arrays
+        As in :func:`ragged_paged_attention`: shapes (R, max_pages), (R,), (R + 1,).
+    num_tokens : int
+        ``T``, the packed query rows of the step (axis 0 of the calls' `query`).
+    num_q_heads, num_kv_heads : int
+        ``Hq`` and ``Hkv`` of the calls' `query` and pools.
+    page_size, num_pages : int
+        Axes 1 and 0 of the calls' pools.
+    is_causal, window, batch_invariant
+        As in :func:`ragged_paged_attention`; the calls given the plan pass the same.
+
+    Returns
+    -------
+    PagedPlan
+
+    Raises
+    ------
+    ValueError
+        Metadata that does not fit (as :func:`ragged_paged_attention` checks it), or
+        shapes that cannot be a call's.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attn.serving import plan_ragged, ragged_paged_attention
+    >>> rng = np.random.default_rng(0)
+    >>> table = np.array([[3, 5, 0, 0], [1, 2, 7, 4]])
+    >>> lengths, starts = np.array([20, 50]), np.array([0, 4, 5])
+    >>> plan = plan_ragged(table, lengths, starts, num_tokens=5, num_q_heads=8,
+    ...                    num_kv_heads=2, page_size=16, num_pages=8)
+    >>> for layer in range(2):  # every layer of the step: its own pools, one plan
+    ...     pool_k, pool_v = rng.standard_normal((2, 8, 16, 2, 64), dtype=np.float32)
+    ...     q = rng.standard_normal((5, 8, 64), dtype=np.float32)
+    ...     out = ragged_paged_attention(q, pool_k, pool_v, table, lengths, starts, plan=plan)
+    >>> out.shape
+    (5, 8, 64)
+    """
+    names = ("page_table", "kv_lengths", "q_starts")
+    xp = _namespace(page_table, kv_lengths, q_starts, names=names)
+    counts = {
+        "num_tokens": (num_tokens, 0),
+        "num_q_heads": (num_q_heads, 1),
+        "num_kv_heads": (num_kv_heads, 1),
+        "page_size": (page_size, 1),
+        "num_pages": (num_pages, 1),
+    }
+    t, hq, hkv, ps, n_pages = (check_count(n, v, minimum=m) for n, (v, m) in counts.items())
+    if hq % hkv:
+        msg = f"`num_q_heads` ({hq}) must be a multiple of `num_kv_heads` ({hkv})"
+        raise ValueError(msg)
+    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
+    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
+    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
+    _check_devices(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
+    is_causal = check_is_flag("is_causal", is_causal)
+    batch_invariant = check_is_flag("batch_invariant", batch_invariant)
+    left, right = (None, None) if window is None else check_window(window)
+    _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, ps, max_pages)
+    shape = _StepShape(t, hq, hkv, ps, n_pages, max_pages)
+    bounds = None if window is None else (left, right)
+    walk = _walk_plan(
+        xp, shape, page_table, kv_lengths, q_starts, is_causal, bounds, batch_invariant
+    )
+    return PagedPlan(
+        t,
+        hq,
+        hkv,
+        ps,
+        n_pages,
+        is_causal,
+        bounds,
+        batch_invariant,
+        walk,
+        _write_slots(xp, page_table, kv_lengths, q_starts, t, n_pages, ps),
+        (page_table, kv_lengths, q_starts),
+        max_pages,
+    )
+
+
+def _walk_plan(
+    xp: Any,
+    shape: _StepShape,
+    page_table: Any,
+    kv_lengths: Any,
+    q_starts: Any,
+    is_causal: bool,
+    window: tuple[int | None, int | None] | None,
+    batch_invariant: bool,
+) -> _paged.WalkPlan:
+    """Return the walk's plan of checked metadata (:func:`~._paths._paged.plan_walk`)."""
+    t, hq, hkv = shape.num_tokens, shape.num_q_heads, shape.num_kv_heads
+    left, right = (None, None) if window is None else window
+    row = library(page_table)
     problem = _paged.PagedProblem(
         num_tokens=t,
-        num_pages=n_pages,
-        page_size=page_size,
-        max_pages=max_pages,
+        num_pages=shape.num_pages,
+        page_size=shape.page_size,
+        max_pages=shape.max_pages,
         num_q_heads=hq,
         num_kv_heads=hkv,
-        value_dim=dv,
-        rows=_paged.tile_rows(t, n_req, hq // hkv, batch_invariant),
+        rows=tile_rows(t, page_table.shape[0], hq // hkv, batch_invariant),
         aligned=batch_invariant,
         is_causal=is_causal,
         left=left,
         right=right,
-        scale=1.0 / math.sqrt(dk) if scale is None else scalar_option(xp, "scale", scale, compute),
-        softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
-        compute_dtype=compute,
-        device=device(query),
-        head_major=library(query).gathers_strided,
-        sums_by_product=library(query).sums_by_program,
-        keys_per_chunk=library(query).chunk_keys,
+        device=device(page_table),
+        head_major=row.gathers_strided,
+        sums_by_product=row.sums_by_program,
+        keys_per_chunk=row.chunk_keys,
     )
-    if t == 0 or n_req == 0:  # no row, or every row padding
-        kw = on_device(device(query))
-        out = xp.zeros((t, hq, dv), dtype=dtype, **kw)
-        lse = xp.full((t, hq), -xp.inf, dtype=compute, **kw)
-        return (out, lse) if return_lse else out
-    pools = (key_pages, value_pages, page_table, kv_lengths)
-    out, lse = paged_attention(
-        xp, problem, query, pools, q_starts, n_req, sinks, alibi_slopes, dtype
+    return plan_walk(xp, problem, page_table, kv_lengths, q_starts)
+
+
+def _plan_for(
+    plan: Any,
+    shape: _StepShape,
+    flags: tuple[bool, Any, bool] | None,
+    page_table: Any,
+    kv_lengths: Any,
+    q_starts: Any,
+) -> tuple[_paged.WalkPlan, _Slots | None]:
+    """Return the walk and the write slots of `plan`, once it is this call's (else raise).
+
+    `flags` None (the write's) are not compared.
+    """
+    if not isinstance(plan, PagedPlan):
+        msg = f"`plan` must be a PagedPlan from plan_ragged, but got {type(plan).__name__}"
+        raise TypeError(msg)
+    given = {"page_table": page_table, "kv_lengths": kv_lengths, "q_starts": q_starts}
+    for (name, x), y in zip(given.items(), plan._metadata, strict=True):
+        if x is not y:
+            msg = (
+                f"`plan` was built for other metadata: pass the `{name}` array given to "
+                "plan_ragged (a plan holds what it read of the step's metadata)"
+            )
+            raise ValueError(msg)
+    planned = _StepShape(
+        plan.num_tokens,
+        plan.num_q_heads,
+        plan.num_kv_heads,
+        plan.page_size,
+        plan.num_pages,
+        plan._max_pages,
     )
-    return (out, lse) if return_lse else out
+    where = {
+        "num_tokens": "axis 0 of `query` or `new_keys`",
+        "num_q_heads": "axis 1 of `query`",
+        "num_kv_heads": "axis 2 of `key_pages`",
+        "page_size": "axis 1 of `key_pages`",
+        "num_pages": "axis 0 of `key_pages`",
+        "max_pages": "axis 1 of `page_table`",
+    }
+    for name, want, got in zip(_StepShape._fields, planned, shape, strict=True):
+        if want != got:
+            msg = f"`plan` was built for {name}={want}, but this call has {got} ({where[name]})"
+            raise ValueError(msg)
+    options = {
+        "is_causal": plan.is_causal,
+        "window": plan.window,
+        "batch_invariant": plan.batch_invariant,
+    }
+    for (name, built), called in zip(options.items(), flags or options.values(), strict=True):
+        if built != called:
+            msg = f"`plan` was built with {name}={built}, but this call has {name}={called}"
+            raise ValueError(msg)
+    return plan._walk, plan._slots
 
 
 def paged_kv_write(
@@ -225,6 +459,8 @@ def paged_kv_write(
     q_starts: Array,
     new_keys: Array,
     new_values: Array,
+    *,
+    plan: PagedPlan | None = None,
 ) -> tuple[Array, Array]:
     """Write the new tokens' keys and values into their pages; return the pools.
 
@@ -252,6 +488,10 @@ def paged_kv_write(
     new_keys : array, shape (T, Hkv, Dk)
         Cast to the pool's dtype.
     new_values : array, shape (T, Hkv, Dv)
+    plan : PagedPlan, optional
+        The step's plan (:func:`plan_ragged`), as :func:`ragged_paged_attention` takes
+        it: the slots to write are then the plan's, the metadata neither read nor
+        checked again.
 
     Returns
     -------
@@ -276,7 +516,7 @@ def paged_kv_write(
             "new_values",
         ),
     )
-    n_pages, page_size, _, _, n_req, max_pages = _check_paged(
+    n_pages, page_size, hkv, _, _, max_pages = _check_paged(
         xp, key_pages, value_pages, page_table, kv_lengths, q_starts
     )
     t = _check_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
@@ -295,14 +535,19 @@ def paged_kv_write(
         new_keys=new_keys,
         new_values=new_values,
     )
-    _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
-    if t == 0 or n_req == 0:  # no row, or every row padding
+    if plan is None:
+        _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
+        slots = _write_slots(xp, page_table, kv_lengths, q_starts, t, n_pages, page_size)
+    else:
+        hq = getattr(plan, "num_q_heads", 0)  # the write has no query heads
+        shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
+        slots = _plan_for(plan, shape, None, page_table, kv_lengths, q_starts)[1]
+    if slots is None:  # no row, or every row padding
         return key_pages, value_pages
-    page, slot, valid = _slots(xp, page_table, kv_lengths, q_starts, t, n_pages, page_size)
     new_k = xp.astype(new_keys, key_pages.dtype)
     new_v = xp.astype(new_values, value_pages.dtype)
-    write = _WRITERS.get(library_name(key_pages), _write_functional)
-    return write(xp, (key_pages, value_pages), (new_k, new_v), page, slot, valid, q_starts)
+    write = _WRITERS[library(key_pages).writes]
+    return write(xp, (key_pages, value_pages), (new_k, new_v), slots)
 
 
 def varlen_attention(
@@ -454,14 +699,29 @@ def _segments(xp: Any, starts: Any, length: int, pad_id: int) -> tuple[Any, Any]
     return xp.where(inside, seg, pad_id), xp.where(inside, pos, 0)
 
 
-def _slots(
+class _Slots(NamedTuple):
+    """Where the write puts each new row.
+
+    Physical page and slot (T,), whether it is written (T,), and the rows to write,
+    read on the host (``q_starts[R]``; None when traced).
+    """
+
+    page: Any
+    slot: Any
+    valid: Any
+    rows: int | None
+
+
+def _write_slots(
     xp: Any, page_table: Any, kv_lengths: Any, q_starts: Any, t: int, n_pages: int, page_size: int
-) -> tuple[Any, Any, Any]:
-    """Physical page and slot of each new row (T,), and whether it is written.
+) -> _Slots | None:
+    """Return the new rows' slots, or None when no row is written.
 
     Padding rows are not written, nor the rows of a request whose metadata is wrong
     (traced metadata, which the eager checks could not refuse: never another page).
     """
+    if t == 0 or page_table.shape[0] == 0:  # no row, or every row padding
+        return None
     req, inside, idx = _paged.owners(xp, q_starts[1:], t, device(q_starts))
     faulty = _paged.faulty_rows(
         xp, q_starts, kv_lengths, page_table, t, n_pages, page_size, device(q_starts)
@@ -473,43 +733,40 @@ def _slots(
     max_pages = page_table.shape[1]
     logical = xp.clip(xp.floor_divide(pos, page_size), 0, max_pages - 1)
     page = xp.take(xp.reshape(page_table, (-1,)), req * max_pages + logical)
-    return xp.astype(page, q_starts.dtype), pos % page_size, valid
+    rows = int(to_host(q_starts[-1:])[0]) if has_concrete_values(q_starts) else None
+    return _Slots(xp.astype(page, q_starts.dtype), pos % page_size, valid, rows)
 
 
-def _write_in_place(
-    xp: Any, pools: Any, new: Any, page: Any, slot: Any, valid: Any, q_starts: Any
-) -> tuple[Any, Any]:
+def _write_items(xp: Any, pools: Any, new: Any, slots: _Slots) -> tuple[Any, Any]:
     """NumPy, torch, CuPy: item assignment into the given pools (padding rows left out)."""
     for name, pool in zip(("key_pages", "value_pages"), pools, strict=True):
         if getattr(getattr(pool, "flags", None), "writeable", True) is False:
             msg = f"`{name}` is a read-only NumPy array: paged_kv_write writes into the pools"
             raise ValueError(msg)
-    n = int(to_host(q_starts[-1:])[0])
+    n = slots.rows
     for pool, x in zip(pools, new, strict=True):
-        pool[page[:n], slot[:n]] = x[:n]
+        pool[slots.page[:n], slots.slot[:n]] = x[:n]
     return pools[0], pools[1]
 
 
-def _write_jax(
-    xp: Any, pools: Any, new: Any, page: Any, slot: Any, valid: Any, q_starts: Any
-) -> tuple[Any, Any]:
+def _write_at(xp: Any, pools: Any, new: Any, slots: _Slots) -> tuple[Any, Any]:
     """JAX: ``.at[page, slot].set``, padding rows sent out of bounds and dropped."""
-    page = xp.where(valid, page, pools[0].shape[0])
-    out = [pool.at[page, slot].set(x, mode="drop") for pool, x in zip(pools, new, strict=True)]
+    page = xp.where(slots.valid, slots.page, pools[0].shape[0])
+    out = [
+        pool.at[page, slots.slot].set(x, mode="drop") for pool, x in zip(pools, new, strict=True)
+    ]
     return out[0], out[1]
 
 
-def _write_functional(
-    xp: Any, pools: Any, new: Any, page: Any, slot: Any, valid: Any, q_starts: Any
-) -> tuple[Any, Any]:
+def _write_arrays(xp: Any, pools: Any, new: Any, slots: _Slots) -> tuple[Any, Any]:
     """Any array-API library: new pools, each slot taking the row written to it (O(slots · T))."""
     out = []
     for pool, x in zip(pools, new, strict=True):
         n_pages, page_size = pool.shape[:2]
         flat = xp.reshape(pool, (n_pages * page_size, *pool.shape[2:]))
-        target = xp.where(valid, page * page_size + slot, -1)  # (T,)
-        slots = xp.astype(xp.arange(n_pages * page_size, **on_device(device(pool))), target.dtype)
-        hits = slots[:, None] == target[None, :]  # (slots, T)
+        target = xp.where(slots.valid, slots.page * page_size + slots.slot, -1)  # (T,)
+        at = xp.astype(xp.arange(n_pages * page_size, **on_device(device(pool))), target.dtype)
+        hits = at[:, None] == target[None, :]  # (slots, T)
         row = xp.argmax(xp.astype(hits, xp.int32), axis=1)
         written = xp.any(hits, axis=1)[:, None, None]
         flat = xp.where(written, xp.take(x, row, axis=0), flat)
@@ -517,13 +774,8 @@ def _write_functional(
     return out[0], out[1]
 
 
-#: how each library writes rows into its pools; others: :func:`_write_functional`
-_WRITERS = {
-    "numpy": _write_in_place,
-    "torch": _write_in_place,
-    "cupy": _write_in_place,
-    "jax": _write_jax,
-}
+#: how a library writes rows into its pools: the ``writes`` column of its router row
+_WRITERS = {"items": _write_items, "at": _write_at, "arrays": _write_arrays}
 
 
 def _namespace(
@@ -541,7 +793,7 @@ def _namespace(
 ) -> Any:
     named = dict(zip(names, arrays, strict=True))
     for name, x in named.items():
-        if x is not None and library_name(x) == "dask":
+        if x is not None and library(x).task_graphs:
             msg = (
                 f"`{name}` is a Dask array: paged and packed serving calls take arrays of "
                 "one device (NumPy, torch, JAX, CuPy); call `.compute()` first"

@@ -14,7 +14,7 @@ a tile's slots that hold no row of its request are zero queries, so a query row
 
 Why results do not depend on the batch (``batch_invariant``): a row's scores and
 ``P @ V`` are matrix products whose shapes are a tile's (``Hkv`` batches of ``G · rows``
-by ``bk``), the same in every call with ``rows`` fixed per model (:func:`tile_rows`),
+by ``bk``), the same in every call with ``rows`` fixed per model (``_route.tile_rows``),
 and the row's place in them is fixed too: its key chunks start at multiples of ``bk``,
 and its tile at a multiple of ``rows`` among its request's positions
 (``PagedProblem.aligned``), so a row at position ``p`` is always row ``p % rows`` of its
@@ -36,7 +36,7 @@ drivers that loop over the chunks are in ``_paths/_paged.py``.
 
 from __future__ import annotations
 
-import math
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -45,58 +45,36 @@ from ._masks import arange
 from ._softmax import finite_shift, safe_denominator, with_sink
 
 __all__ = [
-    "CHUNK_KEYS",
-    "INVARIANT_MATMUL_ROWS",
-    "MAX_TILE_ROWS",
+    "ChunkIndex",
     "HostWalk",
     "PagedProblem",
     "PagedState",
     "Tiles",
     "bounded_tiles",
+    "chunk_index",
     "finish",
     "faulty_rows",
     "head_rows",
     "host_tiles",
     "metadata_faults",
     "owners",
+    "query_slots",
     "row_positions",
     "start",
     "starts_fault",
     "step",
     "tile_queries",
-    "tile_rows",
+    "WalkPlan",
 ]
-
-CHUNK_KEYS = 256
-"""Keys per chunk of the walk on a CPU (rounded down to whole pages, at least one page).
-
-Fixed per (library, device kind), not chosen per call (``Library.chunk_keys``): the
-chunks are the same for every call over a pool, which batch invariance needs. 256 keys:
-the decode step over 32 requests (Hkv=8, D=128) gathers 8 MiB of keys per chunk and the
-Python loop stays short."""
-
-INVARIANT_MATMUL_ROWS = 16
-"""With ``batch_invariant=True``, a tile holds ``ceil(16 / G)`` rows, from a multiple of
-them among its request's positions: the matrix products are ``G · rows`` by ``bk``, the
-same for every call of the model, and a row's place in them is its position's."""
-
-MAX_TILE_ROWS = 128
-"""Without it, a tile holds the mean rows per request rounded up to a power of two, at
-most 128: one row per request when decoding, 128 for prefill chunks of 512 (the keys
-of a chunk are gathered once per tile, so bigger tiles gather less)."""
-
-
-def tile_rows(num_tokens: int, num_requests: int, groups: int, batch_invariant: bool) -> int:
-    """Return the rows of a tile: fixed per model with `batch_invariant`, else by shape."""
-    if batch_invariant:
-        return max(1, math.ceil(INVARIANT_MATMUL_ROWS / groups))
-    mean = -(-num_tokens // max(num_requests, 1))
-    return min(MAX_TILE_ROWS, 1 << max(mean - 1, 0).bit_length())
 
 
 @dataclass(frozen=True)
 class PagedProblem:
-    """The static facts of one call (shapes, options), fixed under ``jax.jit``."""
+    """The static facts of one call (shapes, options), fixed under ``jax.jit``.
+
+    A :class:`WalkPlan` holds the facts every layer of a step shares; a call fills in
+    its layer's own (``value_dim``, ``scale``, ``softcap``, ``compute_dtype``).
+    """
 
     num_tokens: int
     num_pages: int
@@ -104,19 +82,20 @@ class PagedProblem:
     max_pages: int
     num_q_heads: int
     num_kv_heads: int
-    value_dim: int
     rows: int  # rows of a tile
     is_causal: bool
     left: int | None
     right: int | None
-    scale: Any  # float or 0-d array
-    softcap: Any  # None, float or 0-d array
-    compute_dtype: Any
     device: Any
+    keys_per_chunk: int  # the walk's chunks (Library.chunk_keys)
     aligned: bool = False  # tiles start at multiples of `rows` among a request's positions
     head_major: bool = False  # the pools given to the walk are (P, Hkv, page_size, D) views
     sums_by_product: bool = False  # sums as products with ones (Library.sums_by_program)
-    keys_per_chunk: int = CHUNK_KEYS  # the walk's chunks (Library.chunk_keys)
+    # a layer's own (a plan holds the rest, the same for every layer of a step)
+    value_dim: int = 0
+    scale: Any = 1.0  # float or 0-d array
+    softcap: Any = None  # None, float or 0-d array
+    compute_dtype: Any = None
 
     @property
     def groups(self) -> int:
@@ -274,6 +253,34 @@ class HostWalk(NamedTuple):
             whole &= self.first_pos[a:b] + p.right >= hi_key
         return np.where(whole, 0, np.where(valid, 1, 2))
 
+    def runs(self, p: PagedProblem) -> list[tuple[int, int, int, int]]:
+        """Return the folds of the walk, ``(chunk, a, b, kind)``, chunk by chunk.
+
+        Every chunk some tile may see, folded into the tiles that may see it: a range
+        (the tiles are sorted by last chunk), cut where their kinds (:meth:`kinds`)
+        change, so tiles that see a whole chunk build no mask and zero nothing (most of
+        a prefill's chunks). More than three runs of kinds fold as one, the most
+        careful kind.
+        """
+        import numpy as np
+
+        lo, hi = self.first_chunk, self.last_chunk
+        if len(lo) == 0 or int(hi.max()) < 0:
+            return []
+        runs: list[tuple[int, int, int, int]] = []
+        for j in range(max(int(lo.min()), 0), min(int(hi.max()), p.num_chunks - 1) + 1):
+            active = np.nonzero((lo <= j) & (j <= hi))[0]
+            if len(active) == 0:
+                continue
+            a, b = int(active[0]), int(active[-1]) + 1
+            kinds = self.kinds(p, j, a, b)
+            cuts = [0, *(np.nonzero(np.diff(kinds))[0] + 1).tolist(), b - a]
+            parts = [(a + x, a + y, int(kinds[x])) for x, y in itertools.pairwise(cuts)]
+            if len(parts) > 3:
+                parts = [(a, b, int(kinds.max()))]
+            runs.extend((j, lo_t, hi_t, kind) for lo_t, hi_t, kind in parts)
+        return runs
+
 
 def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tuple[Tiles, HostWalk]:
     """Return the tiles that hold rows, from host (NumPy) metadata, longest walk first.
@@ -323,6 +330,28 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     return tiles, HostWalk(lo, hi, kv, first_pos, last_pos)
 
 
+@dataclass(frozen=True)
+class WalkPlan:
+    """What every layer's call of one step shares: built once from the step's metadata.
+
+    `problem` the geometry (:class:`PagedProblem` without a layer's own fields),
+    `tiles` (:class:`Tiles`), `slots`/`held` the query rows of the tiles' slots
+    (:func:`query_slots`), `pos` the slots' positions (:func:`row_positions`). With
+    metadata on the host, `runs` the walk's folds ``(a, b, kind, index)`` in order
+    (:meth:`HostWalk.runs`, each chunk's :class:`ChunkIndex` built once); with traced
+    metadata `runs` is None (every chunk, by a traced loop) and `faulty` the rows whose
+    request's metadata is wrong (:func:`faulty_rows`). No tiles: no row to compute.
+    """
+
+    problem: PagedProblem
+    tiles: Tiles | None
+    slots: Any = None
+    held: Any = None
+    pos: Any = None
+    runs: tuple[tuple[int, int, int, ChunkIndex], ...] | None = None
+    faulty: Any = None
+
+
 class PagedState(NamedTuple):
     """The online softmax of the tiles' rows: (N, 1, Hkv, G·rows, 1), (…, 1), (…, Dv)."""
 
@@ -342,31 +371,35 @@ def start(xp: Any, p: PagedProblem, n_tiles: int) -> PagedState:
     )
 
 
-def tile_queries(xp: Any, p: PagedProblem, query: Any, tiles: Tiles) -> tuple[Any, Any]:
-    """``scale · Q`` of every tile as (N, Hkv, rows·G, Dk), and the row offsets (rows,).
+def query_slots(xp: Any, p: PagedProblem, tiles: Tiles) -> tuple[Any, Any]:
+    """Return the packed row of each tile slot (N·rows,) and whether the slot holds it.
 
-    A slot that holds no row of the tile's request is a zero query: never another
-    request's row or a padding row, whose NaN would reach this tile's keys' gradients
-    (``0 · NaN`` in the backward), and the same zeros in every call (batch invariance).
+    A slot that holds no row of the tile's request reads a zero query
+    (:func:`tile_queries`): never another request's row or a padding row, whose NaN
+    would reach this tile's keys' gradients (``0 · NaN`` in the backward), and the same
+    zeros in every call (batch invariance).
     """
-    rows, hkv, g = p.rows, p.num_kv_heads, p.groups
-    n = tiles.request.shape[0]
-    t, _, dk = query.shape
-    offs = arange(xp, 0, rows, p.device)
-    offs = xp.astype(offs, tiles.first.dtype)
-    idx = tiles.first[:, None] + offs[None, :]  # (N, rows)
+    idx = tiles.first[:, None] + _offsets(xp, p, tiles)[None, :]  # (N, rows)
     held = xp.logical_and(idx >= tiles.begin[:, None], idx < tiles.end[:, None])
-    idx = xp.clip(idx, 0, max(t - 1, 0))
-    q = xp.take(query, xp.reshape(idx, (-1,)), axis=0)  # (N·rows, Hq, Dk)
+    idx = xp.clip(idx, 0, max(p.num_tokens - 1, 0))
+    return xp.reshape(idx, (-1,)), xp.reshape(held, (-1,))
+
+
+def _offsets(xp: Any, p: PagedProblem, tiles: Tiles) -> Any:
+    return xp.astype(arange(xp, 0, p.rows, p.device), tiles.first.dtype)
+
+
+def tile_queries(xp: Any, p: PagedProblem, query: Any, slots: Any, held: Any) -> Any:
+    """``scale · Q`` of every tile as (N, Hkv, rows·G, Dk), from :func:`query_slots`."""
+    rows, hkv, g = p.rows, p.num_kv_heads, p.groups
+    dk = query.shape[-1]
+    q = xp.take(query, slots, axis=0)  # (N·rows, Hq, Dk)
     q = xp.where(xp.reshape(held, (-1, 1, 1)), xp.astype(q, p.compute_dtype, copy=False), 0.0)
-    q = xp.reshape(q * p.scale, (n, rows, hkv, g, dk))
-    q = xp.reshape(xp.permute_dims(q, (0, 2, 1, 3, 4)), (n, hkv, rows * g, dk))
-    return q, offs
+    q = xp.reshape(q * p.scale, (-1, rows, hkv, g, dk))
+    return xp.reshape(xp.permute_dims(q, (0, 2, 1, 3, 4)), (-1, hkv, rows * g, dk))
 
 
-def row_positions(
-    xp: Any, p: PagedProblem, tiles: Tiles, q_starts: Any, kv_lengths: Any, offs: Any
-) -> Any:
+def row_positions(xp: Any, p: PagedProblem, tiles: Tiles, q_starts: Any, kv_lengths: Any) -> Any:
     """Positions of the tiles' rows among their requests' keys, (N, 1, rows·G, 1).
 
     A tile's slots that hold no row are computed like the others (zero queries) and
@@ -376,7 +409,7 @@ def row_positions(
     kv = xp.take(kv_lengths, req)
     n_req = xp.take(q_starts, req + 1) - xp.take(q_starts, req)
     pos0 = kv - n_req + (tiles.first - xp.take(q_starts, req))  # (N,)
-    pos = pos0[:, None] + offs[None, :]  # (N, rows)
+    pos = pos0[:, None] + _offsets(xp, p, tiles)[None, :]  # (N, rows)
     n = req.shape[0]
     pos = xp.broadcast_to(pos[:, :, None], (n, p.rows, p.groups))
     return xp.reshape(pos, (n, 1, p.matmul_rows, 1))
@@ -389,32 +422,23 @@ def head_rows(xp: Any, p: PagedProblem, per_head: Any) -> Any:
     return xp.reshape(x, (1, p.num_kv_heads, p.matmul_rows, 1))
 
 
-def step(
-    xp: Any,
-    p: PagedProblem,
-    state: PagedState,
-    chunk: Any,
-    q: Any,
-    pos: Any,
-    request: Any,
-    pools: tuple[Any, Any, Any, Any],
-    alibi: Any | None,
-    *,
-    sanitize: bool = True,
-    masked: bool = True,
-) -> PagedState:
-    """Fold key chunk `chunk` (an int, or a traced 0-d integer) into the tiles' state.
+class ChunkIndex(NamedTuple):
+    """Where chunk ``j``'s keys are for some tiles: what a plan computes once per step.
 
-    `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles, `request` (N,)
-    their requests; `pools` is ``(key_pages, value_pages, page_table, kv_lengths)``;
-    `alibi` the slopes as :func:`head_rows` lays them out, or None. `sanitize`: zero the
-    gathered slots past a request's length; `masked`: hide the keys past a length and
-    those causal or window structure hides. Either False only where the caller knows
-    there is nothing to zero or hide in any of these tiles (:meth:`HostWalk.kinds`).
+    ``pages`` (N·c,) the physical pages of the tiles' logical pages ``j·c .. j·c+c-1``
+    (clipped into the pool), ``key_ok`` (N, bk) whether each key slot is one of the
+    request's keys, ``kpos`` (bk,) the chunk's key positions.
     """
-    dt = p.compute_dtype
-    key_pages, value_pages, page_table, kv_lengths = pools
-    n = request.shape[0]
+
+    pages: Any
+    key_ok: Any
+    kpos: Any
+
+
+def chunk_index(
+    xp: Any, p: PagedProblem, chunk: Any, request: Any, page_table: Any, kv_lengths: Any
+) -> ChunkIndex:
+    """Return the :class:`ChunkIndex` of chunk `chunk` (an int, or a traced 0-d integer)."""
     c, ps, bk = p.chunk_pages, p.page_size, p.chunk_keys
     logical = chunk * c + xp.astype(arange(xp, 0, c, p.device), request.dtype)  # (c,)
     flat = request[:, None] * p.max_pages + xp.clip(logical, 0, p.max_pages - 1)[None, :]
@@ -425,8 +449,36 @@ def step(
         kpos[None, :] < xp.take(kv_lengths, request)[:, None],  # (N, bk)
         xp.reshape(xp.broadcast_to((logical < p.max_pages)[:, None], (c, ps)), (1, bk)),
     )
-    # keys as (N, c', Hkv, b, D): c' = c pages of b = page_size keys (each page its own
-    # product: no copy of the gathered keys), or c' = 1 of b = bk keys (one product)
+    return ChunkIndex(pages, key_ok, kpos)
+
+
+def step(
+    xp: Any,
+    p: PagedProblem,
+    state: PagedState,
+    index: ChunkIndex,
+    q: Any,
+    pos: Any,
+    pools: tuple[Any, Any],
+    alibi: Any | None,
+    *,
+    sanitize: bool = True,
+    masked: bool = True,
+) -> PagedState:
+    """Fold the key chunk `index` locates (:func:`chunk_index`) into the tiles' state.
+
+    `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles; `pools` is
+    ``(key_pages, value_pages)``; `alibi` the slopes as :func:`head_rows` lays them
+    out, or None. `sanitize`: zero the gathered slots past a request's length;
+    `masked`: hide the keys past a length and those causal or window structure hides.
+    Either False only where the caller knows there is nothing to zero or hide in any
+    of these tiles (:meth:`HostWalk.runs`).
+    """
+    dt = p.compute_dtype
+    key_pages, value_pages = pools
+    pages, key_ok, kpos = index
+    n = q.shape[0]
+    c, ps, bk = p.chunk_pages, p.page_size, p.chunk_keys
     c2, b = (c, ps) if p.by_page else (1, bk)
     k = _gathered(xp, p, key_pages, pages, n)
     v = _gathered(xp, p, value_pages, pages, n)

@@ -78,7 +78,6 @@ from ._compat import (
     torch_release,
 )
 from ._cpu import available_workers, can_limit_blas, has_half_arithmetic
-from ._paged import CHUNK_KEYS
 from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Route, Tiled
 
 if TYPE_CHECKING:
@@ -89,6 +88,7 @@ __all__ = [
     "BUFFERED_BLOCK_SCORES",
     "BUFFERED_TILE",
     "CACHE_SIZE",
+    "CHUNK_KEYS",
     "COMPILED_SIGNATURES",
     "DASK_MERGE_FAN_IN",
     "DASK_TASK_SCORES",
@@ -97,6 +97,8 @@ __all__ = [
     "FEATURES",
     "FLEX_CUDA",
     "GPU_CHUNK_KEYS",
+    "INVARIANT_MATMUL_ROWS",
+    "MAX_TILE_ROWS",
     "GPU_DENSE_LIMIT_BYTES",
     "GPU_LOOP_TILES",
     "GPU_TILES",
@@ -134,6 +136,7 @@ __all__ = [
     "row_key",
     "rows_of",
     "skipped_fraction",
+    "tile_rows",
     "unsupported_reason",
 ]
 
@@ -334,6 +337,33 @@ class Kernel:
     compiles: bool = False
 
 
+CHUNK_KEYS = 256
+"""Keys per chunk of the paged walk on a CPU (rounded down to whole pages, at least one page).
+
+Fixed per (library, device kind), not chosen per call (``Library.chunk_keys``): the
+chunks are the same for every call over a pool, which batch invariance needs. 256 keys:
+the decode step over 32 requests (Hkv=8, D=128) gathers 8 MiB of keys per chunk and the
+Python loop stays short."""
+
+INVARIANT_MATMUL_ROWS = 16
+"""With ``batch_invariant=True``, a paged tile holds ``ceil(16 / G)`` rows, from a multiple
+of them among its request's positions: the matrix products are ``G · rows`` by ``bk``, the
+same for every call of the model, and a row's place in them is its position's."""
+
+MAX_TILE_ROWS = 128
+"""Without it, a paged tile holds the mean rows per request rounded up to a power of two,
+at most 128: one row per request when decoding, 128 for prefill chunks of 512 (the keys
+of a chunk are gathered once per tile, so bigger tiles gather less)."""
+
+
+def tile_rows(num_tokens: int, num_requests: int, groups: int, batch_invariant: bool) -> int:
+    """Return the rows of a paged tile: fixed per model with `batch_invariant`, else by shape."""
+    if batch_invariant:
+        return max(1, math.ceil(INVARIANT_MATMUL_ROWS / groups))
+    mean = -(-num_tokens // max(num_requests, 1))
+    return min(MAX_TILE_ROWS, 1 << max(mean - 1, 0).bit_length())
+
+
 @dataclass(frozen=True)
 class Library:
     """What one array library can do on one kind of device: one row of :data:`LIBRARIES`.
@@ -404,6 +434,10 @@ class Library:
         (8, 256, 256) float32 block (hand runs): ``exp`` 240 us, 1150 us when half the
         entries are ``-inf`` (a diagonal causal block), the exp2 form 110 us either way;
         ``benchmarks/results/learned-torch.json`` holds the training step it speeds up.
+    writes : {"items", "at", "arrays"}
+        How ``serving.paged_kv_write`` writes rows into the pools: item assignment into
+        the arrays given (NumPy, torch, CuPy), ``.at[].set`` (JAX: in place when the
+        pools are donated to ``jax.jit``), or new arrays by array-API operations alone.
     """
 
     dense_limit: int
@@ -425,6 +459,7 @@ class Library:
     gathers_strided: bool = False
     sums_by_program: bool = False
     exp2: bool = False
+    writes: Literal["items", "at", "arrays"] = "arrays"
 
 
 #: ``block_size=None`` keeps the dense path while its logits would take at most this
@@ -549,6 +584,7 @@ JAX_NN_GPU = Kernel("jax_nn", equal_dims=True, own_half=frozenset({"bfloat16", "
 _TORCH_CPU = Library(
     4 * 2**20,
     kernels=(SDPA_CPU,),
+    writes="items",
     autodiff="torch",
     pins_devices=True,
     gathers_strided=True,
@@ -564,6 +600,7 @@ _JAX_CPU = Library(
     fuses_softmax=True,
     half_matmul=True,
     sums_by_program=True,
+    writes="at",
 )
 
 
@@ -574,7 +611,7 @@ def _on_gpu(row: Library, **fields: Any) -> Library:
 
 
 LIBRARIES: dict[tuple[str, str], Library] = {
-    ("numpy", "cpu"): Library(2 * 2**20, walk="buffered", threads=True),
+    ("numpy", "cpu"): Library(2 * 2**20, walk="buffered", threads=True, writes="items"),
     ("torch", "cpu"): _TORCH_CPU,
     ("torch", "cuda"): _on_gpu(_TORCH_CPU, tiles=GPU_TILES, kernels=(SDPA_CUDA, FLEX_CUDA)),
     ("jax", "cpu"): _JAX_CPU,
@@ -584,7 +621,9 @@ LIBRARIES: dict[tuple[str, str], Library] = {
         loop_window_tiles=GPU_LOOP_TILES,
         kernels=(JAX_CUDNN, JAX_NN_GPU),
     ),
-    ("cupy", "cuda"): _on_gpu(Library(GPU_DENSE_LIMIT_BYTES), tiles=GPU_TILES, pins_devices=True),
+    ("cupy", "cuda"): _on_gpu(
+        Library(GPU_DENSE_LIMIT_BYTES), tiles=GPU_TILES, pins_devices=True, writes="items"
+    ),
     ("array_api_strict", "cpu"): Library(AUTO_DENSE_LIMIT_BYTES),
     ("dask", "cpu"): Library(AUTO_DENSE_LIMIT_BYTES, task_graphs=True),
 }
