@@ -24,7 +24,12 @@ from portable_attn.serving import (
     ragged_paged_attention,
     varlen_attention,
 )
-from portable_attn.testing import central_differences, reference_attention, reference_lse
+from portable_attn.testing import (
+    central_differences,
+    reference_attention,
+    reference_lse,
+    reference_max_logit,
+)
 
 pytestmark = pytest.mark.skip_backends("dask", reason="serving calls take one device's arrays")
 
@@ -83,10 +88,15 @@ class Pool:
 
     def oracle(self, **kw):
         """out (T, Hq, Dv) and lse (T, Hq) in float64, request by request."""
+        return self.oracle_with_max(**kw)[:2]
+
+    def oracle_with_max(self, **kw):
+        """out (T, Hq, Dv), lse (T, Hq) and max logit (T, Hq) in float64."""
         kw = {"is_causal": True, **kw}
         t = self.query.shape[0]
         hq, _, _, dv = self.heads
         out, lse = np.zeros((t, hq, dv)), np.full((t, hq), -np.inf)
+        top = np.full((t, hq), -np.inf)
         for r in range(len(self.lengths)):
             a, b = self.starts[r], self.starts[r + 1]
             if a == b:
@@ -96,7 +106,9 @@ class Pool:
             v = self.values[r].transpose(1, 0, 2)[None]
             out[a:b] = reference_attention(q, k, v, **kw)[0].transpose(1, 0, 2)
             lse[a:b] = reference_lse(q, k, **kw)[0].transpose(1, 0)
-        return out, lse
+            logit_kw = {n: x for n, x in kw.items() if n != "sinks"}
+            top[a:b] = reference_max_logit(q, k, **logit_kw)[0].transpose(1, 0)
+        return out, lse, top
 
 
 SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
@@ -120,12 +132,18 @@ def test_paged_against_oracle(backend, xp, name, invariant):
     # whose window ends before its first chunk, one new row at position 0
     pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
     kw = OPTIONS[name]
-    out, lse = ragged_paged_attention(
-        *pool.args(backend), return_lse=True, batch_invariant=invariant, **_on(backend, kw)
+    out, lse, top = ragged_paged_attention(
+        *pool.args(backend),
+        return_lse=True,
+        return_max_logit=True,
+        batch_invariant=invariant,
+        **_on(backend, kw),
     )
-    expected_out, expected_lse = pool.oracle(**kw)
+    expected_out, expected_lse, expected_top = pool.oracle_with_max(**kw)
     assert_close(backend, out, expected_out)
     assert_close(backend, lse, expected_lse)
+    assert_close(backend, top, expected_top)
+    assert np.all(backend.to_numpy(top)[-2:] == -np.inf)  # padding rows
     assert np.all(backend.to_numpy(out)[-2:] == 0.0)  # padding rows
 
 
@@ -205,12 +223,15 @@ def test_traced_plan_matches_the_oracle(backend, xp, name, invariant, monkeypatc
     monkeypatch.setattr(paged_driver, "has_concrete_values", lambda x: False)
     pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
     kw = OPTIONS[name]
-    out, lse = ragged_paged_attention(
-        *pool.args(backend), return_lse=True, batch_invariant=invariant, **_on(backend, kw)
+    results = ragged_paged_attention(
+        *pool.args(backend),
+        return_lse=True,
+        return_max_logit=True,
+        batch_invariant=invariant,
+        **_on(backend, kw),
     )
-    expected_out, expected_lse = pool.oracle(**kw)
-    assert_close(backend, out, expected_out)
-    assert_close(backend, lse, expected_lse)
+    for got, expected in zip(results, pool.oracle_with_max(**kw), strict=True):
+        assert_close(backend, got, expected)
 
 
 @st.composite
@@ -834,9 +855,10 @@ def test_write_under_jit_with_donation(backend, xp):
 # packed variable-length sequences
 
 
-def _varlen_oracle(q, k, v, qs, ks, **kw):
+def _varlen_oracle(q, k, v, qs, ks, *, with_max=False, **kw):
     t = q.shape[0]
     out, lse = np.zeros((t, HQ, v.shape[-1])), np.full((t, HQ), -np.inf)
+    top = np.full((t, HQ), -np.inf)
     for r in range(len(qs) - 1):
         a, b, c, d = qs[r], qs[r + 1], ks[r], ks[r + 1]
         if a == b:
@@ -844,7 +866,9 @@ def _varlen_oracle(q, k, v, qs, ks, **kw):
         qr, kr, vr = (x.transpose(1, 0, 2)[None] for x in (q[a:b], k[c:d], v[c:d]))
         out[a:b] = reference_attention(qr, kr, vr, **kw)[0].transpose(1, 0, 2)
         lse[a:b] = reference_lse(qr, kr, **kw)[0].transpose(1, 0)
-    return out, lse
+        logit_kw = {n: x for n, x in kw.items() if n != "sinks"}
+        top[a:b] = reference_max_logit(qr, kr, **logit_kw)[0].transpose(1, 0)
+    return (out, lse, top) if with_max else (out, lse)
 
 
 VARLEN = {
@@ -860,13 +884,17 @@ def test_varlen_against_oracle(backend, xp, name):
     qs, ks = np.array([0, 5, 6, 6, 14]), np.array([0, 9, 10, 13, 21])  # Lq != Lk per request
     q, k, v = randn(16, HQ, DK, seed=1), randn(22, HKV, DK, seed=2), randn(22, HKV, DV, seed=3)
     kw = VARLEN[name]
-    out, lse = varlen_attention(
-        *(backend.asarray(a) for a in (q, k, v, qs, ks)), return_lse=True, **_on(backend, kw)
+    out, lse, top = varlen_attention(
+        *(backend.asarray(a) for a in (q, k, v, qs, ks)),
+        return_lse=True,
+        return_max_logit=True,
+        **_on(backend, kw),
     )
-    expected_out, expected_lse = _varlen_oracle(q, k, v, qs, ks, **kw)
-    assert_close(backend, out, expected_out)
-    assert_close(backend, lse, expected_lse)
+    expected = _varlen_oracle(q, k, v, qs, ks, with_max=True, **kw)
+    for got, want in zip((out, lse, top), expected, strict=True):
+        assert_close(backend, got, want)
     assert np.all(backend.to_numpy(out)[14:] == 0.0)
+    assert np.all(backend.to_numpy(top)[14:] == -np.inf)
 
 
 def test_varlen_long_enough_to_tile(backend, xp):

@@ -70,9 +70,10 @@ def ragged_paged_attention(
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
     return_lse: bool = False,
+    return_max_logit: bool = False,
     batch_invariant: bool = False,
     plan: PagedPlan | None = None,
-) -> Array | tuple[Array, Array]:
+) -> Array | tuple[Array, ...]:
     """Attention of a ragged batch of new tokens over their requests' pages in a pool.
 
     Dimensions: ``T`` packed query rows, ``R`` requests, ``P`` pages of ``page_size``
@@ -108,6 +109,11 @@ def ragged_paged_attention(
         `alibi_slopes` have shape (Hq,), ALiBi distances use the positions above.
     return_lse : bool, default False
         Also return the rows' log-sum-exp, shape (T, Hq), in the compute dtype.
+    return_max_logit : bool, default False
+        Also return each row's largest visible score (after `scale`, `softcap` and
+        ALiBi; the sink is not a score), shape (T, Hq), in the compute dtype, after the
+        lse: ``-inf`` for padding rows and rows that see no key; no gradient. As
+        :func:`~portable_attn.scaled_dot_product_attention`'s (QK-clip reads it).
     batch_invariant : bool, default False
         Make a request's rows (output and lse) the same bits whatever other requests
         share the call and in what order, whichever pages hold its keys, and however
@@ -133,6 +139,8 @@ def ragged_paged_attention(
         In the promoted dtype of `query`, `key_pages` and `value_pages`.
     lse : array, shape (T, Hq)
         Only with `return_lse`.
+    max_logit : array, shape (T, Hq)
+        Only with `return_max_logit`.
 
     Notes
     -----
@@ -183,6 +191,7 @@ def ragged_paged_attention(
     _check_heads(xp, alibi_slopes, "alibi_slopes", hq)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
+    return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     batch_invariant = check_is_flag("batch_invariant", batch_invariant)
     left, right = (None, None) if window is None else check_window(window)
     _check_devices(
@@ -204,7 +213,7 @@ def ragged_paged_attention(
         walk = _plan_for(plan, shape, flags, page_table, kv_lengths, q_starts)[0]
     dtype = result_type(xp, query.dtype, key_pages.dtype, value_pages.dtype)
     compute = compute_dtype_of(xp, dtype)
-    out, lse = paged_attention(
+    out, lse, max_logit = paged_attention(
         xp,
         walk,
         query,
@@ -217,7 +226,13 @@ def ragged_paged_attention(
         softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
         compute_dtype=compute,
     )
-    return (out, lse) if return_lse else out
+    return _results(out, (lse, return_lse), (max_logit, return_max_logit))
+
+
+def _results(out: Any, *stats: tuple[Any, bool]) -> Any:
+    """`out` alone, or with the row statistics asked for, in order."""
+    asked = [x for x, flag in stats if flag]
+    return (out, *asked) if asked else out
 
 
 class _StepShape(NamedTuple):
@@ -564,7 +579,8 @@ def varlen_attention(
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
     return_lse: bool = False,
-) -> Array | tuple[Array, Array]:
+    return_max_logit: bool = False,
+) -> Array | tuple[Array, ...]:
     """Attention within each of R packed sequences: ``flash_attn_varlen_func``'s job.
 
     Request ``r`` owns query rows ``q_starts[r] : q_starts[r+1]`` and keys
@@ -581,7 +597,7 @@ def varlen_attention(
     is_causal : bool, default False
         Per request, bottom-right: row ``i`` of a request with ``n`` rows and ``m``
         keys sees its keys ``j <= i + m - n``.
-    window, softcap, scale, sinks, alibi_slopes, return_lse
+    window, softcap, scale, sinks, alibi_slopes, return_lse, return_max_logit
         As in :func:`ragged_paged_attention`, per request.
 
     Returns
@@ -589,6 +605,8 @@ def varlen_attention(
     out : array, shape (T, Hq, Dv)
     lse : array, shape (T, Hq)
         Only with `return_lse`.
+    max_logit : array, shape (T, Hq)
+        Only with `return_max_logit`.
 
     Notes
     -----
@@ -624,6 +642,7 @@ def varlen_attention(
     _check_heads(xp, alibi_slopes, "alibi_slopes", hq)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
+    return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     left, right = (None, None) if window is None else check_window(window)
     _check_devices(
         query=query,
@@ -680,12 +699,14 @@ def varlen_attention(
         scale=scale,
         sinks=sinks,
         return_lse=return_lse,
+        return_max_logit=return_max_logit,
     )
-    if return_lse:
-        out, lse = result
-        lse = xp.where(seg_q[:, None] < 0, -xp.inf, xp.permute_dims(lse, (1, 0)))  # padding
-        return xp.permute_dims(out, (1, 0, 2)), lse
-    return xp.permute_dims(result, (1, 0, 2))
+    if not (return_lse or return_max_logit):
+        return xp.permute_dims(result, (1, 0, 2))
+    out, *stats = result
+    padding = seg_q[:, None] < 0  # (T, 1): lse and max -inf
+    stats = [xp.where(padding, -xp.inf, xp.permute_dims(x, (1, 0))) for x in stats]
+    return (xp.permute_dims(out, (1, 0, 2)), *stats)
 
 
 # ---------------------------------------------------------------------------

@@ -608,11 +608,13 @@ def finish(
     sinks: Any | None,
     dtype: Any,
     faulty: Any | None = None,
-) -> tuple[Any, Any]:
-    """Normalise the tiles' rows and put them back in packed order: (T, Hq, Dv), (T, Hq).
+) -> tuple[Any, Any, Any]:
+    """Normalise the tiles' rows and put them back in packed order.
 
-    Padding rows are zeros with lse ``-inf``; a row that sees no key (and no sink) too.
-    The rows `faulty` (T,) marks (:func:`faulty_rows`) are NaN, out and lse.
+    Returns out (T, Hq, Dv), lse (T, Hq) and the largest visible score of each row
+    (T, Hq): the running max, the sink left out. Padding rows are zeros with lse and
+    max ``-inf``; a row that sees no key (and no sink) too. The rows `faulty` (T,)
+    marks (:func:`faulty_rows`) are NaN, in all three.
     """
     m, l_sum, acc = (x[:, 0, ...] for x in state)
     denominator = safe_denominator(xp, l_sum)
@@ -624,14 +626,14 @@ def finish(
     rows, hkv, g, hq = p.rows, p.num_kv_heads, p.groups, p.num_q_heads
     out = xp.reshape(out, (n, hkv, rows, g, p.value_dim))
     out = xp.reshape(xp.permute_dims(out, (0, 2, 1, 3, 4)), (n * rows, hq, p.value_dim))
-    lse = xp.reshape(lse, (n, hkv, rows, g))
-    lse = xp.reshape(xp.permute_dims(lse, (0, 2, 1, 3)), (n * rows, hq))
     out = xp.take(out, tiles.source, axis=0)  # (T, Hq, Dv)
-    lse = xp.take(lse, tiles.source, axis=0)
     valid = tiles.valid
     out = xp.where(valid[:, None, None], out, 0.0)
-    lse = xp.where(valid[:, None], lse, -xp.inf)
+    stats = []
+    for x in (lse, m):
+        x = xp.reshape(xp.permute_dims(xp.reshape(x, (n, hkv, rows, g)), (0, 2, 1, 3)), (-1, hq))
+        x = xp.where(valid[:, None], xp.take(x, tiles.source, axis=0), -xp.inf)
+        stats.append(x if faulty is None else xp.where(faulty[:, None], xp.nan, x))
     if faulty is not None:
         out = xp.where(faulty[:, None, None], xp.nan, out)
-        lse = xp.where(faulty[:, None], xp.nan, lse)
-    return xp.astype(out, dtype, copy=False), lse
+    return xp.astype(out, dtype, copy=False), stats[0], stats[1]

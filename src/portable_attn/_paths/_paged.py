@@ -71,8 +71,8 @@ def paged_attention(
     alibi_slopes: Any | None,
     dtype: Any,
     **layer: Any,
-) -> tuple[Any, Any]:
-    """Return (out (T, Hq, Dv), lse (T, Hq)) of a layer's call under `plan`.
+) -> tuple[Any, Any, Any]:
+    """Return out (T, Hq, Dv), lse (T, Hq) and max logit (T, Hq) of a layer's call.
 
     `layer` holds the call's own fields of :class:`~._paged.PagedProblem`
     (``value_dim``, ``scale``, ``softcap``, ``compute_dtype``).
@@ -86,12 +86,10 @@ def paged_attention(
     if alibi_slopes is not None:
         alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
     tiles = plan.tiles
-    if tiles is None:  # no row, or every row padding: zeros, lse -inf
-        kw = {"dtype": p.compute_dtype, **on_device(p.device)}
-        lse = xp.full((p.num_tokens, p.num_q_heads), -xp.inf, **kw)
-        return xp.zeros(
-            (p.num_tokens, p.num_q_heads, p.value_dim), dtype=dtype, **on_device(p.device)
-        ), lse
+    if tiles is None:  # no row, or every row padding: zeros, lse and max -inf
+        kw = on_device(p.device)
+        lse = xp.full((p.num_tokens, p.num_q_heads), -xp.inf, dtype=p.compute_dtype, **kw)
+        return xp.zeros((p.num_tokens, p.num_q_heads, p.value_dim), dtype=dtype, **kw), lse, lse
     q = _paged.tile_queries(xp, p, query, plan.slots, plan.held)
     n = tiles.request.shape[0]
     state = _paged.start(xp, p, n)
