@@ -626,6 +626,71 @@ def test_write_under_jit_with_wrong_metadata_changes_no_other_page(backend, xp, 
 
 
 # ---------------------------------------------------------------------------
+# one pool for keys and values (MLA's latent cache)
+
+
+def _one_pool(value_dim):
+    """A pool whose values are its keys' first `value_dim` features (NaN in free slots)."""
+    pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+    pool.values = [k[..., :value_dim] for k in pool.keys]
+    pool.heads = (HQ, HKV, DK, value_dim)
+    return pool
+
+
+@pytest.mark.parametrize("value_dim", [None, 5])
+def test_one_pool_for_keys_and_values(backend, xp, value_dim):
+    pool = _one_pool(value_dim or DK)
+    q, kp, _, *meta = pool.args(backend)
+    kw = {"window": (6, 0), "softcap": 2.0}
+    out, lse = ragged_paged_attention(
+        q, kp, None, *meta, value_dim=value_dim, return_lse=True, **kw
+    )
+    expected_out, expected_lse = pool.oracle(**kw)
+    assert tuple(out.shape) == (q.shape[0], HQ, value_dim or DK)
+    assert_close(backend, out, expected_out)
+    assert_close(backend, lse, expected_lse)
+    # the write: keys only, into the one pool
+    if backend.kind != "numpy_readonly":
+        new_k = backend.asarray(randn(q.shape[0], HKV, DK, seed=9))
+        k2, v2 = paged_kv_write(kp, None, *meta, new_k, None)
+        assert v2 is None
+        expected = paged_kv_write(*pool.args(backend)[1:3], *meta, new_k, new_k[..., :DV])[0]
+        np.testing.assert_array_equal(backend.to_numpy(k2), backend.to_numpy(expected))
+
+
+@pytest.mark.autodiff
+def test_one_pool_gradients_are_the_keys_and_the_values(backend, xp):
+    # the pool's gradient is its keys' plus, on the first value_dim features, its values'
+    pool = Pool([5, 3], [2, 1], page_size=2, num_pages=6, fill=0.0, pad=1)
+    q, kp, _, *meta = pool.args(backend)
+    w = backend.asarray(randn(q.shape[0], HQ, 5, seed=4))
+
+    def one(q, kp):
+        return xp.sum(ragged_paged_attention(q, kp, None, *meta, value_dim=5) * w)
+
+    def two(q, kp, vp):
+        return xp.sum(ragged_paged_attention(q, kp, vp, *meta) * w)
+
+    gq, gk = backend.grad(one, q, kp)
+    eq, ek, ev = backend.grad(two, q, kp, kp[..., :5])
+    ek, ev = backend.to_numpy(ek), backend.to_numpy(ev)
+    ek[..., :5] += ev
+    assert_close(backend, gq, backend.to_numpy(eq))
+    assert_close(backend, gk, ek)
+
+
+def test_one_pool_is_refused_where_it_cannot_be(backend, xp):
+    pool = Pool([5, 9], [2, 1])
+    q, kp, vp, *meta = pool.args(backend)
+    with pytest.raises(ValueError, match=r"`value_dim` \(9\) must be at most .*Dk = 8"):
+        ragged_paged_attention(q, kp, None, *meta, value_dim=9)
+    with pytest.raises(ValueError, match=r"`value_dim` \(5\) is for `value_pages=None`"):
+        ragged_paged_attention(q, kp, vp, *meta, value_dim=5)
+    with pytest.raises(TypeError, match="`value_pages` and `new_values` must both be"):
+        paged_kv_write(kp, None, *meta, q[:, :HKV, :], q[:, :HKV, :DV])
+
+
+# ---------------------------------------------------------------------------
 # a step's plan, shared by its layers
 
 

@@ -58,7 +58,7 @@ Array = Any
 def ragged_paged_attention(
     query: Array,
     key_pages: Array,
-    value_pages: Array,
+    value_pages: Array | None,
     page_table: Array,
     kv_lengths: Array,
     q_starts: Array,
@@ -73,6 +73,7 @@ def ragged_paged_attention(
     return_max_logit: bool = False,
     batch_invariant: bool = False,
     plan: PagedPlan | None = None,
+    value_dim: int | None = None,
 ) -> Array | tuple[Array, ...]:
     """Attention of a ragged batch of new tokens over their requests' pages in a pool.
 
@@ -88,8 +89,9 @@ def ragged_paged_attention(
         and come out as zeros (lse ``-inf``).
     key_pages : array, shape (P, page_size, Hkv, Dk)
         The pool of keys (vLLM's and flash-attn's token-major layout).
-    value_pages : array, shape (P, page_size, Hkv, Dv)
-        The pool of values.
+    value_pages : array, shape (P, page_size, Hkv, Dv), or None
+        The pool of values. None: the values are the first `value_dim` features of
+        the keys (one pool for both, as MLA's latent cache keeps them), gathered once.
     page_table : integer array, shape (R, max_pages)
         Request ``r``'s logical page ``j`` is physical page ``page_table[r, j]``;
         entries past a request's length are not read (any value).
@@ -132,6 +134,9 @@ def ragged_paged_attention(
         from the same `page_table`, `kv_lengths` and `q_starts` arrays and options:
         the call then neither reads nor checks the metadata. Without it the call
         plans for itself.
+    value_dim : int, optional
+        With ``value_pages=None``: ``Dv``, the key features that are the values (the
+        first ones), ``1 <= value_dim <= Dk``; by default all of them.
 
     Returns
     -------
@@ -184,7 +189,7 @@ def ragged_paged_attention(
     t, hq, dk = _check_rank(xp, "query", query, 3, "(T, Hq, Dk)")
     _same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
     n_pages, page_size, hkv, dv, _, max_pages = _check_paged(
-        xp, key_pages, value_pages, page_table, kv_lengths, q_starts
+        xp, key_pages, value_pages, page_table, kv_lengths, q_starts, value_dim
     )
     _check_groups(query, key_pages, hq, hkv)
     _check_heads(xp, sinks, "sinks", hq)
@@ -211,7 +216,8 @@ def ragged_paged_attention(
         walk = _walk_plan(xp, shape, page_table, kv_lengths, q_starts, *flags)
     else:
         walk = _plan_for(plan, shape, flags, page_table, kv_lengths, q_starts)[0]
-    dtype = result_type(xp, query.dtype, key_pages.dtype, value_pages.dtype)
+    pools = (key_pages,) if value_pages is None else (key_pages, value_pages)
+    dtype = result_type(xp, query.dtype, *(x.dtype for x in pools))
     compute = compute_dtype_of(xp, dtype)
     out, lse, max_logit = paged_attention(
         xp,
@@ -468,15 +474,15 @@ def _plan_for(
 
 def paged_kv_write(
     key_pages: Array,
-    value_pages: Array,
+    value_pages: Array | None,
     page_table: Array,
     kv_lengths: Array,
     q_starts: Array,
     new_keys: Array,
-    new_values: Array,
+    new_values: Array | None,
     *,
     plan: PagedPlan | None = None,
-) -> tuple[Array, Array]:
+) -> tuple[Array, Array | None]:
     """Write the new tokens' keys and values into their pages; return the pools.
 
     Row ``i`` of request ``r`` (``n_r = q_starts[r+1] - q_starts[r]`` rows) goes to
@@ -496,13 +502,15 @@ def paged_kv_write(
     Parameters
     ----------
     key_pages : array, shape (P, page_size, Hkv, Dk)
-    value_pages : array, shape (P, page_size, Hkv, Dv)
+    value_pages : array, shape (P, page_size, Hkv, Dv), or None
+        None: one pool for keys and values (``ragged_paged_attention(value_pages=None)``);
+        `new_values` is then None too.
     page_table : integer array, shape (R, max_pages)
     kv_lengths : integer array, shape (R,)
     q_starts : integer array, shape (R + 1,)
     new_keys : array, shape (T, Hkv, Dk)
         Cast to the pool's dtype.
-    new_values : array, shape (T, Hkv, Dv)
+    new_values : array, shape (T, Hkv, Dv), or None
     plan : PagedPlan, optional
         The step's plan (:func:`plan_ragged`), as :func:`ragged_paged_attention` takes
         it: the slots to write are then the plan's, the metadata neither read nor
@@ -511,7 +519,7 @@ def paged_kv_write(
     Returns
     -------
     key_pages, value_pages : arrays
-        The pools with the new tokens written.
+        The pools with the new tokens written (`value_pages` None if given None).
     """
     xp = _namespace(
         key_pages,
@@ -535,12 +543,20 @@ def paged_kv_write(
         xp, key_pages, value_pages, page_table, kv_lengths, q_starts
     )
     t = _check_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
-    _check_rank(xp, "new_values", new_values, 3, "(T, Hkv, Dv)")
-    _same_axis("new_keys", new_keys, 0, "new_values", new_values, 0, "T")
     _same_axis("new_keys", new_keys, 1, "key_pages", key_pages, 2, "Hkv")
     _same_axis("new_keys", new_keys, 2, "key_pages", key_pages, 3, "Dk")
-    _same_axis("new_values", new_values, 1, "value_pages", value_pages, 2, "Hkv")
-    _same_axis("new_values", new_values, 2, "value_pages", value_pages, 3, "Dv")
+    if (value_pages is None) != (new_values is None):
+        msg = (
+            "`value_pages` and `new_values` must both be arrays or both None (one pool for "
+            f"keys and values), but got {type(value_pages).__name__} and "
+            f"{type(new_values).__name__}"
+        )
+        raise TypeError(msg)
+    if new_values is not None:
+        _check_rank(xp, "new_values", new_values, 3, "(T, Hkv, Dv)")
+        _same_axis("new_keys", new_keys, 0, "new_values", new_values, 0, "T")
+        _same_axis("new_values", new_values, 1, "value_pages", value_pages, 2, "Hkv")
+        _same_axis("new_values", new_values, 2, "value_pages", value_pages, 3, "Dv")
     _check_devices(
         key_pages=key_pages,
         value_pages=value_pages,
@@ -559,10 +575,12 @@ def paged_kv_write(
         slots = _plan_for(plan, shape, None, page_table, kv_lengths, q_starts)[1]
     if slots is None:  # no row, or every row padding
         return key_pages, value_pages
-    new_k = xp.astype(new_keys, key_pages.dtype)
-    new_v = xp.astype(new_values, value_pages.dtype)
-    write = _WRITERS[library(key_pages).writes]
-    return write(xp, (key_pages, value_pages), (new_k, new_v), slots)
+    named = {"key_pages": (key_pages, new_keys), "value_pages": (value_pages, new_values)}
+    named = {
+        n: (pool, xp.astype(x, pool.dtype)) for n, (pool, x) in named.items() if x is not None
+    }
+    written = _WRITERS[library(key_pages).writes](xp, named, slots)
+    return written[0], (written[1] if value_pages is not None else None)
 
 
 def varlen_attention(
@@ -758,31 +776,35 @@ def _write_slots(
     return _Slots(xp.astype(page, q_starts.dtype), pos % page_size, valid, rows)
 
 
-def _write_items(xp: Any, pools: Any, new: Any, slots: _Slots) -> tuple[Any, Any]:
+#: the pools to write, by argument name: ``name -> (pool, new rows in its dtype)``
+_Named = dict[str, tuple[Any, Any]]
+
+
+def _write_items(xp: Any, named: _Named, slots: _Slots) -> list[Any]:
     """NumPy, torch, CuPy: item assignment into the given pools (padding rows left out)."""
-    for name, pool in zip(("key_pages", "value_pages"), pools, strict=True):
+    for name, (pool, _) in named.items():
         if getattr(getattr(pool, "flags", None), "writeable", True) is False:
             msg = f"`{name}` is a read-only NumPy array: paged_kv_write writes into the pools"
             raise ValueError(msg)
     n = slots.rows
-    for pool, x in zip(pools, new, strict=True):
+    for pool, x in named.values():
         pool[slots.page[:n], slots.slot[:n]] = x[:n]
-    return pools[0], pools[1]
+    return [pool for pool, _ in named.values()]
 
 
-def _write_at(xp: Any, pools: Any, new: Any, slots: _Slots) -> tuple[Any, Any]:
+def _write_at(xp: Any, named: _Named, slots: _Slots) -> list[Any]:
     """JAX: ``.at[page, slot].set``, padding rows sent out of bounds and dropped."""
-    page = xp.where(slots.valid, slots.page, pools[0].shape[0])
-    out = [
-        pool.at[page, slots.slot].set(x, mode="drop") for pool, x in zip(pools, new, strict=True)
-    ]
-    return out[0], out[1]
+    out = []
+    for pool, x in named.values():
+        page = xp.where(slots.valid, slots.page, pool.shape[0])
+        out.append(pool.at[page, slots.slot].set(x, mode="drop"))
+    return out
 
 
-def _write_arrays(xp: Any, pools: Any, new: Any, slots: _Slots) -> tuple[Any, Any]:
+def _write_arrays(xp: Any, named: _Named, slots: _Slots) -> list[Any]:
     """Any array-API library: new pools, each slot taking the row written to it (O(slots · T))."""
     out = []
-    for pool, x in zip(pools, new, strict=True):
+    for pool, x in named.values():
         n_pages, page_size = pool.shape[:2]
         flat = xp.reshape(pool, (n_pages * page_size, *pool.shape[2:]))
         target = xp.where(slots.valid, slots.page * page_size + slots.slot, -1)  # (T,)
@@ -792,7 +814,7 @@ def _write_arrays(xp: Any, pools: Any, new: Any, slots: _Slots) -> tuple[Any, An
         written = xp.any(hits, axis=1)[:, None, None]
         flat = xp.where(written, xp.take(x, row, axis=0), flat)
         out.append(xp.reshape(flat, pool.shape))
-    return out[0], out[1]
+    return out
 
 
 #: how a library writes rows into its pools: the ``writes`` column of its router row
@@ -824,14 +846,45 @@ def _namespace(
 
 
 def _check_paged(
-    xp: Any, key_pages: Any, value_pages: Any, page_table: Any, kv_lengths: Any, q_starts: Any
+    xp: Any,
+    key_pages: Any,
+    value_pages: Any,
+    page_table: Any,
+    kv_lengths: Any,
+    q_starts: Any,
+    value_dim: Any = None,
 ) -> tuple[int, int, int, int, int, int]:
-    """Check the pools and the metadata; return P, page_size, Hkv, Dv, R, max_pages."""
-    n_pages, page_size, hkv, _ = _check_pool(xp, "key_pages", key_pages, "(P, page_size, Hkv, Dk)")
-    dv = _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")[3]
-    _same_axes(
-        "key_pages", key_pages, "value_pages", value_pages, (0, 1, 2), ("P", "page_size", "Hkv")
-    )
+    """Check the pools and the metadata; return P, page_size, Hkv, Dv, R, max_pages.
+
+    ``value_pages=None``: the values are the first `value_dim` features of the keys.
+    """
+    layout = "(P, page_size, Hkv, Dk)"
+    n_pages, page_size, hkv, dk = _check_pool(xp, "key_pages", key_pages, layout)
+    if value_pages is None:
+        dv = dk if value_dim is None else check_count("value_dim", value_dim, minimum=1)
+        if dv > dk:
+            msg = (
+                f"`value_dim` ({dv}) must be at most the keys' features (Dk = {dk}, axis 3 "
+                f"of `key_pages` shape {tuple(key_pages.shape)}): with `value_pages=None` the "
+                "values are the first `value_dim` features of the keys"
+            )
+            raise ValueError(msg)
+    else:
+        dv = _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")[3]
+        _same_axes(
+            "key_pages",
+            key_pages,
+            "value_pages",
+            value_pages,
+            (0, 1, 2),
+            ("P", "page_size", "Hkv"),
+        )
+        if value_dim is not None and value_dim != dv:
+            msg = (
+                f"`value_dim` ({value_dim}) is for `value_pages=None`; given `value_pages` of "
+                f"shape {tuple(value_pages.shape)}, Dv is its axis 3 ({dv})"
+            )
+            raise ValueError(msg)
     n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
     _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
     _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")

@@ -468,7 +468,8 @@ def step(
     """Fold the key chunk `index` locates (:func:`chunk_index`) into the tiles' state.
 
     `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles; `pools` is
-    ``(key_pages, value_pages)``; `alibi` the slopes as :func:`head_rows` lays them
+    ``(key_pages, value_pages)``, `value_pages` None where the values are the keys'
+    first ``value_dim`` features; `alibi` the slopes as :func:`head_rows` lays them
     out, or None. `sanitize`: zero the gathered slots past a request's length;
     `masked`: hide the keys past a length and those causal or window structure hides.
     Either False only where the caller knows there is nothing to zero or hide in any
@@ -481,11 +482,13 @@ def step(
     c, ps, bk = p.chunk_pages, p.page_size, p.chunk_keys
     c2, b = (c, ps) if p.by_page else (1, bk)
     k = _gathered(xp, p, key_pages, pages, n)
-    v = _gathered(xp, p, value_pages, pages, n)
+    v = None if value_pages is None else _gathered(xp, p, value_pages, pages, n)
     if sanitize:  # slots past a length: zero, whatever they hold (NaN in values or gradients)
         keep = xp.reshape(key_ok, (n, c2, 1, b, 1))
         k = xp.where(keep, k, 0.0)
-        v = xp.where(keep, v, 0.0)
+        v = None if v is None else xp.where(keep, v, 0.0)
+    if v is None:  # one pool: the values are the keys' first value_dim features
+        v = k[..., : p.value_dim]
     s = q[:, None, ...] @ xp.matrix_transpose(k)  # (N, c', Hkv, rows·G, b)
     if p.softcap is not None:
         s = p.softcap * xp.tanh(s / p.softcap)

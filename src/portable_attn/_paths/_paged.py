@@ -81,7 +81,8 @@ def paged_attention(
     key_pages, value_pages, page_table, kv_lengths = pools
     if p.head_major:  # (P, Hkv, page_size, D) views: a gathered page is a head's keys
         key_pages = xp.permute_dims(key_pages, (0, 2, 1, 3))
-        value_pages = xp.permute_dims(value_pages, (0, 2, 1, 3))
+        if value_pages is not None:
+            value_pages = xp.permute_dims(value_pages, (0, 2, 1, 3))
     alibi = None
     if alibi_slopes is not None:
         alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
