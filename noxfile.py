@@ -123,6 +123,7 @@ def _pytest(
     backend: str,
     env: dict[str, str] | None = None,
     ignore: tuple[str, ...] = (),
+    only: tuple[str, ...] = (),
 ) -> None:
     session.run(
         "python",
@@ -134,6 +135,7 @@ def _pytest(
         "--ignore=tests/integrations",  # the tests-integrations session runs those
         *(f"--ignore={path}" for path in ignore),
         *session.posargs,
+        *only,
         env={"PORTABLE_ATTN_BACKEND": backend, **jax_cache(session), **(env or {})},
     )
 
@@ -145,6 +147,13 @@ BITWISE_TESTS = ("tests/test_serving.py", "tests/test_determinism.py")
 #: OpenBLAS core types the bitwise tests also run under (``OPENBLAS_CORETYPE``): an AVX2
 #: kernel set and an AVX-512 one, whatever CPU the session runs on
 BLAS_CORES = ("Haswell", "SkylakeX")
+#: XLA's CPU code generation without LLVM's optimisations: the JAX suites compile hundreds of
+#: small programs and run each once or twice, so compiling is most of their time.
+#: tests/test_loop.py and tests/test_learned_score_mod.py took 62 s with it and 88 s
+#: without (2 workers, one run after the other, 2-core AMD EPYC). The graph passes (fusion,
+#: buffer assignment) are XLA's own and run either way; the bitwise tests (BITWISE_TESTS)
+#: run again with the default code generation, as users compile.
+FAST_COMPILE = ("XLA_FLAGS", "--xla_backend_optimization_level=0")
 #: a float64 and a float32 product large enough to take OpenBLAS's blocked GEMM: run under a
 #: core type before the bitwise tests are, since some OpenBLAS builds crash on a forced one
 #: (NumPy 2.5.5's OpenBLAS 0.3.34 segfaults in any such product under ``Haswell`` on an
@@ -236,6 +245,7 @@ class Backend:
     families: str | None = None  # the suite's --backend, by default the session's name
     blas_cores: tuple[str, ...] = ()  # run BITWISE_TESTS again under each OpenBLAS core type
     env: tuple[tuple[str, str], ...] = ()  # the suite's environment variables
+    fast_compile: bool = False  # FAST_COMPILE on a CPU, then BITWISE_TESTS without it
 
 
 BACKENDS = {
@@ -260,6 +270,7 @@ BACKENDS = {
         first=JAX_SPEC,
         # a documented JAX option some code bases set globally: the whole suite runs with it
         env=(("JAX_NUMPY_RANK_PROMOTION", "raise"),),
+        fast_compile=True,
     ),
     "dask": Backend(
         "Dask arrays chunked on every axis; a two-process dask.distributed cluster.",
@@ -286,7 +297,12 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
             session.install(spec.first)
         session.install(*pin, ".[test]", *spec.also)
         families = spec.families or backend
-        _pytest(session, families, dict(spec.env))
+        env = dict(spec.env)
+        if spec.fast_compile and not _has_nvidia_gpu():
+            _pytest(session, families, {**env, **dict([FAST_COMPILE])}, ignore=BITWISE_TESTS)
+            _pytest(session, families, env, only=BITWISE_TESTS)
+        else:
+            _pytest(session, families, env)
         for core in spec.blas_cores:
             if not blas_core_runs(os.path.join(session.bin, "python"), core):
                 session.warn(f"NumPy's OpenBLAS crashes under OPENBLAS_CORETYPE={core}: skipped")
@@ -384,7 +400,8 @@ def _min_deps_session(
         session.install("--only-binary=:all:", "-c", pin, *(p.split("==")[0] for p in pins))
         session.install("-c", pin, f".[{','.join(extras)}]")
         session.run("python", "-m", "pip", "list")  # the versions tested, in the log
-        _pytest(session, backends, ignore=leaves)
+        env = dict([FAST_COMPILE]) if "jax" in backends and not _has_nvidia_gpu() else {}
+        _pytest(session, backends, env, ignore=leaves)
 
     return tests
 

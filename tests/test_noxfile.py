@@ -266,11 +266,21 @@ def test_a_core_type_whose_blas_crashes_is_skipped_with_a_warning(noxfile, monke
 
 
 def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, tmp_path):
+    # every run of the suite with it; on a CPU the suite compiles without LLVM's
+    # optimisations but the bitwise tests, which then run as users compile
     seen = []
-    monkeypatch.setattr(noxfile, "_pytest", lambda session, families, env=None: seen.append(env))
+
+    def pytest_(session, families, env=None, ignore=(), only=()):
+        seen.append((env, ignore, only))
+
+    monkeypatch.setattr(noxfile, "_pytest", pytest_)
+    monkeypatch.setattr(noxfile, "_has_nvidia_gpu", lambda: False)
     session = FakeSession(tmp_path)
     noxfile._tests_session("jax", noxfile.BACKENDS["jax"])(session)
-    assert seen == [{"JAX_NUMPY_RANK_PROMOTION": "raise"}]
+    rank = {"JAX_NUMPY_RANK_PROMOTION": "raise"}
+    fast = dict([noxfile.FAST_COMPILE])
+    bitwise = noxfile.BITWISE_TESTS
+    assert seen == [({**rank, **fast}, bitwise, ()), (rank, (), bitwise)]
 
 
 @pytest.mark.parametrize("name", ["tests_min_deps_jax", "tests_integrations"])
