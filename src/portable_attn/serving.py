@@ -37,9 +37,17 @@ from ._lib._compat import (
 from ._lib._route import library, tile_rows
 from ._lib._validation import (
     check_count,
-    check_floating,
+    check_exact_rank,
+    check_groups,
+    check_head_groups,
+    check_head_vector,
+    check_integer_array,
     check_is_flag,
-    check_same_device,
+    check_one_device,
+    check_paged,
+    check_paged_metadata,
+    check_same_axis,
+    check_starts,
     check_window,
 )
 from ._paths._paged import paged_attention, plan_walk
@@ -186,20 +194,20 @@ def ragged_paged_attention(
     xp = _namespace(
         query, key_pages, value_pages, page_table, kv_lengths, q_starts, sinks, alibi_slopes
     )
-    t, hq, dk = _check_rank(xp, "query", query, 3, "(T, Hq, Dk)")
-    _same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
-    n_pages, page_size, hkv, dv, _, max_pages = _check_paged(
+    t, hq, dk = check_exact_rank(xp, "query", query, 3, "(T, Hq, Dk)")
+    check_same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
+    n_pages, page_size, hkv, dv, _, max_pages = check_paged(
         xp, key_pages, value_pages, page_table, kv_lengths, q_starts, value_dim
     )
-    _check_groups(query, key_pages, hq, hkv)
-    _check_heads(xp, sinks, "sinks", hq)
-    _check_heads(xp, alibi_slopes, "alibi_slopes", hq)
+    check_head_groups(query, key_pages, hq, hkv)
+    check_head_vector(xp, sinks, "sinks", hq)
+    check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     batch_invariant = check_is_flag("batch_invariant", batch_invariant)
     left, right = (None, None) if window is None else check_window(window)
-    _check_devices(
+    check_one_device(
         query=query,
         key_pages=key_pages,
         value_pages=value_pages,
@@ -212,7 +220,7 @@ def ragged_paged_attention(
     shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
     flags = (is_causal, (left, right) if window is not None else None, batch_invariant)
     if plan is None:
-        _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
+        check_paged_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
         walk = _walk_plan(xp, shape, page_table, kv_lengths, q_starts, *flags)
     else:
         walk = _plan_for(plan, shape, flags, page_table, kv_lengths, q_starts)[0]
@@ -351,17 +359,15 @@ def plan_ragged(
         "num_pages": (num_pages, 1),
     }
     t, hq, hkv, ps, n_pages = (check_count(n, v, minimum=m) for n, (v, m) in counts.items())
-    if hq % hkv:
-        msg = f"`num_q_heads` ({hq}) must be a multiple of `num_kv_heads` ({hkv})"
-        raise ValueError(msg)
-    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
-    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
-    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
-    _check_devices(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
+    check_groups(hq, hkv, "(`num_q_heads`)", "`num_kv_heads`")
+    n_req, max_pages = check_integer_array(xp, "page_table", page_table, 2, "(R, max_pages)")
+    check_integer_array(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
+    check_integer_array(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
+    check_one_device(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
     is_causal = check_is_flag("is_causal", is_causal)
     batch_invariant = check_is_flag("batch_invariant", batch_invariant)
     left, right = (None, None) if window is None else check_window(window)
-    _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, ps, max_pages)
+    check_paged_metadata(q_starts, kv_lengths, page_table, t, n_pages, ps, max_pages)
     shape = _StepShape(t, hq, hkv, ps, n_pages, max_pages)
     bounds = None if window is None else (left, right)
     walk = _walk_plan(
@@ -539,12 +545,12 @@ def paged_kv_write(
             "new_values",
         ),
     )
-    n_pages, page_size, hkv, _, _, max_pages = _check_paged(
+    n_pages, page_size, hkv, _, _, max_pages = check_paged(
         xp, key_pages, value_pages, page_table, kv_lengths, q_starts
     )
-    t = _check_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
-    _same_axis("new_keys", new_keys, 1, "key_pages", key_pages, 2, "Hkv")
-    _same_axis("new_keys", new_keys, 2, "key_pages", key_pages, 3, "Dk")
+    t = check_exact_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
+    check_same_axis("new_keys", new_keys, 1, "key_pages", key_pages, 2, "Hkv")
+    check_same_axis("new_keys", new_keys, 2, "key_pages", key_pages, 3, "Dk")
     if (value_pages is None) != (new_values is None):
         msg = (
             "`value_pages` and `new_values` must both be arrays or both None (one pool for "
@@ -553,11 +559,11 @@ def paged_kv_write(
         )
         raise TypeError(msg)
     if new_values is not None:
-        _check_rank(xp, "new_values", new_values, 3, "(T, Hkv, Dv)")
-        _same_axis("new_keys", new_keys, 0, "new_values", new_values, 0, "T")
-        _same_axis("new_values", new_values, 1, "value_pages", value_pages, 2, "Hkv")
-        _same_axis("new_values", new_values, 2, "value_pages", value_pages, 3, "Dv")
-    _check_devices(
+        check_exact_rank(xp, "new_values", new_values, 3, "(T, Hkv, Dv)")
+        check_same_axis("new_keys", new_keys, 0, "new_values", new_values, 0, "T")
+        check_same_axis("new_values", new_values, 1, "value_pages", value_pages, 2, "Hkv")
+        check_same_axis("new_values", new_values, 2, "value_pages", value_pages, 3, "Dv")
+    check_one_device(
         key_pages=key_pages,
         value_pages=value_pages,
         page_table=page_table,
@@ -567,7 +573,7 @@ def paged_kv_write(
         new_values=new_values,
     )
     if plan is None:
-        _check_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
+        check_paged_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
         slots = _write_slots(xp, page_table, kv_lengths, q_starts, t, n_pages, page_size)
     else:
         hq = getattr(plan, "num_q_heads", 0)  # the write has no query heads
@@ -644,25 +650,25 @@ def varlen_attention(
         alibi_slopes,
         names=("query", "key", "value", "q_starts", "kv_starts", "sinks", "alibi_slopes"),
     )
-    t, hq, _ = _check_rank(xp, "query", query, 3, "(T, Hq, Dk)")
-    s, hkv, _ = _check_rank(xp, "key", key, 3, "(S, Hkv, Dk)")
-    _check_rank(xp, "value", value, 3, "(S, Hkv, Dv)")
-    _same_axis("query", query, 2, "key", key, 2, "Dk")
-    _same_axis("key", key, 0, "value", value, 0, "S")
-    _same_axis("key", key, 1, "value", value, 1, "Hkv")
-    _check_groups(query, key, hq, hkv)
-    (n1,) = _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)")
-    _check_integer(xp, "kv_starts", kv_starts, 1, "(R + 1,)", (n1,), "q_starts")
+    t, hq, _ = check_exact_rank(xp, "query", query, 3, "(T, Hq, Dk)")
+    s, hkv, _ = check_exact_rank(xp, "key", key, 3, "(S, Hkv, Dk)")
+    check_exact_rank(xp, "value", value, 3, "(S, Hkv, Dv)")
+    check_same_axis("query", query, 2, "key", key, 2, "Dk")
+    check_same_axis("key", key, 0, "value", value, 0, "S")
+    check_same_axis("key", key, 1, "value", value, 1, "Hkv")
+    check_head_groups(query, key, hq, hkv)
+    (n1,) = check_integer_array(xp, "q_starts", q_starts, 1, "(R + 1,)")
+    check_integer_array(xp, "kv_starts", kv_starts, 1, "(R + 1,)", (n1,), "q_starts")
     if n1 < 1:
         msg = f"`q_starts` must hold at least one entry (R + 1 >= 1), but got shape {(n1,)}"
         raise ValueError(msg)
-    _check_heads(xp, sinks, "sinks", hq)
-    _check_heads(xp, alibi_slopes, "alibi_slopes", hq)
+    check_head_vector(xp, sinks, "sinks", hq)
+    check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     left, right = (None, None) if window is None else check_window(window)
-    _check_devices(
+    check_one_device(
         query=query,
         key=key,
         value=value,
@@ -672,7 +678,7 @@ def varlen_attention(
         alibi_slopes=alibi_slopes,
     )
     for name, starts, limit in (("q_starts", q_starts, t), ("kv_starts", kv_starts, s)):
-        _check_starts(name, starts, limit)
+        check_starts(name, starts, limit)
     seg_q, pos_q = _segments(xp, q_starts, t, -1)
     seg_k, pos_k = _segments(xp, kv_starts, s, -2)
     # a row's place among its request's keys: bottom-right
@@ -843,182 +849,3 @@ def _namespace(
             )
             raise TypeError(msg)
     return array_namespace(**named)
-
-
-def _check_paged(
-    xp: Any,
-    key_pages: Any,
-    value_pages: Any,
-    page_table: Any,
-    kv_lengths: Any,
-    q_starts: Any,
-    value_dim: Any = None,
-) -> tuple[int, int, int, int, int, int]:
-    """Check the pools and the metadata; return P, page_size, Hkv, Dv, R, max_pages.
-
-    ``value_pages=None``: the values are the first `value_dim` features of the keys.
-    """
-    layout = "(P, page_size, Hkv, Dk)"
-    n_pages, page_size, hkv, dk = _check_pool(xp, "key_pages", key_pages, layout)
-    if value_pages is None:
-        dv = dk if value_dim is None else check_count("value_dim", value_dim, minimum=1)
-        if dv > dk:
-            msg = (
-                f"`value_dim` ({dv}) must be at most the keys' features (Dk = {dk}, axis 3 "
-                f"of `key_pages` shape {tuple(key_pages.shape)}): with `value_pages=None` the "
-                "values are the first `value_dim` features of the keys"
-            )
-            raise ValueError(msg)
-    else:
-        dv = _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")[3]
-        _same_axes(
-            "key_pages",
-            key_pages,
-            "value_pages",
-            value_pages,
-            (0, 1, 2),
-            ("P", "page_size", "Hkv"),
-        )
-        if value_dim is not None and value_dim != dv:
-            msg = (
-                f"`value_dim` ({value_dim}) is for `value_pages=None`; given `value_pages` of "
-                f"shape {tuple(value_pages.shape)}, Dv is its axis 3 ({dv})"
-            )
-            raise ValueError(msg)
-    n_req, max_pages = _check_integer(xp, "page_table", page_table, 2, "(R, max_pages)")
-    _check_integer(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
-    _check_integer(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
-    return n_pages, page_size, hkv, dv, n_req, max_pages
-
-
-def _check_rank(xp: Any, name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
-    if x.ndim != ndim:
-        msg = f"`{name}` must have shape {layout}, but got shape {tuple(x.shape)}"
-        raise ValueError(msg)
-    check_floating(xp, name, x)
-    return tuple(int(n) for n in x.shape)
-
-
-def _check_pool(xp: Any, name: str, x: Any, layout: str) -> tuple[int, ...]:
-    shape = _check_rank(xp, name, x, 4, layout)
-    if shape[1] < 1 or shape[2] < 1:
-        msg = f"`{name}` must have pages of at least one slot and one head, but got shape {shape}"
-        raise ValueError(msg)
-    return shape
-
-
-def _same_axis(a: str, x: Any, ax: int, b: str, y: Any, ay: int, what: str) -> None:
-    if x.shape[ax] != y.shape[ay]:
-        msg = (
-            f"`{a}` axis {ax} and `{b}` axis {ay} ({what}) must agree, but got {a} shape "
-            f"{tuple(x.shape)} and {b} shape {tuple(y.shape)}"
-        )
-        raise ValueError(msg)
-
-
-def _same_axes(
-    a: str, x: Any, b: str, y: Any, axes: tuple[int, ...], what: tuple[str, ...]
-) -> None:
-    for ax, w in zip(axes, what, strict=True):
-        _same_axis(a, x, ax, b, y, ax, w)
-
-
-def _check_groups(query: Any, keys: Any, hq: int, hkv: int) -> None:
-    if hkv == 0 or hq % hkv:
-        msg = (
-            f"the query heads (Hq={hq}, `query` shape {tuple(query.shape)}) must be a multiple "
-            f"of the key/value heads (Hkv={hkv}, shape {tuple(keys.shape)})"
-        )
-        raise ValueError(msg)
-
-
-def _check_integer(
-    xp: Any,
-    name: str,
-    x: Any,
-    ndim: int,
-    layout: str,
-    shape: tuple[int, ...] | None = None,
-    other: str = "",
-) -> tuple[int, ...]:
-    if not hasattr(x, "dtype") or not xp.isdtype(x.dtype, "integral"):
-        got = getattr(x, "dtype", type(x).__name__)
-        msg = f"`{name}` must be an integer array of shape {layout}, but got {got}"
-        raise TypeError(msg)
-    if x.ndim != ndim or (shape is not None and tuple(x.shape) != shape):
-        msg = f"`{name}` must have shape {layout}, but got shape {tuple(x.shape)}"
-        if shape is not None:
-            msg += f" (R = {shape[0] if layout != '(R + 1,)' else shape[0] - 1} from `{other}`)"
-        raise ValueError(msg)
-    return tuple(int(n) for n in x.shape)
-
-
-def _check_heads(xp: Any, x: Any, name: str, hq: int) -> None:
-    if x is None:
-        return
-    check_floating(xp, name, x)
-    if tuple(x.shape) != (hq,):
-        msg = f"`{name}` must have shape (Hq,) = ({hq},), but got shape {tuple(x.shape)}"
-        raise ValueError(msg)
-
-
-def _check_devices(**named: Any) -> None:
-    """Every array on one device (traced arrays, whose device is None, are not compared)."""
-    placed = [n for n, x in named.items() if x is not None and device(x) is not None]
-    if placed:
-        check_same_device(named, placed[0], device(named[placed[0]]), device)
-
-
-def _check_starts(name: str, starts: Any, limit: int) -> Any:
-    """Check `starts` on the host (when it has values): 0 first, nondecreasing, <= limit."""
-    if not has_concrete_values(starts):
-        return None
-    import numpy as np
-
-    v = np.asarray(to_host(starts), dtype=np.int64)
-    if _paged.starts_fault(np, v, limit):
-        msg = (
-            f"`{name}` must start at 0, never decrease and end at most at {limit} (axis 0 of "
-            f"the packed array), but got {v.tolist()}"
-        )
-        raise ValueError(msg)
-    return v
-
-
-def _check_metadata(
-    q_starts: Any,
-    kv_lengths: Any,
-    page_table: Any,
-    t: int,
-    n_pages: int,
-    page_size: int,
-    max_pages: int,
-) -> None:
-    """Check metadata with values: lengths that fit the table and rows, pages in the pool."""
-    import numpy as np
-
-    starts = _check_starts("q_starts", q_starts, t)
-    if starts is None or not has_concrete_values(kv_lengths):
-        return
-    lengths = np.asarray(to_host(kv_lengths), dtype=np.int64)
-    known = has_concrete_values(page_table)
-    table = np.asarray(to_host(page_table) if known else np.zeros(page_table.shape), np.int64)
-    _, bad_lengths, wrong = _paged.metadata_faults(
-        array_namespace(kv_lengths=lengths), starts, lengths, table, t, n_pages, page_size, None
-    )
-    bad = np.nonzero(bad_lengths)[0]
-    if len(bad):
-        r = int(bad[0])
-        rows = np.diff(starts)
-        msg = (
-            f"`kv_lengths`[{r}] = {lengths[r]} must be at least the request's {rows[r]} new "
-            f"row(s) (`q_starts`) and at most max_pages * page_size = {max_pages * page_size}"
-        )
-        raise ValueError(msg)
-    if known and wrong.any():
-        r, j = (int(i) for i in np.argwhere(wrong)[0])
-        msg = (
-            f"`page_table`[{r}, {j}] = {table[r, j]} is not a page of the pool (0 <= page < "
-            f"P = {n_pages}, axis 0 of `key_pages`), and request {r} uses it"
-        )
-        raise ValueError(msg)

@@ -18,6 +18,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from . import _paged
+from ._compat import array_namespace, device, has_concrete_values, to_host
+
 __all__ = [
     "array_or_none",
     "broadcast_batch_shapes",
@@ -362,15 +365,25 @@ def check_attention_arrays(query: Any, key: Any, value: Any | None) -> tuple[Sha
             f"query shape {_shape(query)} and key shape {_shape(key)}"
         )
         raise ValueError(msg)
-    hq, hkv = q[-3], k[-3]
+    q_from, kv_from = f"from query shape {_shape(query)}", f"key shape {_shape(key)}"
+    check_groups(q[-3], k[-3], q_from, kv_from, axis=" (axis -3)", hint=_LAYOUT)
+    return q, k, v
+
+
+def check_groups(
+    hq: int, hkv: int, q_from: str, kv_from: str, *, axis: str = "", hint: str = ""
+) -> None:
+    """Grouped-query attention: the query heads a multiple of the key/value heads.
+
+    `q_from` and `kv_from` say where each count comes from (a shape, an argument),
+    `axis` which axis holds the heads.
+    """
     if hkv == 0 or hq % hkv:
         msg = (
             f"the number of `query` heads must be a multiple of the number of `key`/`value` "
-            f"heads (axis -3): got Hq={hq} from query shape {_shape(query)} and Hkv={hkv} "
-            f"from key shape {_shape(key)}{_LAYOUT}"
+            f"heads{axis}: got Hq={hq} {q_from} and Hkv={hkv} from {kv_from}{hint}"
         )
         raise ValueError(msg)
-    return q, k, v
 
 
 #: the hint of a shape error that a (B, L, H, D) layout would give
@@ -817,5 +830,181 @@ def check_score_mod_result(xp: Any, result: Any, scores: Any) -> None:
         msg = (
             f"`score_mod` must return the shape of its `scores` argument {tuple(scores.shape)}, "
             f"but returned shape {tuple(result.shape)}"
+        )
+        raise ValueError(msg)
+
+
+# ---------------------------------------------------------------------------
+# packed and paged calls (serving.py)
+
+
+def check_paged(
+    xp: Any,
+    key_pages: Any,
+    value_pages: Any,
+    page_table: Any,
+    kv_lengths: Any,
+    q_starts: Any,
+    value_dim: Any = None,
+) -> tuple[int, int, int, int, int, int]:
+    """Check the pools and the metadata; return P, page_size, Hkv, Dv, R, max_pages.
+
+    ``value_pages=None``: the values are the first `value_dim` features of the keys.
+    """
+    layout = "(P, page_size, Hkv, Dk)"
+    n_pages, page_size, hkv, dk = _check_pool(xp, "key_pages", key_pages, layout)
+    if value_pages is None:
+        dv = dk if value_dim is None else check_count("value_dim", value_dim, minimum=1)
+        if dv > dk:
+            msg = (
+                f"`value_dim` ({dv}) must be at most the keys' features (Dk = {dk}, axis 3 "
+                f"of `key_pages` shape {tuple(key_pages.shape)}): with `value_pages=None` the "
+                "values are the first `value_dim` features of the keys"
+            )
+            raise ValueError(msg)
+    else:
+        dv = _check_pool(xp, "value_pages", value_pages, "(P, page_size, Hkv, Dv)")[3]
+        _check_same_axes(
+            "key_pages",
+            key_pages,
+            "value_pages",
+            value_pages,
+            (0, 1, 2),
+            ("P", "page_size", "Hkv"),
+        )
+        if value_dim is not None and value_dim != dv:
+            msg = (
+                f"`value_dim` ({value_dim}) is for `value_pages=None`; given `value_pages` of "
+                f"shape {tuple(value_pages.shape)}, Dv is its axis 3 ({dv})"
+            )
+            raise ValueError(msg)
+    n_req, max_pages = check_integer_array(xp, "page_table", page_table, 2, "(R, max_pages)")
+    check_integer_array(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
+    check_integer_array(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
+    return n_pages, page_size, hkv, dv, n_req, max_pages
+
+
+def check_exact_rank(xp: Any, name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
+    if x.ndim != ndim:
+        msg = f"`{name}` must have shape {layout}, but got shape {tuple(x.shape)}"
+        raise ValueError(msg)
+    check_floating(xp, name, x)
+    return tuple(int(n) for n in x.shape)
+
+
+def _check_pool(xp: Any, name: str, x: Any, layout: str) -> tuple[int, ...]:
+    shape = check_exact_rank(xp, name, x, 4, layout)
+    if shape[1] < 1 or shape[2] < 1:
+        msg = f"`{name}` must have pages of at least one slot and one head, but got shape {shape}"
+        raise ValueError(msg)
+    return shape
+
+
+def check_same_axis(a: str, x: Any, ax: int, b: str, y: Any, ay: int, what: str) -> None:
+    if x.shape[ax] != y.shape[ay]:
+        msg = (
+            f"`{a}` axis {ax} and `{b}` axis {ay} ({what}) must agree, but got {a} shape "
+            f"{tuple(x.shape)} and {b} shape {tuple(y.shape)}"
+        )
+        raise ValueError(msg)
+
+
+def _check_same_axes(
+    a: str, x: Any, b: str, y: Any, axes: tuple[int, ...], what: tuple[str, ...]
+) -> None:
+    for ax, w in zip(axes, what, strict=True):
+        check_same_axis(a, x, ax, b, y, ax, w)
+
+
+def check_head_groups(query: Any, keys: Any, hq: int, hkv: int) -> None:
+    """Grouped-query attention of a packed call: Hq a multiple of Hkv (axis 1 of both)."""
+    q_from, kv_from = f"from `query` shape {tuple(query.shape)}", f"shape {tuple(keys.shape)}"
+    check_groups(hq, hkv, q_from, kv_from, axis=" (axis 1)")
+
+
+def check_integer_array(
+    xp: Any,
+    name: str,
+    x: Any,
+    ndim: int,
+    layout: str,
+    shape: tuple[int, ...] | None = None,
+    other: str = "",
+) -> tuple[int, ...]:
+    if not hasattr(x, "dtype") or not xp.isdtype(x.dtype, "integral"):
+        got = getattr(x, "dtype", type(x).__name__)
+        msg = f"`{name}` must be an integer array of shape {layout}, but got {got}"
+        raise TypeError(msg)
+    if x.ndim != ndim or (shape is not None and tuple(x.shape) != shape):
+        msg = f"`{name}` must have shape {layout}, but got shape {tuple(x.shape)}"
+        if shape is not None:
+            msg += f" (R = {shape[0] if layout != '(R + 1,)' else shape[0] - 1} from `{other}`)"
+        raise ValueError(msg)
+    return tuple(int(n) for n in x.shape)
+
+
+def check_head_vector(xp: Any, x: Any, name: str, hq: int) -> None:
+    if x is None:
+        return
+    check_floating(xp, name, x)
+    if tuple(x.shape) != (hq,):
+        msg = f"`{name}` must have shape (Hq,) = ({hq},), but got shape {tuple(x.shape)}"
+        raise ValueError(msg)
+
+
+def check_one_device(**named: Any) -> None:
+    """Every array on one device (traced arrays, whose device is None, are not compared)."""
+    placed = [n for n, x in named.items() if x is not None and device(x) is not None]
+    if placed:
+        check_same_device(named, placed[0], device(named[placed[0]]), device)
+
+
+def check_starts(name: str, starts: Any, limit: int) -> Any:
+    """Check `starts` on the host (when it has values): 0 first, nondecreasing, <= limit."""
+    if not has_concrete_values(starts):
+        return None
+    v = np.asarray(to_host(starts), dtype=np.int64)
+    if _paged.starts_fault(np, v, limit):
+        msg = (
+            f"`{name}` must start at 0, never decrease and end at most at {limit} (axis 0 of "
+            f"the packed array), but got {v.tolist()}"
+        )
+        raise ValueError(msg)
+    return v
+
+
+def check_paged_metadata(
+    q_starts: Any,
+    kv_lengths: Any,
+    page_table: Any,
+    t: int,
+    n_pages: int,
+    page_size: int,
+    max_pages: int,
+) -> None:
+    """Check metadata with values: lengths that fit the table and rows, pages in the pool."""
+    starts = check_starts("q_starts", q_starts, t)
+    if starts is None or not has_concrete_values(kv_lengths):
+        return
+    lengths = np.asarray(to_host(kv_lengths), dtype=np.int64)
+    known = has_concrete_values(page_table)
+    table = np.asarray(to_host(page_table) if known else np.zeros(page_table.shape), np.int64)
+    _, bad_lengths, wrong = _paged.metadata_faults(
+        array_namespace(kv_lengths=lengths), starts, lengths, table, t, n_pages, page_size, None
+    )
+    bad = np.nonzero(bad_lengths)[0]
+    if len(bad):
+        r = int(bad[0])
+        rows = np.diff(starts)
+        msg = (
+            f"`kv_lengths`[{r}] = {lengths[r]} must be at least the request's {rows[r]} new "
+            f"row(s) (`q_starts`) and at most max_pages * page_size = {max_pages * page_size}"
+        )
+        raise ValueError(msg)
+    if known and wrong.any():
+        r, j = (int(i) for i in np.argwhere(wrong)[0])
+        msg = (
+            f"`page_table`[{r}, {j}] = {table[r, j]} is not a page of the pool (0 <= page < "
+            f"P = {n_pages}, axis 0 of `key_pages`), and request {r} uses it"
         )
         raise ValueError(msg)
