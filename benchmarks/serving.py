@@ -27,6 +27,10 @@ The targets of issue 39 (float32, this machine's CPUs):
   plan's share of a 32-layer step, ``plan / (plan + 32 · planned call)``, and what each
   layer saves. Under ``jax.jit``: 8 layers over one pool, one plan against a plan per
   layer (the step's run time and its compile time).
+- ``chunks`` (``--only chunks --out benchmarks/results/serving-chunks.json``): the
+  decode and prefill steps with the paged walk's chunks of 128 and of 256 keys
+  (``Library.chunk_keys``), default and ``batch_invariant``, side by side: torch and
+  NumPy eager, JAX under ``jit``.
 - ``lanes`` (``--only lanes --out benchmarks/results/serving-lanes.json``): the decode
   step with each of the router table's two paged settings on and off, side by side:
   ``gathers_strided`` (gather from the pool's head-major view) on torch and NumPy,
@@ -36,6 +40,7 @@ The targets of issue 39 (float32, this machine's CPUs):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -423,10 +428,12 @@ def decode_jax(c, repeats):
     return out
 
 
-def prefill(repeats, chunk=512, hq=32, hkv=8, d=128):
-    import torch
-    import torch.nn.functional as F
+def prefill_case(chunk=512, hq=32, hkv=8, d=128):
+    """Return the prefill step's arrays, its padded caches, lengths and cached keys.
 
+    4 requests prefilling `chunk` tokens over 1000-3000 cached keys; the padded caches
+    are (4, Hkv, Lk, D).
+    """
     cached = [1000, 1700, 2300, 3000]
     lengths = [n + chunk for n in cached]
     kp, vp, table, keys, values = build_pool(lengths, hkv, d, spare=0)
@@ -439,7 +446,18 @@ def prefill(repeats, chunk=512, hq=32, hkv=8, d=128):
     for i, n in enumerate(lengths):
         pk[i, :, :n] = keys[i].transpose(1, 0, 2)
         pv[i, :, :n] = values[i].transpose(1, 0, 2)
-    t = [torch.from_numpy(x) for x in (q, kp, vp, table, np.array(lengths, np.int32), starts)]
+    args = (q, kp, vp, table, np.array(lengths, np.int32), starts)
+    return args, pk, pv, lengths, cached
+
+
+def prefill(repeats, chunk=512, hq=32, hkv=8, d=128):
+    import torch
+    import torch.nn.functional as F
+
+    host, pk, pv, lengths, cached = prefill_case(chunk, hq, hkv, d)
+    q = host[0]
+    lk = max(lengths)
+    t = [torch.from_numpy(x) for x in host]
     qp = torch.from_numpy(q).reshape(4, chunk, hq, d).transpose(1, 2)
     pos = torch.tensor(cached)[:, None] + torch.arange(chunk)[None, :]  # (4, chunk)
     mask = (torch.arange(lk)[None, None, :] <= pos[:, :, None])[:, None]  # (4, 1, chunk, lk)
@@ -590,6 +608,72 @@ def planned_jax(c, repeats, layers=8):
     return result
 
 
+def _call(args, inv):
+    return ragged_paged_attention(*args, batch_invariant=inv)
+
+
+def chunks(repeats, sizes=(128, 256)):
+    """The decode and prefill steps with each size of the paged walk's key chunks."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from portable_attn._lib import _route
+
+    rows = _route.LIBRARIES
+    c = decode_case()
+    decode_host = tuple(c[k] for k in ("q", "kp", "vp", "table", "lengths", "starts"))
+    prefill_host = prefill_case()[0]
+
+    def with_chunks(lib, keys, call):
+        def run():
+            saved = rows[(lib, "cpu")]
+            rows[(lib, "cpu")] = dataclasses.replace(saved, chunk_keys=keys)
+            try:
+                return call()
+            finally:
+                rows[(lib, "cpu")] = saved
+
+        return run
+
+    fns = {}
+    for keys in sizes:
+        for inv in (False, True):
+            for step, host, libs in (
+                ("decode", decode_host, ("torch", "numpy")),
+                ("prefill", prefill_host, ("torch",)),
+            ):
+                for lib in libs:
+                    args = tuple(torch.from_numpy(x) for x in host) if lib == "torch" else host
+                    fns[f"{step}/{lib}/{keys}/{inv}"] = with_chunks(
+                        lib, keys, functools.partial(_call, args, inv)
+                    )
+            # JAX: the program compiled with the row's chunks
+            saved = rows[("jax", "cpu")]
+            rows[("jax", "cpu")] = dataclasses.replace(saved, chunk_keys=keys)
+            args = tuple(jnp.asarray(x) for x in decode_host)
+            compiled = (
+                jax.jit(lambda *a, inv=inv: ragged_paged_attention(*a, batch_invariant=inv))
+                .lower(*args)
+                .compile()
+            )
+            rows[("jax", "cpu")] = saved
+            fns[f"decode/jax/{keys}/{inv}"] = lambda f=compiled, args=args: f(
+                *args
+            ).block_until_ready()
+    with torch.no_grad():
+        timed = interleaved_seconds(fns, repeats=repeats, warmup=1)
+    out = {"median_s": timed.medians, "ratio_vs_256": {}}
+    for name in fns:
+        step, lib, keys, inv = name.split("/")
+        base = f"{step}/{lib}/256/{inv}"
+        out["ratio_vs_256"][name] = float(np.median(timed.ratios(name, base)))
+    print("chunks", json.dumps(out, indent=1), flush=True)
+    return out
+
+
 def lanes(repeats):
     """The decode step with each paged setting of the router's table on and off."""
     import dataclasses
@@ -656,6 +740,8 @@ def main() -> None:
         result["memory"] = memory()
     if "plan" in parts:
         result["plan"] = planned(args.repeats)
+    if "chunks" in parts:
+        result["chunks"] = chunks(args.repeats)
     if "lanes" in parts:
         result["lanes"] = lanes(args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

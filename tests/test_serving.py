@@ -363,7 +363,7 @@ def test_batch_invariant_rows_are_the_same_bits(backend, xp, jit):
     np.testing.assert_allclose(rows[0][0], expected, atol=1e-5, rtol=1e-5)
 
 
-_PROMPT, _NEW = 300, 48  # a request of 300 + 48 tokens, over two key chunks
+_PROMPT, _NEW = 300, 48  # a request of 300 + 48 tokens, over three key chunks
 _SPLITS = {
     "prefill": [_PROMPT + _NEW],
     "chunks": [_PROMPT, 7, 1, 17, 23],

@@ -157,7 +157,7 @@ def ragged_paged_attention(
 
     Notes
     -----
-    Exact. The keys are visited in chunks of 256 positions (whole pages): each chunk
+    Exact. The keys are visited in chunks of 128 positions (whole pages): each chunk
     gathers, for the tiles of rows that may see it, only the pages it covers, so the
     extra memory is a few chunks per tile, never a request's whole cache; chunks past
     a request's length or hidden by `is_causal` and `window` are not visited. Pool slots

@@ -337,13 +337,17 @@ class Kernel:
     compiles: bool = False
 
 
-CHUNK_KEYS = 256
+CHUNK_KEYS = 128
 """Keys per chunk of the paged walk on a CPU (rounded down to whole pages, at least one page).
 
 Fixed per (library, device kind), not chosen per call (``Library.chunk_keys``): the
-chunks are the same for every call over a pool, which batch invariance needs. 256 keys:
-the decode step over 32 requests (Hkv=8, D=128) gathers 8 MiB of keys per chunk and the
-Python loop stays short."""
+chunks are the same for every call over a pool, which batch invariance needs. 128 keys:
+a decode step over 32 requests (Hkv=8, D=128) gathers 16 MiB of keys and values per
+chunk, which the products then read from the CPU's cache. Against 256 keys the decode
+step took 0.77x the time on torch, 0.81x on NumPy, 0.90x under ``jax.jit`` (0.72-0.95x
+with ``batch_invariant``), the prefill step 1.02x (invariant 0.95x); 64 keys was slower
+again on torch (``--only chunks`` of ``benchmarks/serving.py``:
+benchmarks/results/serving-chunks.json)."""
 
 INVARIANT_MATMUL_ROWS = 16
 """With ``batch_invariant=True``, a paged tile holds ``ceil(16 / G)`` rows, from a multiple
