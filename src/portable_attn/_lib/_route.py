@@ -342,12 +342,13 @@ CHUNK_KEYS = 128
 
 Fixed per (library, device kind), not chosen per call (``Library.chunk_keys``): the
 chunks are the same for every call over a pool, which batch invariance needs. 128 keys:
-a decode step over 32 requests (Hkv=8, D=128) gathers 16 MiB of keys and values per
-chunk, which the products then read from the CPU's cache. Against 256 keys the decode
-step took 0.77x the time on torch, 0.81x on NumPy, 0.90x under ``jax.jit`` (0.72-0.95x
-with ``batch_invariant``), the prefill step 1.02x (invariant 0.95x); 64 keys was slower
-again on torch (``--only chunks`` of ``benchmarks/serving.py``:
-benchmarks/results/serving-chunks.json)."""
+a decode step over 32 requests (Hkv=8, D=128) gathers 16 MiB of keys per chunk (32 MiB
+at 256, glibc's largest threshold above which every allocation is a fresh mapping).
+Against 256 keys, interleaved with the prefill step: decode 1.04x the time on torch,
+0.95x NumPy, 0.92x under ``jax.jit``, with ``batch_invariant`` 0.99x, 1.02x, 0.94x;
+prefill 1.01x, invariant 0.94x (``--only chunks`` of ``benchmarks/serving.py``:
+benchmarks/results/serving-chunks.json). Timed alone, torch's decode step varied from
+0.77x to 1.0x between runs."""
 
 INVARIANT_MATMUL_ROWS = 16
 """With ``batch_invariant=True``, a paged tile holds ``ceil(16 / G)`` rows, from a multiple
