@@ -34,7 +34,8 @@ The targets of issue 39 (float32, this machine's CPUs):
 - ``lanes`` (``--only lanes --out benchmarks/results/serving-lanes.json``): the decode
   step with each of the router table's two paged settings on and off, side by side:
   ``gathers_strided`` (gather from the pool's head-major view) on torch and NumPy,
-  ``sums_by_program`` (sums as products with ones) on torch.
+  ``sums_by_program`` (sums as products with ones) on torch; and products page by page
+  or over the chunk (``PagedProblem.by_page``) on torch, default and ``batch_invariant``.
 """
 
 from __future__ import annotations
@@ -712,9 +713,53 @@ def lanes(repeats):
         out[f"{lib}/{field}"] = {
             "median_s": {str(k): v for k, v in timed.medians.items()},
             "on_vs_off": float(np.median(timed.ratios(True, False))),
-            "default": getattr(rows[lib], field),
+            "default": getattr(rows[(lib, "cpu")], field),
         }
         print("lane", lib, field, out[f"{lib}/{field}"], flush=True)
+    out.update(by_page(tensors, repeats))
+    return out
+
+
+def by_page(tensors, repeats):
+    """torch's decode step with products page by page (on) or over the chunk (off)."""
+    from portable_attn._lib import _paged
+
+    rule = _paged.PagedProblem.by_page
+    t, hq, _ = tensors[0].shape
+    hkv = tensors[1].shape[2]
+
+    def forced(on, inv):
+        def call():
+            _paged.PagedProblem.by_page = property(lambda p: on)
+            try:
+                return ragged_paged_attention(*tensors, batch_invariant=inv)
+            finally:
+                _paged.PagedProblem.by_page = rule
+
+        return call
+
+    out = {}
+    for inv in (False, True):
+        timed = interleaved_seconds(
+            {on: forced(on, inv) for on in (True, False)}, repeats=repeats, warmup=1
+        )
+        plan = plan_ragged(
+            *tensors[3:],
+            num_tokens=t,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            page_size=tensors[1].shape[1],
+            num_pages=tensors[1].shape[0],
+            batch_invariant=inv,
+        )
+        name = f"torch/by_page/{'invariant' if inv else 'default'}"
+        out[name] = {
+            "median_s": {str(k): v for k, v in timed.medians.items()},
+            "on_vs_off": float(np.median(timed.ratios(True, False))),
+            "default": plan._walk.problem.by_page,
+            "matmul_rows": plan._walk.problem.matmul_rows,
+        }
+        print("lane", name, out[name], flush=True)
     return out
 
 

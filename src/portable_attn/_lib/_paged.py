@@ -124,8 +124,10 @@ class PagedProblem:
         Its products are (rows·G) by page_size each, summed over the chunk's pages
         afterwards; worth it while a tile has fewer rows (rows·G) than a page has slots
         (decoding), as the copy it saves is page_size / (rows·G) times what the sum adds.
+        torch's decode step (benchmarks/results/serving-lanes.json): page by page at
+        rows·G = 4 and 16 slots; over the chunk at rows·G = 16 (``batch_invariant``).
         """
-        return self.matmul_rows <= self.page_size or self.chunk_pages == 1
+        return self.matmul_rows < self.page_size or self.chunk_pages == 1
 
 
 class Tiles(NamedTuple):
