@@ -794,6 +794,8 @@ def test_a_plan_of_another_call_is_refused_by_name(backend, xp):
         ragged_paged_attention(q, kp, vp, meta[0], other, meta[2], window=(3, 0), plan=plan)
     with pytest.raises(ValueError, match=r"window=\(3, 0\), but this call has window=None"):
         ragged_paged_attention(q, kp, vp, *meta, plan=plan)
+    no_window = _plan_of(pool, backend, meta, window=(None, None))  # no window, either way
+    ragged_paged_attention(q, kp, vp, *meta, plan=no_window)
     with pytest.raises(ValueError, match="batch_invariant=False, but this call has"):
         ragged_paged_attention(q, kp, vp, *meta, window=(3, 0), batch_invariant=True, plan=plan)
     with pytest.raises(ValueError, match=r"num_tokens=5, but this call has 4 \(axis 0 of `query`"):
@@ -820,6 +822,42 @@ def test_a_plan_of_another_call_is_refused_by_name(backend, xp):
             page_size=4,
             num_pages=48,
         )
+
+
+@pytest.mark.backends("jax", reason="jax.jit with a traced page table")
+def test_a_traced_page_table_alone_gives_nan_rows_for_a_page_outside_the_pool(backend, xp):
+    # lengths and starts closed over (values), the table traced: the eager checks cannot
+    # see the page, so the request's rows are NaN (it read another request's page before)
+    import jax
+
+    pool = Pool([5, 9], [2, 1], num_pages=8, fill=0.0)  # every page finite
+    q, kp, vp, _, lengths, starts = pool.args(backend)
+    bad = pool.table.copy()
+    bad[1, 1] = 8  # past the pool of 8 pages; request 1 uses its second page
+    out = jax.jit(lambda t: ragged_paged_attention(q, kp, vp, t, lengths, starts))(
+        backend.asarray(bad)
+    )
+    out = backend.to_numpy(out)
+    assert np.all(np.isnan(out[2]))
+    assert np.all(np.isfinite(out[:2]))
+
+
+def test_varlen_without_requests_gives_padding_rows(backend, xp):
+    # R = 0 (starts [0]): every row is padding (an IndexError before)
+    q, k = randn(3, HQ, DK, seed=1), randn(5, HKV, DK, seed=2)
+    none = backend.asarray(np.zeros(1, np.int64))
+    out, lse, top = varlen_attention(
+        backend.asarray(q),
+        backend.asarray(k),
+        backend.asarray(k),
+        none,
+        none,
+        return_lse=True,
+        return_max_logit=True,
+    )
+    assert np.all(backend.to_numpy(out) == 0.0)
+    assert np.all(backend.to_numpy(lse) == -np.inf)
+    assert np.all(backend.to_numpy(top) == -np.inf)
 
 
 # ---------------------------------------------------------------------------
@@ -900,6 +938,26 @@ def test_write_and_attend_with_the_step_plan(backend, xp, monkeypatch):
             backend.asarray(new_v[:, :1, :]),
             plan=plan,
         )
+
+
+@pytest.mark.backends("torch", reason="a torch tracer (make_fx), whose metadata has no values")
+def test_write_under_a_torch_tracer_leaves_padding_rows_out(backend, xp):
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    pool = Pool([4, 6], [1, 2], num_pages=8, fill=0.0)
+    q, kp, vp, table, lengths, starts = pool.args(backend)
+    new_k = backend.asarray(np.full((q.shape[0], HKV, DK), 9.0))  # 2 padding rows at the end
+    new_v = backend.asarray(np.full((q.shape[0], HKV, DV), 9.0))
+
+    def write(kp, vp, table, lengths, starts, new_k, new_v):
+        return paged_kv_write(kp, vp, table, lengths, starts, new_k, new_v)
+
+    traced = make_fx(write)(kp.clone(), vp.clone(), table, lengths, starts, new_k, new_v)
+    k2, _ = traced(kp.clone(), vp.clone(), table, lengths, starts, new_k, new_v)
+    expected, _ = write(kp.clone(), vp.clone(), table, lengths, starts, new_k, new_v)
+    assert int(torch.sum(expected == 9.0)) == 3 * HKV * DK  # the 3 rows of the requests
+    np.testing.assert_array_equal(backend.to_numpy(k2), backend.to_numpy(expected))
 
 
 @pytest.mark.backends("jax", reason="jax.jit with donated pools")

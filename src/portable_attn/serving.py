@@ -218,7 +218,7 @@ def ragged_paged_attention(
         alibi_slopes=alibi_slopes,
     )
     shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
-    flags = (is_causal, (left, right) if window is not None else None, batch_invariant)
+    flags = (is_causal, _bounds(left, right), batch_invariant)
     if plan is None:
         check_paged_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
         walk = _walk_plan(xp, shape, page_table, kv_lengths, q_starts, *flags)
@@ -269,7 +269,8 @@ class PagedPlan:
     so a model of ``n`` layers reads and checks the metadata once per step, not ``n``
     times (on a GPU each read of the metadata is a synchronisation with the host).
     The attributes are the shapes and options it was built for; a call given it must
-    have the same ones and the same metadata arrays.
+    have the same ones and the same metadata arrays, unchanged since: a plan holds what
+    it read of them, so metadata written in place after planning needs a new plan.
     """
 
     num_tokens: int
@@ -367,9 +368,11 @@ def plan_ragged(
     is_causal = check_is_flag("is_causal", is_causal)
     batch_invariant = check_is_flag("batch_invariant", batch_invariant)
     left, right = (None, None) if window is None else check_window(window)
-    check_paged_metadata(q_starts, kv_lengths, page_table, t, n_pages, ps, max_pages)
+    check_paged_metadata(
+        q_starts, kv_lengths, page_table, t, n_pages, ps, max_pages, pages_from="`num_pages`"
+    )
     shape = _StepShape(t, hq, hkv, ps, n_pages, max_pages)
-    bounds = None if window is None else (left, right)
+    bounds = _bounds(left, right)
     walk = _walk_plan(
         xp, shape, page_table, kv_lengths, q_starts, is_causal, bounds, batch_invariant
     )
@@ -387,6 +390,11 @@ def plan_ragged(
         (page_table, kv_lengths, q_starts),
         max_pages,
     )
+
+
+def _bounds(left: int | None, right: int | None) -> tuple[int | None, int | None] | None:
+    """Return a window's bounds, None for no window (``window=None`` or ``(None, None)``)."""
+    return None if left is None and right is None else (left, right)
 
 
 def _walk_plan(
@@ -443,7 +451,8 @@ def _plan_for(
         if x is not y:
             msg = (
                 f"`plan` was built for other metadata: pass the `{name}` array given to "
-                "plan_ragged (a plan holds what it read of the step's metadata)"
+                "plan_ragged (a plan holds what it read of the step's metadata; under "
+                "jax.jit, build the plan inside the jitted function)"
             )
             raise ValueError(msg)
     planned = _StepShape(
@@ -684,9 +693,8 @@ def varlen_attention(
     # a row's place among its request's keys: bottom-right
     n_q = q_starts[1:] - q_starts[:-1]
     n_k = kv_starts[1:] - kv_starts[:-1]
-    shift = xp.take(
-        xp.concat([n_k - n_q, xp.zeros_like(n_q[:1])]), xp.where(seg_q < 0, n1 - 1, seg_q)
-    )
+    padding = xp.zeros((1,), dtype=n_q.dtype, **on_device(device(q_starts)))  # R = 0 too
+    shift = xp.take(xp.concat([n_k - n_q, padding]), xp.where(seg_q < 0, n1 - 1, seg_q))
     pos_q = pos_q + shift
 
     def rows(idx: Any, positions: Any) -> Any:
@@ -747,14 +755,15 @@ def _segments(xp: Any, starts: Any, length: int, pad_id: int) -> tuple[Any, Any]
 class _Slots(NamedTuple):
     """Where the write puts each new row.
 
-    Physical page and slot (T,), whether it is written (T,), and the rows to write,
-    read on the host (``q_starts[R]``; None when traced).
+    Physical page and slot (T,), whether it is written (T,), and ``q_starts[R]``, the
+    rows to write: an int read when the slots were planned, else the 1-element array
+    an item writer reads when it writes (torch's tracers, which give it a value then).
     """
 
     page: Any
     slot: Any
     valid: Any
-    rows: int | None
+    rows: Any
 
 
 def _write_slots(
@@ -778,7 +787,7 @@ def _write_slots(
     max_pages = page_table.shape[1]
     logical = xp.clip(xp.floor_divide(pos, page_size), 0, max_pages - 1)
     page = xp.take(xp.reshape(page_table, (-1,)), req * max_pages + logical)
-    rows = int(to_host(q_starts[-1:])[0]) if has_concrete_values(q_starts) else None
+    rows = int(to_host(q_starts[-1:])[0]) if has_concrete_values(q_starts) else q_starts[-1:]
     return _Slots(xp.astype(page, q_starts.dtype), pos % page_size, valid, rows)
 
 
@@ -792,7 +801,7 @@ def _write_items(xp: Any, named: _Named, slots: _Slots) -> list[Any]:
         if getattr(getattr(pool, "flags", None), "writeable", True) is False:
             msg = f"`{name}` is a read-only NumPy array: paged_kv_write writes into the pools"
             raise ValueError(msg)
-    n = slots.rows
+    n = slots.rows if isinstance(slots.rows, int) else int(to_host(slots.rows)[0])
     for pool, x in named.values():
         pool[slots.page[:n], slots.slot[:n]] = x[:n]
     return [pool for pool, _ in named.values()]

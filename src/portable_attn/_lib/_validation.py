@@ -872,7 +872,7 @@ def check_paged(
             (0, 1, 2),
             ("P", "page_size", "Hkv"),
         )
-        if value_dim is not None and value_dim != dv:
+        if value_dim is not None and check_count("value_dim", value_dim, minimum=1) != dv:
             msg = (
                 f"`value_dim` ({value_dim}) is for `value_pages=None`; given `value_pages` of "
                 f"shape {tuple(value_pages.shape)}, Dv is its axis 3 ({dv})"
@@ -981,8 +981,12 @@ def check_paged_metadata(
     n_pages: int,
     page_size: int,
     max_pages: int,
+    pages_from: str = "axis 0 of `key_pages`",
 ) -> None:
-    """Check metadata with values: lengths that fit the table and rows, pages in the pool."""
+    """Check metadata with values: lengths that fit the table and rows, pages in the pool.
+
+    `pages_from` says where the pool's page count comes from.
+    """
     starts = check_starts("q_starts", q_starts, t)
     if starts is None or not has_concrete_values(kv_lengths):
         return
@@ -1005,6 +1009,6 @@ def check_paged_metadata(
         r, j = (int(i) for i in np.argwhere(wrong)[0])
         msg = (
             f"`page_table`[{r}, {j}] = {table[r, j]} is not a page of the pool (0 <= page < "
-            f"P = {n_pages}, axis 0 of `key_pages`), and request {r} uses it"
+            f"P = {n_pages}, {pages_from}), and request {r} uses it"
         )
         raise ValueError(msg)

@@ -48,12 +48,14 @@ def plan_walk(
             (a, b, kind, _paged.chunk_index(xp, p, j, tiles.request[a:b], page_table, kv_lengths))
             for j, a, b, kind in walk.runs(p)
         )
-        faulty = None
     else:
         tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, num_requests)
         runs = None
-        # no error can be raised on traced metadata: the rows of requests whose metadata
-        # is wrong come out NaN (the pages they name are read clipped, never shown to others)
+    faulty = None
+    if not all(has_concrete_values(x) for x in (q_starts, kv_lengths, page_table)):
+        # no error can be raised on traced metadata (a traced page table included): the
+        # rows of requests whose metadata is wrong come out NaN (the pages they name are
+        # read clipped, never shown to others)
         faulty = _paged.faulty_rows(
             xp, q_starts, kv_lengths, page_table, p.num_tokens, p.num_pages, p.page_size, p.device
         )
