@@ -151,13 +151,9 @@ BLAS_CORES = ("Haswell", "SkylakeX")
 #: small programs and run each once or twice, so compiling is most of their time.
 #: tests/test_loop.py and tests/test_learned_score_mod.py took 62 s with it and 88 s
 #: without (2 workers, one run after the other, 2-core AMD EPYC). The graph passes (fusion,
-#: buffer assignment) are XLA's own and run either way; the tests whose promise is bits
-#: (:data:`BITWISE_PROMISES` of :data:`BITWISE_TESTS`) run again with the default code
-#: generation, as users compile.
+#: buffer assignment) are XLA's own and run either way; the bitwise tests (BITWISE_TESTS)
+#: run again with the default code generation, as users compile.
 FAST_COMPILE = ("XLA_FLAGS", "--xla_backend_optimization_level=0")
-#: the tests of :data:`BITWISE_TESTS` that compare bits (pytest ``-k``): the rest of those
-#: files compare with the oracle, within tolerances
-BITWISE_PROMISES = ("-k", "same_bits or equal_one_prefill or test_determinism")
 #: a float64 and a float32 product large enough to take OpenBLAS's blocked GEMM: run under a
 #: core type before the bitwise tests are, since some OpenBLAS builds crash on a forced one
 #: (NumPy 2.5.5's OpenBLAS 0.3.34 segfaults in any such product under ``Haswell`` on an
@@ -249,7 +245,7 @@ class Backend:
     families: str | None = None  # the suite's --backend, by default the session's name
     blas_cores: tuple[str, ...] = ()  # run BITWISE_TESTS again under each OpenBLAS core type
     env: tuple[tuple[str, str], ...] = ()  # the suite's environment variables
-    fast_compile: bool = False  # FAST_COMPILE on a CPU, then BITWISE_PROMISES without it
+    fast_compile: bool = False  # FAST_COMPILE on a CPU, then BITWISE_TESTS without it
 
 
 BACKENDS = {
@@ -303,8 +299,8 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
         families = spec.families or backend
         env = dict(spec.env)
         if spec.fast_compile and not _has_nvidia_gpu():
-            _pytest(session, families, {**env, **dict([FAST_COMPILE])})
-            _pytest(session, families, env, only=(*BITWISE_TESTS, *BITWISE_PROMISES))
+            _pytest(session, families, {**env, **dict([FAST_COMPILE])}, ignore=BITWISE_TESTS)
+            _pytest(session, families, env, only=BITWISE_TESTS)
         else:
             _pytest(session, families, env)
         for core in spec.blas_cores:
@@ -345,28 +341,19 @@ def tests_integrations(session: nox.Session) -> None:
 
 PYPROJECT = Path(__file__).parent / "pyproject.toml"
 # tests-min-deps: the extras whose lower bounds it installs, and the backends it tests.
-# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (a session
-# of its own, to run or skip alone). torch is left out: its lower bound cannot be
-# installed here as a CPU build (see [tool.portable-attn.min-deps] in pyproject.toml),
-# and the torch suite is the longest.
+# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (7
+# minutes on a 2-core machine with the serving tests: a session of its own, to run or
+# skip alone). torch is
+# left out: its lower bound cannot be installed here as a CPU build (see
+# [tool.portable-attn.min-deps] in pyproject.toml), and the torch suite is the longest.
 MIN_DEPS_EXTRAS = ("test", "strict")
 MIN_DEPS_BACKENDS = "numpy,array_api_strict"
 MIN_DEPS_JAX_EXTRAS = ("test", "strict", "jax")
-#: what tests-min-deps-jax leaves to tests-jax: files that use no JAX API the rest of the
-#: suite does not (jit, grad, vmap, lax.cond, fori_loop, custom_vjp, shardings, the array
-#: API through array-api-compat) and take much of its time: the paged serving tests (eager
-#: and jit invariance grids, a property test compiling a program per batch), and the grids
-#: of block masks, mask rules, max logits, layouts and rotary embeddings over every route
-#: and dtype (a third of the collected JAX tests). tests-min-deps-jax took 383 s with the
-#: serving tests left alone and 249 s with FAST_COMPILE too, of a 1872 s matrix.
-MIN_DEPS_JAX_LEAVES = (
-    "tests/test_serving.py",
-    "tests/test_block_mask.py",
-    "tests/test_mask_rules.py",
-    "tests/test_max_logit.py",
-    "tests/test_layout.py",
-    "tests/test_rope.py",
-)
+#: what tests-min-deps-jax leaves to tests-jax: the paged serving tests (a fifth or more of the
+#: JAX suite's time: eager and jit invariance grids, a property test compiling a program
+#: per batch) use no JAX API the rest of the suite does not (jit, grad, lax.cond,
+#: fori_loop, the array API through array-api-compat)
+MIN_DEPS_JAX_LEAVES = ("tests/test_serving.py",)
 MIN_DEPS_PYTHON = "3.10" if "3.10" in PYTHONS else PYTHONS[0]  # the oldest supported
 
 
@@ -430,7 +417,7 @@ tests_min_deps_jax = nox.session(name="tests-min-deps-jax", python=MIN_DEPS_PYTH
 )
 tests_min_deps_jax.__doc__ = (
     "JAX with every dependency at its declared lower bound (jax, numpy...), "
-    "the serving tests and the feature grids left to tests-jax (MIN_DEPS_JAX_LEAVES)."
+    "the serving tests left to tests-jax."
 )
 
 
