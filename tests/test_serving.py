@@ -434,6 +434,11 @@ def test_batch_invariant_chunks_and_decode_steps_equal_one_prefill(
     # the product: the tiles start at multiples of their rows now)
     if jit and backend.family != "jax":
         pytest.skip("jax.jit only")
+    if heads is not None and backend.family == "jax" and not jit:
+        # JAX serves under jit (the case beside this one); eager, each of the walk's
+        # operations dispatches alone: 90 s of the JAX session at this shape, while the
+        # small shapes above still run eager
+        pytest.skip("JAX runs the held-out shape under jax.jit, as it serves")
     kw = {"jit": jit, "heads": heads or (HQ, HKV, DK, DV)}
     out, lse = _fed(backend, _SPLITS[split], page_size, **kw)
     expected_out, expected_lse = _fed(backend, _SPLITS["prefill"], page_size, **kw)
