@@ -264,3 +264,70 @@ def test_a_sequence_without_keys_among_others_gives_zeros_and_zero_gradients(
 
         for g, n in zip(grads, central_differences(loss_np, [q, k, v]), strict=True):
             np.testing.assert_allclose(g, n, atol=1e-7, rtol=1e-6)
+
+
+_RANKS = {  # batch axes of Q, K, V and the mask's shape (None: no mask)
+    "rank 3": ((), None),
+    "rank 3, mask (H, Lq, Lk)": ((), (4, 6, 9)),
+    "rank 4, mask (B, 1, Lq, Lk)": ((2,), (2, 1, 6, 9)),
+    "rank 4, mask (Lq, Lk)": ((2,), (6, 9)),
+    "rank 5, mask (B1, 1, 1, Lq, Lk)": ((2, 3), (2, 1, 1, 6, 9)),
+    "rank 5, mask (B2, H, Lq, Lk)": ((2, 3), (3, 4, 6, 9)),
+}
+
+
+@pytest.mark.backends("torch", reason="torch's SDPA: its fused kernels take rank 4 only")
+@pytest.mark.parametrize("name", list(_RANKS))
+def test_sdpa_is_given_rank_4_whatever_the_batch_axes(backend, monkeypatch, name):
+    """Rank 3 (a (H, L, D) call) or 5 reached torch's unfused math: 2.1x the time on a CPU."""
+    import torch.nn.functional as F
+
+    batch, mask_shape = _RANKS[name]
+    q, k, v = qkv(batch=batch, lq=6, lk=9)
+    kw = {}
+    if mask_shape is not None:
+        kw["mask"] = np.random.default_rng(3).random(mask_shape) < 0.7
+        kw["mask"][..., 0] = True  # every row sees a key
+    expected = reference_attention(q, k, v, **kw)
+    given = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **options):
+        given.append((query.ndim, key.ndim, value.ndim, getattr(attn_mask, "ndim", 2)))
+        return sdpa(query, key, value, attn_mask=attn_mask, **options)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    args = [backend.asarray(a) for a in (q, k, v)]
+    kw = {n: backend.asarray(m) for n, m in kw.items()}
+    for _ in range(2):  # the full route, then the cache's kept kernel call
+        out = scaled_dot_product_attention(*args, implementation="native", **kw)
+        assert_backend_array(backend, out)
+        assert tuple(out.shape) == expected.shape
+        np.testing.assert_allclose(backend.to_numpy(out), expected, atol=1e-12)
+    assert given
+    assert all(g[:3] == (4, 4, 4) and g[3] in (2, 4) for g in given), given
+
+
+@pytest.mark.backends("torch", reason="torch's forward-mode AD")
+@pytest.mark.parametrize("how", ["forward_ad", "torch.func.jvp"])
+def test_forward_mode_keeps_the_call_rank_for_sdpa(backend, how):
+    """A (H, L, D) call keeps its rank under forward-mode AD: the fused kernel has no rule."""
+    import torch
+    import torch.autograd.forward_ad as forward_ad
+
+    q, k, v = qkv(batch=(), lq=6, lk=9)
+    t = np.random.default_rng(9).standard_normal(q.shape)
+    h = 1e-6
+    ahead, behind = (reference_attention(q + s * h * t, k, v) for s in (1, -1))
+    expected = (ahead - behind) / (2 * h)
+    qb, kb, vb, tb = (backend.asarray(a) for a in (q, k, v, t))
+
+    def f(x):
+        return scaled_dot_product_attention(x, kb, vb, implementation="native")
+
+    if how == "forward_ad":
+        with forward_ad.dual_level():
+            tangent = forward_ad.unpack_dual(f(forward_ad.make_dual(qb, tb))).tangent
+    else:
+        tangent = torch.func.jvp(f, (qb,), (tb,))[1]
+    np.testing.assert_allclose(backend.to_numpy(tangent), expected, atol=1e-7)

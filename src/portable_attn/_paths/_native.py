@@ -30,7 +30,7 @@ import numpy as np
 
 from .._lib._blocks import FULL, host_pair_states
 from .._lib._call import AttentionCall
-from .._lib._compat import to_host
+from .._lib._compat import to_host, torch_func_transforms
 from .._lib._dense import dense_attention
 from .._lib._fields import axis_of, field
 from .._lib._masks import at_rank
@@ -236,18 +236,52 @@ class DirectKernel:
 
     def __call__(self, query: Any, key: Any, value: Any, mask: Any) -> Any:
         """Return ``F.scaled_dot_product_attention`` of the arrays, as the route calls it."""
-        import torch.nn.functional as F
-
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            is_causal=self.is_causal,
-            scale=self.scale,
-            enable_gqa=self.enable_gqa,
-        )
+        out = sdpa(query, key, value, mask, self.is_causal, self.scale, self.enable_gqa)
         return out if out.dtype == self.dtype else out.to(self.dtype)
+
+
+def sdpa(
+    query: Any, key: Any, value: Any, mask: Any, is_causal: bool, scale: float, enable_gqa: bool
+) -> Any:
+    """``F.scaled_dot_product_attention`` of (*batch, H, L, D) arrays, given to it at rank 4.
+
+    torch's fused CPU kernel takes (B, H, L, D) arrays and a mask of rank 2 or 4 only:
+    otherwise SDPA computes by its unfused math, which took 2.1-2.4x the time
+    (benchmarks/results/ranks.json); the GPU's flash and memory-efficient kernels take
+    rank 4 only too. So the batch axes become one (none: a batch of 1), the mask gets
+    rank 4 (broadcast over batch axes of its own), and the result its batch axes back.
+    Not under ``torch.func``'s transforms or forward-mode AD: the fused CPU kernel has no
+    batching rule (``vmap`` loops over the examples, with a warning) and no forward-mode
+    rule (an error), the math has both. `query`, `key` and `value` have the same batch
+    shape.
+    """
+    import torch
+    import torch.autograd.forward_ad as forward_ad
+    import torch.nn.functional as F
+
+    def kernel(query: Any, key: Any, value: Any, mask: Any) -> Any:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+    # forward_ad's level is -1 outside a ``dual_level()`` (no public query of it); dynamo
+    # cannot trace functorch's queries, and a compiled graph takes rank 4
+    transformed = not torch.compiler.is_compiling() and (
+        torch_func_transforms(query) or getattr(forward_ad, "_current_level", -1) >= 0
+    )
+    if transformed:
+        return kernel(query, key, value, mask)
+    batch = tuple(query.shape[:-3])
+    n = math.prod(batch)
+    if len(batch) != 1:
+        query, key, value = (x.reshape(n, *x.shape[-3:]) for x in (query, key, value))
+    if mask is not None and mask.ndim != 2:  # rank 4: leading ones, batch axes merged
+        mask = mask.reshape((1,) * (max(len(batch), 1) + 3 - mask.ndim) + tuple(mask.shape))
+        if len(batch) > 1:
+            mask = mask.expand(*batch, *mask.shape[-3:]).reshape(n, *mask.shape[-3:])
+    out = kernel(query, key, value, mask)
+    return out if len(batch) == 1 else out.reshape(*batch, *out.shape[-3:])
 
 
 def direct_kernel(
@@ -404,8 +438,6 @@ def _torch(
     plan: AttentionPlan,
     causal: bool,
 ) -> Any:
-    import torch.nn.functional as F
-
     # broadcast only what needs it: no expanded views of a shape they already have
     q, k, v = (_to_batch(xp, x, plan.batch) for x in (q, k, v))
     attn_mask = None
@@ -415,9 +447,7 @@ def _torch(
     elif allowed is not None:
         attn_mask = allowed  # in its own broadcast shape, e.g. (B, 1, 1, Lk)
     gqa = plan.num_q_heads != plan.num_kv_heads
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=causal, scale=plan.scale, enable_gqa=gqa
-    )
+    return sdpa(q, k, v, attn_mask, causal, plan.scale, gqa)
 
 
 def _jax(
