@@ -19,7 +19,9 @@ The targets of issue 39 (float32, this machine's CPUs):
   under ``jax.jit`` against ``jax.nn.dot_product_attention`` on the padded cache with
   ``key_value_seq_lengths``. Medians of interleaved rounds, and per-round ratios.
 - ``prefill``: 4 requests each prefilling a chunk of 512 tokens over 1-3k cached
-  keys: ours against one padded SDPA call (B=4, Lq=512, Lk=the longest) with the mask.
+  keys: ours against one padded SDPA call (B=4, Lq=512, Lk=the longest) with the mask,
+  and against ours with every request walked (``ours_walk``: no request left to the
+  engine, ``_route.PAGED_ENGINE_ROWS``), on torch and NumPy.
 - ``memory``: the peak memory NumPy allocates during our decode step (tracemalloc),
   against the padded cache's size.
 - ``plan``: the decode step's plan (``plan_ragged``) against one layer's call given it
@@ -36,6 +38,10 @@ The targets of issue 39 (float32, this machine's CPUs):
   ``gathers_strided`` (gather from the pool's head-major view) on torch and NumPy,
   ``sums_by_program`` (sums as products with ones) on torch; and products page by page
   or over the chunk (``PagedProblem.by_page``) on torch, default and ``batch_invariant``.
+- ``engine`` (``--only engine --out benchmarks/results/serving-engine.json``): one
+  request of 2048 keys (Hq=32, Hkv=8, D=128) with 1 to 64 new rows, computed by the
+  engine over its gathered keys and by the walk, side by side, on torch and NumPy: where
+  ``_route.PAGED_ENGINE_ROWS`` is set.
 """
 
 from __future__ import annotations
@@ -473,19 +479,75 @@ def prefill(repeats, chunk=512, hq=32, hkv=8, d=128):
     a = ours(False)().numpy()
     b = padded().transpose(1, 2).reshape(4 * chunk, hq, d).numpy()
     assert np.abs(a - b).max() < 1e-4
+    fns = {
+        "ours": ours(False),
+        "ours_walk": _walked(ours(False)),
+        "ours_invariant": ours(True),
+        "sdpa_padded": padded,
+    }
     with torch.no_grad():
-        timed = interleaved_seconds(
-            {"ours": ours(False), "ours_invariant": ours(True), "sdpa_padded": padded},
-            repeats=repeats,
-            warmup=1,
-        )
+        timed = interleaved_seconds(fns, repeats=repeats, warmup=1)
     out = {
         "median_s": timed.medians,
         "ratio_vs_padded": float(np.median(timed.ratios("ours", "sdpa_padded"))),
+        "walk_vs_padded": float(np.median(timed.ratios("ours_walk", "sdpa_padded"))),
         "invariant_vs_default": float(np.median(timed.ratios("ours_invariant", "ours"))),
     }
     print("prefill torch", json.dumps(out, indent=1), flush=True)
-    return {"torch": out}
+    fns = {"ours": lambda: ragged_paged_attention(*host)}
+    fns["ours_walk"] = _walked(fns["ours"])
+    timed = interleaved_seconds(fns, repeats=max(3, repeats // 3), warmup=1)
+    numpy_out = {
+        "median_s": timed.medians,
+        "ratio_vs_walk": float(np.median(timed.ratios("ours", "ours_walk"))),
+    }
+    print("prefill numpy", json.dumps(numpy_out, indent=1), flush=True)
+    return {"torch": out, "numpy": numpy_out}
+
+
+def _walked(call, rows=2**62):
+    """`call` with every paged request walked, or with `rows` rows or more to the engine."""
+    from portable_attn._lib import _route
+
+    def walked():
+        default = _route.PAGED_ENGINE_ROWS
+        _route.PAGED_ENGINE_ROWS = rows
+        try:
+            return call()
+        finally:
+            _route.PAGED_ENGINE_ROWS = default
+
+    return walked
+
+
+def engine(repeats, keys=2048, rows=(1, 4, 8, 16, 32, 64), hq=32, hkv=8, d=128):
+    """One request of `keys` keys and each number of new `rows`: the engine's time over the walk's."""
+    import torch
+
+    kp, vp, table, _, _ = build_pool([keys], hkv, d, spare=0)
+    out = {}
+    for lib in ("torch", "numpy"):
+        out[lib] = {}
+        for n in rows:
+            q = np.random.default_rng(n).standard_normal((n, hq, d), dtype=np.float32)
+            args = (q, kp, vp, table, np.array([keys], np.int32), np.array([0, n], np.int32))
+            if lib == "torch":
+                args = tuple(torch.from_numpy(x) for x in args)
+
+            def call(args=args):
+                return ragged_paged_attention(*args)
+
+            fns = {"engine": _walked(call, 1), "walk": _walked(call)}
+            a, b = (np.asarray(f()) for f in fns.values())
+            assert np.abs(a - b).max() < 1e-5
+            with torch.no_grad():
+                timed = interleaved_seconds(fns, repeats=repeats, warmup=1)
+            out[lib][n] = {
+                "median_s": timed.medians,
+                "engine_vs_walk": float(np.median(timed.ratios("engine", "walk"))),
+            }
+            print("engine", lib, n, json.dumps(out[lib][n]), flush=True)
+    return out
 
 
 def memory():
@@ -789,6 +851,8 @@ def main() -> None:
         result["chunks"] = chunks(args.repeats)
     if "lanes" in parts:
         result["lanes"] = lanes(args.repeats)
+    if "engine" in parts:
+        result["engine"] = engine(args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)
 

@@ -125,18 +125,39 @@ def _on(backend, kw):
     return {n: backend.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
 
 
-@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+def _lane(monkeypatch, backend, lane):
+    """Send every request to the walk, or every request with a row to the engine.
+
+    By default a request of ``_route.PAGED_ENGINE_ROWS`` rows or more goes to the engine
+    where its library's row says so (``Library.paged_engine``), the others to the walk.
+    """
+    from portable_attn._lib import _route
+
+    if lane == "engine":
+        if not _route.library(backend.asarray(np.zeros(1))).paged_engine:
+            pytest.skip(f"{backend.family} walks every request (Library.paged_engine)")
+        monkeypatch.setattr(_route, "PAGED_ENGINE_ROWS", 1)
+    elif lane == "walk":
+        monkeypatch.setattr(_route, "PAGED_ENGINE_ROWS", 2**62)
+
+
+@pytest.mark.parametrize("lane", ["default", "walk", "engine", "invariant"])
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_paged_against_oracle(backend, xp, name, invariant):
+def test_paged_against_oracle(backend, xp, name, lane, monkeypatch):
     # a decode row, prefill chunks longer than a tile, a request with no new row, one
-    # whose window ends before its first chunk, one new row at position 0
+    # whose window ends before its first chunk, one new row at position 0; by default
+    # the requests of 20 and 17 rows go to the engine (where their library's row says)
+    if lane == "walk" and backend.family == "jax":
+        pytest.skip("JAX walks every request by default (the case beside this one)")
+    _lane(monkeypatch, backend, lane)
     pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
     kw = OPTIONS[name]
+    args = pool.args(backend)
     out, lse, top = ragged_paged_attention(
-        *pool.args(backend),
+        *args,
         return_lse=True,
         return_max_logit=True,
-        batch_invariant=invariant,
+        batch_invariant=lane == "invariant",
         **_on(backend, kw),
     )
     expected_out, expected_lse, expected_top = pool.oracle_with_max(**kw)
@@ -145,6 +166,23 @@ def test_paged_against_oracle(backend, xp, name, invariant):
     assert_close(backend, top, expected_top)
     assert np.all(backend.to_numpy(top)[-2:] == -np.inf)  # padding rows
     assert np.all(backend.to_numpy(out)[-2:] == 0.0)  # padding rows
+    # each statistic alone, and neither
+    _, top_alone = ragged_paged_attention(*args, return_max_logit=True, **_on(backend, kw))
+    assert_close(backend, top_alone, expected_top)
+    assert_close(backend, ragged_paged_attention(*args, **_on(backend, kw)), expected_out)
+
+
+def test_requests_with_many_rows_go_to_the_engine(backend, xp):
+    from portable_attn._lib import _route
+
+    pool = Pool([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+    meta = pool.args(backend)[3:]
+    engine = _plan_of(pool, backend, meta)._walk.engine
+    if _route.library(meta[0]).paged_engine:  # the prefill chunks of 20 and 17 rows
+        assert [(e.begin, e.end, e.length) for e in engine] == [(5, 25, 40), (27, 44, 23)]
+    else:
+        assert engine == ()
+    assert _plan_of(pool, backend, meta, batch_invariant=True)._walk.engine == ()
 
 
 def test_window_over_tiles_of_unequal_rows_against_oracle(backend, xp):
@@ -181,9 +219,11 @@ def test_no_rows_or_no_requests(backend, xp):
     np.testing.assert_array_equal(backend.to_numpy(v2), pool.value_pages)
 
 
-def test_half_precision_accumulates_in_float32(backend, xp):
+@pytest.mark.parametrize("lane", ["walk", "engine"])
+def test_half_precision_accumulates_in_float32(backend, xp, lane, monkeypatch):
     if not backend.supports("float16"):
         pytest.skip(f"{backend.kind} has no float16")
+    _lane(monkeypatch, backend, lane)
     pool = Pool([12, 30], [3, 1])
     out, lse = ragged_paged_attention(*pool.args(backend, "float16"), return_lse=True)
     assert out.dtype == backend.dtype("float16")
@@ -447,7 +487,9 @@ def test_batch_invariant_chunks_and_decode_steps_equal_one_prefill(
 
 
 @pytest.mark.autodiff
-def test_paged_gradients_match_central_differences(backend, xp):
+@pytest.mark.parametrize("lane", ["walk", "engine"])
+def test_paged_gradients_match_central_differences(backend, xp, lane, monkeypatch):
+    _lane(monkeypatch, backend, lane)
     pool = Pool([5, 3], [2, 1], page_size=2, num_pages=6, fill=0.0, pad=1)
     pool.query = pool.query[:, :, :3]
     kp, vp = pool.key_pages[..., :3], pool.value_pages[..., :2]
@@ -479,7 +521,9 @@ def test_paged_gradients_match_central_differences(backend, xp):
 
 
 @pytest.mark.autodiff
-def test_paged_gradients_stay_finite_over_nan_slots(backend, xp):
+@pytest.mark.parametrize("lane", ["walk", "engine"])
+def test_paged_gradients_stay_finite_over_nan_slots(backend, xp, lane, monkeypatch):
+    _lane(monkeypatch, backend, lane)
     pool = Pool([6, 11], [3, 1], page_size=4, num_pages=8)  # NaN in every free slot
     q, kp, vp, *meta = pool.args(backend)
 

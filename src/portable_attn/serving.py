@@ -159,8 +159,12 @@ def ragged_paged_attention(
     -----
     Exact. The keys are visited in chunks of 128 positions (whole pages): each chunk
     gathers, for the tiles of rows that may see it, only the pages it covers, so the
-    extra memory is a few chunks per tile, never a request's whole cache; chunks past
-    a request's length or hidden by `is_causal` and `window` are not visited. Pool slots
+    extra memory is a few chunks per tile; chunks past a request's length or hidden by
+    `is_causal` and `window` are not visited. A request with 16 new rows or more (a
+    prefill chunk; up to 32768 keys; not with `batch_invariant`, nor JAX, which walks
+    every request) is computed instead as one call of
+    :func:`~portable_attn.scaled_dot_product_attention` over its keys gathered from the
+    pool, a copy of its cache (torch's SDPA on a CPU: 0.3-0.6x the walk's time). Pool slots
     that hold no valid key of a request may contain anything, NaN included. With
     metadata on the host (NumPy, torch, JAX outside ``jit``) the loop bounds are read
     there once per call; under ``jax.jit`` the metadata stays traced and a chunk no
@@ -176,7 +180,7 @@ def ragged_paged_attention(
     there makes no other request's values or key/value gradients NaN.
     Differentiable with respect to `query`, the pools, `scale`, `softcap`, `sinks`
     and `alibi_slopes` (torch autograd, ``jax.grad``), by automatic differentiation
-    through the walk.
+    through the walk (the engine's own backward for the requests it computes).
 
     Examples
     --------
@@ -240,13 +244,62 @@ def ragged_paged_attention(
         softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
         compute_dtype=compute,
     )
-    return _results(out, (lse, return_lse), (max_logit, return_max_logit))
+    results = [(out, True), (lse, return_lse), (max_logit, return_max_logit)]
+    if walk.engine:
+        options = {"is_causal": is_causal, "window": _bounds(left, right), "softcap": softcap}
+        options.update(scale=scale, sinks=sinks, alibi_slopes=alibi_slopes)
+        results = _by_engine(xp, walk, query, (key_pages, value_pages, dv), results, options)
+    return _results(*results)
 
 
-def _results(out: Any, *stats: tuple[Any, bool]) -> Any:
-    """`out` alone, or with the row statistics asked for, in order."""
-    asked = [x for x, flag in stats if flag]
-    return (out, *asked) if asked else out
+def _by_engine(
+    xp: Any,
+    walk: _paged.WalkPlan,
+    query: Any,
+    pools: tuple[Any, Any, int],
+    results: list[tuple[Any, bool]],
+    options: dict[str, Any],
+) -> list[tuple[Any, bool]]:
+    """Return the walk's `results` with the rows of the requests the plan leaves to the engine.
+
+    Each such request (:attr:`~._lib._paged.WalkPlan.engine`) is one call of
+    :func:`~portable_attn.scaled_dot_product_attention` over its keys gathered from the
+    pools (its own route: torch's SDPA on a CPU), with the same options; `results` are
+    ``(array, asked)`` pairs of out (T, Hq, Dv), lse and max logit (T, Hq).
+    """
+    key_pages, value_pages, dv = pools
+    asked = [flag for _, flag in results]
+    parts: list[list[Any]] = [[x] for x, _ in results]
+    for request in walk.engine:
+        keys = _gathered(xp, key_pages, request)  # (Hkv, L, Dk)
+        values = keys[..., :dv] if value_pages is None else _gathered(xp, value_pages, request)
+        q = xp.permute_dims(query[request.begin : request.end, ...], (1, 0, 2))  # (Hq, n, Dk)
+        got = scaled_dot_product_attention(
+            q, keys, values, return_lse=asked[1], return_max_logit=asked[2], **options
+        )
+        got = got if isinstance(got, tuple) else (got,)
+        parts[0].append(xp.permute_dims(got[0], (1, 0, 2)))  # (n, Hq, Dv)
+        stats = iter(got[1:])
+        for i in (1, 2):
+            if asked[i]:
+                parts[i].append(xp.permute_dims(next(stats), (1, 0)))  # (n, Hq)
+    return [
+        (xp.take(xp.concat(p, axis=0), walk.merge, axis=0) if flag else x, flag)
+        for p, (x, flag) in zip(parts, results, strict=True)
+    ]
+
+
+def _gathered(xp: Any, pool: Any, request: _paged.EngineRequest) -> Any:
+    """Return a request's keys (or values) from its pages of `pool`, as (Hkv, L, D)."""
+    x = xp.take(pool, request.pages, axis=0)  # (pages, page_size, Hkv, D)
+    x = xp.reshape(x, (-1, *x.shape[2:]))[: request.length, ...]
+    return xp.permute_dims(x, (1, 0, 2))
+
+
+def _results(*results: tuple[Any, bool]) -> Any:
+    """Return the arrays asked for, in order: the first alone, or a tuple."""
+    asked = [x for x, flag in results if flag]
+    return asked[0] if len(asked) == 1 else tuple(asked)
 
 
 class _StepShape(NamedTuple):

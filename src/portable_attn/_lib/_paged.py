@@ -46,6 +46,7 @@ from ._softmax import finite_shift, safe_denominator, with_sink
 
 __all__ = [
     "ChunkIndex",
+    "EngineRequest",
     "HostWalk",
     "PagedProblem",
     "PagedState",
@@ -285,11 +286,14 @@ class HostWalk(NamedTuple):
         return runs
 
 
-def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tuple[Tiles, HostWalk]:
+def host_tiles(
+    xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any, walked: Any = True
+) -> tuple[Tiles, HostWalk]:
     """Return the tiles that hold rows, from host (NumPy) metadata, longest walk first.
 
     Returns the tiles as arrays of `xp` on the problem's device, and what the driver's
-    loop needs to know of them (:class:`HostWalk`).
+    loop needs to know of them (:class:`HostWalk`). `walked` (R,) bool: the requests
+    whose rows the walk computes (the others' rows are left out of every tile).
     """
     import numpy as np
 
@@ -299,7 +303,7 @@ def host_tiles(xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any) -> tupl
     counts = np.diff(q_starts)
     lead = _lead(np, p, kv_lengths - counts)
     req, first = [], []
-    for r in np.nonzero(counts > 0)[0].tolist():
+    for r in np.nonzero((counts > 0) & walked)[0].tolist():
         for s in range(int(q_starts[r] - lead[r]), int(q_starts[r + 1]), rows):
             req.append(r)
             first.append(s)
@@ -344,6 +348,8 @@ class WalkPlan:
     (:meth:`HostWalk.runs`, each chunk's :class:`ChunkIndex` built once); with traced
     metadata `runs` is None (every chunk, by a traced loop) and `faulty` the rows whose
     request's metadata is wrong (:func:`faulty_rows`). No tiles: no row to compute.
+    `engine` the requests whose rows the engine computes instead (no tile holds them),
+    and `merge` (T,) where each packed row is in the walk's rows followed by theirs.
     """
 
     problem: PagedProblem
@@ -353,6 +359,21 @@ class WalkPlan:
     pos: Any = None
     runs: tuple[tuple[int, int, int, ChunkIndex], ...] | None = None
     faulty: Any = None
+    engine: tuple[EngineRequest, ...] = ()
+    merge: Any = None
+
+
+class EngineRequest(NamedTuple):
+    """A request the engine computes, not the walk (``_route.paged_by_engine``).
+
+    Its packed rows ``begin:end``, its `length` keys, and the `pages`
+    (ceil(length / page_size),) that hold them.
+    """
+
+    begin: int
+    end: int
+    length: int
+    pages: Any
 
 
 class PagedState(NamedTuple):

@@ -114,6 +114,8 @@ __all__ = [
     "MASK_TILE_ENTRIES",
     "NATIVE_TILE",
     "NATIVE_TILES_MIN_SKIP",
+    "PAGED_ENGINE_MAX_KEYS",
+    "PAGED_ENGINE_ROWS",
     "SKIP_FRACTION_FOR_TILED",
     "THREADS_MIN_SCORE_BYTES",
     "TRACED_BLOCK_STEP",
@@ -131,6 +133,7 @@ __all__ = [
     "kernel_reason",
     "library",
     "native_kernel",
+    "paged_by_engine",
     "reads_values",
     "route",
     "row_key",
@@ -361,6 +364,30 @@ at most 128: one row per request when decoding, 128 for prefill chunks of 512 (t
 of a chunk are gathered once per tile, so bigger tiles gather less)."""
 
 
+PAGED_ENGINE_ROWS = 16
+"""A paged request with at least this many new rows (a prefill, or a chunk of one) is not
+walked: its keys are gathered from the pool and its rows computed by the engine's own route
+(torch's SDPA on a CPU), one request at a time (``Library.paged_engine``; never with
+``batch_invariant``, whose bits are the walk's). One request of 2048 keys (Hq = 32,
+Hkv = 8, D = 128), the engine's time over the walk's: torch 0.62x at 16 rows and 0.78x at
+one, NumPy 0.48x at 16 rows and 1.18x at one (``--only engine`` of
+``benchmarks/serving.py``); a decode step keeps the walk, which batches its requests."""
+
+PAGED_ENGINE_MAX_KEYS = 32768
+"""... and at most this many keys: its gathered keys and values are a copy of its cache
+(256 MiB at Hkv = 8, D = 128 in float32); a longer one is walked, a chunk at a time."""
+
+
+def paged_by_engine(row: Library, rows: int, keys: int, batch_invariant: bool) -> bool:
+    """Whether a paged request's `rows` over its `keys` go to the engine (see above)."""
+    return (
+        row.paged_engine
+        and not batch_invariant
+        and rows >= PAGED_ENGINE_ROWS
+        and keys <= PAGED_ENGINE_MAX_KEYS
+    )
+
+
 def tile_rows(num_tokens: int, num_requests: int, groups: int, batch_invariant: bool) -> int:
     """Return the rows of a paged tile: fixed per model with `batch_invariant`, else by shape."""
     if batch_invariant:
@@ -443,6 +470,11 @@ class Library:
         How ``serving.paged_kv_write`` writes rows into the pools: item assignment into
         the arrays given (NumPy, torch, CuPy), ``.at[].set`` (JAX: in place when the
         pools are donated to ``jax.jit``), or new arrays by array-API operations alone.
+    paged_engine : bool
+        A paged request with many new rows is computed by the engine over its gathered
+        keys (:data:`PAGED_ENGINE_ROWS`). Not JAX: outside ``jit`` each request's shape
+        would compile a program of its own (under ``jit`` the metadata is traced, and
+        every request walked).
     """
 
     dense_limit: int
@@ -465,6 +497,7 @@ class Library:
     sums_by_program: bool = False
     exp2: bool = False
     writes: Literal["items", "at", "arrays"] = "arrays"
+    paged_engine: bool = True
 
 
 #: ``block_size=None`` keeps the dense path while its logits would take at most this
@@ -606,6 +639,7 @@ _JAX_CPU = Library(
     half_matmul=True,
     sums_by_program=True,
     writes="at",
+    paged_engine=False,
 )
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from .._lib import _paged
 from .._lib._compat import has_concrete_values, on_device, to_host
-from .._lib._paged import PagedProblem, PagedState, WalkPlan
-from .._lib._route import library
+from .._lib._paged import EngineRequest, PagedProblem, PagedState, WalkPlan
+from .._lib._route import library, paged_by_engine, tile_rows
 
 __all__ = ["paged_attention", "plan_walk"]
 
@@ -42,8 +42,12 @@ def plan_walk(
     num_requests = page_table.shape[0]
     if p.num_tokens == 0 or num_requests == 0:  # no row, or every row padding
         return WalkPlan(p, None)
+    engine: tuple[EngineRequest, ...] = ()
+    merge = None
     if has_concrete_values(q_starts) and has_concrete_values(kv_lengths):
-        tiles, walk = _paged.host_tiles(xp, p, to_host(q_starts), to_host(kv_lengths))
+        starts, lengths = to_host(q_starts), to_host(kv_lengths)
+        p, engine, merge, walked = _leave_to_engine(xp, p, page_table, starts, lengths)
+        tiles, walk = _paged.host_tiles(xp, p, starts, lengths, walked)
         runs = tuple(
             (a, b, kind, _paged.chunk_index(xp, p, j, tiles.request[a:b], page_table, kv_lengths))
             for j, a, b, kind in walk.runs(p)
@@ -61,7 +65,41 @@ def plan_walk(
         )
     slots, held = _paged.query_slots(xp, p, tiles)
     pos = _paged.row_positions(xp, p, tiles, q_starts, kv_lengths)
-    return WalkPlan(p, tiles, slots, held, pos, runs, faulty)
+    return WalkPlan(p, tiles, slots, held, pos, runs, faulty, engine, merge)
+
+
+def _leave_to_engine(
+    xp: Any, p: PagedProblem, page_table: Any, starts: Any, lengths: Any
+) -> tuple[PagedProblem, tuple[EngineRequest, ...], Any, Any]:
+    """Return the requests the engine computes (``_route.paged_by_engine``), and the walk's rest.
+
+    Returns the problem with the tiles' rows of the walked requests alone
+    (``_route.tile_rows``), the engine's requests, where each packed row is in the walk's
+    rows followed by the engine's (:attr:`WalkPlan.merge`; None without any), and which
+    requests the walk computes (R,).
+    """
+    import numpy as np
+
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    counts = np.diff(starts)
+    row = library(page_table)
+    pairs = zip(counts.tolist(), lengths.tolist(), strict=True)
+    by_engine = np.array([paged_by_engine(row, n, m, p.aligned) for n, m in pairs], dtype=bool)
+    if not by_engine.any():
+        return p, (), None, True
+    walked = ~by_engine
+    rows = tile_rows(int(counts[walked].sum()), int(walked.sum()), p.groups, p.aligned)
+    merge = np.arange(p.num_tokens, dtype=np.int64)
+    engine = []
+    offset = p.num_tokens  # the engine's rows follow the walk's (T,)
+    for r in np.nonzero(by_engine)[0].tolist():
+        a, b, n = int(starts[r]), int(starts[r + 1]), int(lengths[r])
+        merge[a:b] = np.arange(offset, offset + b - a)
+        offset += b - a
+        pages = page_table[r, : -(-n // p.page_size)]
+        engine.append(EngineRequest(a, b, n, pages))
+    merge_x = xp.asarray(merge, **on_device(p.device))
+    return dataclasses.replace(p, rows=rows), tuple(engine), merge_x, walked
 
 
 def paged_attention(
