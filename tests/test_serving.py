@@ -180,6 +180,15 @@ def test_requests_with_many_rows_go_to_the_engine(backend, xp):
     engine = _plan_of(pool, backend, meta)._walk.engine
     if _route.library(meta[0]).paged_engine:  # the prefill chunks of 20 and 17 rows
         assert [(e.begin, e.end, e.length) for e in engine] == [(5, 25, 40), (27, 44, 23)]
+        # and no tile holds their rows: the walk does nothing for them
+        valid = backend.to_numpy(_plan_of(pool, backend, meta)._walk.tiles.valid)
+        assert not valid[5:25].any()
+        assert not valid[27:44].any()
+        alone = Pool([40], [20])  # the one request left to the engine: nothing walked
+        walk = _plan_of(alone, backend, alone.args(backend)[3:])._walk
+        assert len(walk.engine) == 1
+        assert walk.runs == ()
+        assert not backend.to_numpy(walk.tiles.valid).any()
     else:
         assert engine == ()
     assert _plan_of(pool, backend, meta, batch_invariant=True)._walk.engine == ()

@@ -307,12 +307,13 @@ def host_tiles(
         for s in range(int(q_starts[r] - lead[r]), int(q_starts[r + 1]), rows):
             req.append(r)
             first.append(s)
-    if not req:  # one tile that holds nothing
+    empty = not req
+    if empty:  # one tile that holds nothing
         req, first = [0], [0]
     req_a = np.asarray(req, dtype=np.int64)
     first_a = np.asarray(first, dtype=np.int64)
     begin = np.minimum(np.maximum(first_a, q_starts[req_a]), q_starts[req_a + 1])
-    end = np.maximum(np.minimum(first_a + rows, q_starts[req_a + 1]), begin)
+    end = begin if empty else np.maximum(np.minimum(first_a + rows, q_starts[req_a + 1]), begin)
     kv = kv_lengths[req_a]
     pos0 = kv - counts[req_a] - q_starts[req_a]  # + a packed row: its position
     first_pos, last_pos = pos0 + begin, pos0 + np.maximum(end, begin + 1) - 1
