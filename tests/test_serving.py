@@ -1079,6 +1079,48 @@ def test_varlen_against_oracle(backend, xp, name):
     assert np.all(backend.to_numpy(top)[14:] == -np.inf)
 
 
+_PACKED = {  # q_starts, kv_starts (None: the same array), T, S
+    "same array": ([0, 5, 6, 6, 14], None, 16, 16),
+    "equal values": ([0, 5, 6, 6, 14], [0, 5, 6, 6, 14], 16, 16),
+    "equal values, S > T": ([0, 5, 6, 6, 14], [0, 5, 6, 6, 14], 16, 18),
+    "one shift": ([0, 5, 6, 6, 14], [0, 7, 8, 8, 16], 16, 18),
+}
+
+
+@pytest.mark.parametrize("name", ["window+sinks", "alibi+softcap"])
+@pytest.mark.parametrize("starts", list(_PACKED))
+def test_varlen_packed_training_against_oracle(backend, xp, starts, name, monkeypatch):
+    # where every request's rows sit on its keys as the packed call's rows on its keys
+    # (kv_starts[r+1] - q_starts[r+1] == S - T), the band, window and ALiBi are the call's
+    # own, with the segments: no mask_mod or score_mod (which the other cases take)
+    import portable_attn.serving as serving
+    from portable_attn._lib._compat import reads_host_values
+
+    qs, ks, t, s = _PACKED[starts]
+    q, k, v = randn(t, HQ, DK, seed=1), randn(s, HKV, DK, seed=2), randn(s, HKV, DV, seed=3)
+    kw = VARLEN[name]
+    qs_b = backend.asarray(np.array(qs))
+    ks_b = qs_b if ks is None else backend.asarray(np.array(ks))
+    if ks is not None and not reads_host_values(qs_b):
+        pytest.skip("starts read on the host only where that is free: the case above")
+    given = []
+    call = serving.scaled_dot_product_attention
+
+    def spy(*args, **options):
+        given.append(options)
+        return call(*args, **options)
+
+    monkeypatch.setattr(serving, "scaled_dot_product_attention", spy)
+    arrays = (backend.asarray(a) for a in (q, k, v))
+    out, lse = varlen_attention(*arrays, qs_b, ks_b, return_lse=True, **_on(backend, kw))
+    expected = _varlen_oracle(q, k, v, qs, qs if ks is None else ks, **kw)
+    assert_close(backend, out, expected[0])
+    assert_close(backend, lse, expected[1])
+    (options,) = given
+    aligned = starts != "equal values, S > T"
+    assert (options.get("mask_mod") is None and options.get("score_mod") is None) == aligned
+
+
 def test_varlen_long_enough_to_tile(backend, xp):
     # 4 heads x 600 x 600 float64 scores: past NumPy's and torch's dense limit, the tiled
     # path, whose blocks across two sequences are skipped

@@ -31,6 +31,7 @@ from ._lib._compat import (
     device,
     has_concrete_values,
     on_device,
+    reads_host_values,
     result_type,
     to_host,
 )
@@ -698,9 +699,13 @@ def varlen_attention(
     -----
     One call of :func:`~portable_attn.scaled_dot_product_attention` on the packed
     axis with segment ids (a request's rows see only its keys; on the tiled path no
-    block pair across two requests is computed) and a ``mask_mod`` for the
-    per-request causal and window alignment: the engine's routes, its recomputing
-    backward (O(T + S) training memory) and ``jax.jit`` all apply.
+    block pair across two requests is computed): the engine's routes, its recomputing
+    backward (O(T + S) training memory) and ``jax.jit`` all apply. Where every
+    request's rows sit on its keys as the packed axis's rows on its keys
+    (``kv_starts[r+1] - q_starts[r+1] == S - T``: packed training, the same starts
+    array for both, or equal starts read where that is free), the causal band, window
+    and ALiBi are the call's own (torch's fused kernel per document); otherwise a
+    ``mask_mod`` (and for ALiBi a ``score_mod``) places each request.
     """
     xp = _namespace(
         query,
@@ -743,6 +748,11 @@ def varlen_attention(
         check_starts(name, starts, limit)
     seg_q, pos_q = _segments(xp, q_starts, t, -1)
     seg_k, pos_k = _segments(xp, kv_starts, s, -2)
+    options = {"softcap": softcap, "scale": scale, "sinks": sinks}
+    options.update(return_lse=return_lse, return_max_logit=return_max_logit)
+    if _packed_alignment(q_starts, kv_starts, t, s):  # each request's band: the call's own
+        options.update(is_causal=is_causal, window=window, alibi_slopes=alibi_slopes)
+        return _varlen_call(xp, query, key, value, seg_q, seg_k, options)
     # a row's place among its request's keys: bottom-right
     n_q = q_starts[1:] - q_starts[:-1]
     n_k = kv_starts[1:] - kv_starts[:-1]
@@ -772,21 +782,41 @@ def varlen_attention(
             return scores - slope * dist  # (Hq, bq, bk): the indices are at the scores' rank
 
     structured = is_causal or left is not None or right is not None
+    options.update(mask_mod=mask_mod if structured else None, score_mod=score_mod)
+    return _varlen_call(xp, query, key, value, seg_q, seg_k, options)
+
+
+def _packed_alignment(q_starts: Any, kv_starts: Any, t: int, s: int) -> bool:
+    """Whether every request's rows sit on its keys as the packed call's rows on its keys.
+
+    Row ``t`` of request ``r`` sees its key ``s`` where ``s - kv_starts[r+1]`` is at most
+    ``t - q_starts[r+1]`` (bottom-right in the request), and the packed call's row
+    ``t`` where ``s - S`` is at most ``t - T``: the same band, window and ALiBi
+    distances when ``kv_starts[r+1] - q_starts[r+1] == S - T`` for every request (the
+    same starts, T = S: packed training). Known from the arrays themselves (the same
+    array given twice) or from their values where they are read for free.
+    """
+    if q_starts is kv_starts:
+        return t == s
+    if not (reads_host_values(q_starts) and reads_host_values(kv_starts)):
+        return False
+    shift = to_host(kv_starts)[1:] - to_host(q_starts)[1:]
+    return bool((shift == s - t).all())
+
+
+def _varlen_call(
+    xp: Any, query: Any, key: Any, value: Any, seg_q: Any, seg_k: Any, options: dict[str, Any]
+) -> Any:
+    """Return varlen attention: one engine call on the packed axis, its segments the requests."""
     result = scaled_dot_product_attention(
         xp.permute_dims(query, (1, 0, 2)),
         xp.permute_dims(key, (1, 0, 2)),
         xp.permute_dims(value, (1, 0, 2)),
         q_segment_ids=seg_q,
         kv_segment_ids=seg_k,
-        mask_mod=mask_mod if structured else None,
-        score_mod=score_mod,
-        softcap=softcap,
-        scale=scale,
-        sinks=sinks,
-        return_lse=return_lse,
-        return_max_logit=return_max_logit,
+        **options,
     )
-    if not (return_lse or return_max_logit):
+    if not isinstance(result, tuple):
         return xp.permute_dims(result, (1, 0, 2))
     out, *stats = result
     padding = seg_q[:, None] < 0  # (T, 1): lse and max -inf
