@@ -246,10 +246,11 @@ def sdpa(
     """``F.scaled_dot_product_attention`` of (*batch, H, L, D) arrays, given to it at rank 4.
 
     torch's fused CPU kernel takes (B, H, L, D) arrays and a mask of rank 2 or 4 only:
-    otherwise SDPA computes by its unfused math, which took 2.1-2.4x the time
-    (benchmarks/results/ranks.json); the GPU's flash and memory-efficient kernels take
-    rank 4 only too. So the batch axes become one (none: a batch of 1), the mask gets
-    rank 4 (broadcast over batch axes of its own), and the result its batch axes back.
+    otherwise SDPA computes by its unfused math, which took 2.1x the time at rank 3
+    and 3.2x at rank 5 (benchmarks/results/ranks.json); the GPU's flash and
+    memory-efficient kernels take rank 4 only too. So the batch axes become one (none:
+    a batch of 1), the mask gets rank 4 (broadcast over batch axes of its own), and the
+    result its batch axes back.
     Not under ``torch.func``'s transforms or forward-mode AD: the fused CPU kernel has no
     batching rule (``vmap`` loops over the examples, with a warning) and no forward-mode
     rule (an error), the math has both. `query`, `key` and `value` have the same batch
