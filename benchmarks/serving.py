@@ -42,6 +42,11 @@ The targets of issue 39 (float32, this machine's CPUs):
   request of 2048 keys (Hq=32, Hkv=8, D=128) with 1 to 64 new rows, computed by the
   engine over its gathered keys and by the walk, side by side, on torch and NumPy: where
   ``_route.PAGED_ENGINE_ROWS`` is set.
+- ``backward`` (``--only backward --out benchmarks/results/serving-backward.json``): the
+  peak extra memory of a ragged prefill of 8 x 2048 tokens on torch (Hq=32, Hkv=8,
+  D=128), forward alone and forward with backward, each in a fresh process: the default
+  call (every request to the engine: its recomputing backward) and every request walked
+  (automatic differentiation through the walk).
 """
 
 from __future__ import annotations
@@ -520,6 +525,59 @@ def _walked(call, rows=2**62):
     return walked
 
 
+_BACKWARD_RUN = """
+import resource, sys
+import numpy as np, torch
+from portable_attn._lib import _route
+from portable_attn.serving import ragged_paged_attention
+lane, backward = sys.argv[1], sys.argv[2] == "1"
+if lane == "walk":
+    _route.PAGED_ENGINE_ROWS = 2**62
+r, n, hq, hkv, d, page = 8, 2048, 32, 8, 128, 16
+rng = np.random.default_rng(0)
+pages = r * n // page
+kp = torch.from_numpy(rng.standard_normal((pages, page, hkv, d), dtype=np.float32))
+vp = torch.from_numpy(rng.standard_normal((pages, page, hkv, d), dtype=np.float32))
+q = torch.from_numpy(rng.standard_normal((r * n, hq, d), dtype=np.float32))
+table = torch.from_numpy(rng.permutation(pages).reshape(r, n // page).astype(np.int32))
+lengths = torch.full((r,), n, dtype=torch.int32)
+starts = torch.arange(r + 1, dtype=torch.int32) * n
+for x in (q, kp, vp):
+    x.requires_grad_(backward)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = ragged_paged_attention(q, kp, vp, table, lengths, starts)
+if backward:
+    out.sum().backward()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) / 1024)
+"""
+
+
+def backward_memory():
+    """Peak extra memory (MiB) of a ragged prefill of 8 x 2048 tokens, forward and backward.
+
+    Each figure from a fresh process (the high-water mark of its resident memory after
+    the inputs are made, torch on a CPU, Hq=32, Hkv=8, D=128, float32), for the default
+    call (every request to the engine) and with every request walked.
+    """
+    import subprocess
+
+    out = {}
+    for lane in ("default", "walk"):
+        out[lane] = {}
+        for name, flag in (("forward", "0"), ("forward_backward", "1")):
+            run = subprocess.run(
+                [sys.executable, "-c", _BACKWARD_RUN, lane, flag],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            out[lane][name + "_mib"] = float(run.stdout.split()[-1])
+        out[lane]["ratio"] = out[lane]["forward_backward_mib"] / out[lane]["forward_mib"]
+        print("backward", lane, json.dumps(out[lane]), flush=True)
+    return out
+
+
 def engine(repeats, keys=2048, rows=(1, 4, 8, 16, 32, 64), hq=32, hkv=8, d=128):
     """One request of `keys` keys and each number of new `rows`: the engine's time over the walk's."""
     import torch
@@ -853,6 +911,8 @@ def main() -> None:
         result["lanes"] = lanes(args.repeats)
     if "engine" in parts:
         result["engine"] = engine(args.repeats)
+    if "backward" in parts:
+        result["backward"] = backward_memory()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)
 
