@@ -189,6 +189,8 @@ def test_requests_with_many_rows_go_to_the_engine(backend, xp):
         assert len(walk.engine) == 1
         assert walk.runs == ()
         assert not backend.to_numpy(walk.tiles.valid).any()
+        assert not walk.walks  # the call's result: the engine's rows, then 2 padding rows
+        assert walk.merge == ((0, 0, 20), (_paged.PADDING, 20, 22))
     else:
         assert engine == ()
     assert _plan_of(pool, backend, meta, batch_invariant=True)._walk.engine == ()

@@ -233,24 +233,34 @@ def ragged_paged_attention(
     pools = (key_pages,) if value_pages is None else (key_pages, value_pages)
     dtype = result_type(xp, query.dtype, *(x.dtype for x in pools))
     compute = compute_dtype_of(xp, dtype)
-    out, lse, max_logit = paged_attention(
-        xp,
-        walk,
-        query,
-        (key_pages, value_pages, page_table, kv_lengths),
-        sinks,
-        alibi_slopes,
-        dtype,
-        value_dim=dv,
-        scale=1.0 / math.sqrt(dk) if scale is None else scalar_option(xp, "scale", scale, compute),
-        softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
-        compute_dtype=compute,
-    )
-    results = [(out, True), (lse, return_lse), (max_logit, return_max_logit)]
-    if walk.engine:
-        options = {"is_causal": is_causal, "window": _bounds(left, right), "softcap": softcap}
-        options.update(scale=scale, sinks=sinks, alibi_slopes=alibi_slopes)
-        results = _by_engine(xp, walk, query, (key_pages, value_pages, dv), results, options)
+    asked = (True, return_lse, return_max_logit)
+    walked: tuple[Any, ...] = (None, None, None)
+    if walk.walks:
+        walked = paged_attention(
+            xp,
+            walk,
+            query,
+            (key_pages, value_pages, page_table, kv_lengths),
+            sinks,
+            alibi_slopes,
+            dtype,
+            value_dim=dv,
+            scale=1.0 / math.sqrt(dk)
+            if scale is None
+            else scalar_option(xp, "scale", scale, compute),
+            softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
+            compute_dtype=compute,
+        )
+    if not walk.engine:
+        return _results(*zip(walked, asked, strict=True))
+    options = {"is_causal": is_causal, "window": _bounds(left, right), "softcap": softcap}
+    options.update(scale=scale, sinks=sinks, alibi_slopes=alibi_slopes)
+    parts = _by_engine(xp, walk, query, (key_pages, value_pages, dv), asked, options)
+    fills = (0.0, -xp.inf, -xp.inf)  # padding rows: zeros, lse and max -inf
+    results = [
+        (_merged(xp, walk, x, got, fill) if flag else None, flag)
+        for x, got, fill, flag in zip(walked, parts, fills, asked, strict=True)
+    ]
     return _results(*results)
 
 
@@ -259,19 +269,18 @@ def _by_engine(
     walk: _paged.WalkPlan,
     query: Any,
     pools: tuple[Any, Any, int],
-    results: list[tuple[Any, bool]],
+    asked: tuple[bool, bool, bool],
     options: dict[str, Any],
-) -> list[tuple[Any, bool]]:
-    """Return the walk's `results` with the rows of the requests the plan leaves to the engine.
+) -> list[list[Any]]:
+    """Return the rows of the requests the plan leaves to the engine, request by request.
 
     Each such request (:attr:`~._lib._paged.WalkPlan.engine`) is one call of
     :func:`~portable_attn.scaled_dot_product_attention` over its keys gathered from the
-    pools (its own route: torch's SDPA on a CPU), with the same options; `results` are
-    ``(array, asked)`` pairs of out (T, Hq, Dv), lse and max logit (T, Hq).
+    pools (its own route: torch's SDPA on a CPU), with the call's options. Returns the
+    out (n, Hq, Dv), lse and max logit (n, Hq) of each, those `asked`.
     """
     key_pages, value_pages, dv = pools
-    asked = [flag for _, flag in results]
-    parts: list[list[Any]] = [[x] for x, _ in results]
+    parts: list[list[Any]] = [[], [], []]
     for request in walk.engine:
         keys = _gathered(xp, key_pages, request)  # (Hkv, L, Dk)
         values = keys[..., :dv] if value_pages is None else _gathered(xp, value_pages, request)
@@ -279,16 +288,27 @@ def _by_engine(
         got = scaled_dot_product_attention(
             q, keys, values, return_lse=asked[1], return_max_logit=asked[2], **options
         )
-        got = got if isinstance(got, tuple) else (got,)
-        parts[0].append(xp.permute_dims(got[0], (1, 0, 2)))  # (n, Hq, Dv)
-        stats = iter(got[1:])
-        for i in (1, 2):
+        got = iter(got if isinstance(got, tuple) else (got,))
+        for i, part in enumerate(parts):
             if asked[i]:
-                parts[i].append(xp.permute_dims(next(stats), (1, 0)))  # (n, Hq)
-    return [
-        (xp.take(xp.concat(p, axis=0), walk.merge, axis=0) if flag else x, flag)
-        for p, (x, flag) in zip(parts, results, strict=True)
-    ]
+                x = next(got)
+                part.append(xp.permute_dims(x, (1, 0, 2) if i == 0 else (1, 0)))
+    return parts
+
+
+def _merged(xp: Any, walk: _paged.WalkPlan, walked: Any, engine: list[Any], fill: float) -> Any:
+    """Return one result (T, ...) from the walk's and the engine's rows, by the plan's runs."""
+    first = engine[0]
+    pieces = []
+    for source, a, b in walk.merge:
+        if source == _paged.WALK:
+            pieces.append(walked[a:b, ...])
+        elif source == _paged.PADDING:
+            shape = (b - a, *first.shape[1:])
+            pieces.append(xp.full(shape, fill, dtype=first.dtype, **on_device(device(first))))
+        else:
+            pieces.append(engine[source][a:b, ...])
+    return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=0)
 
 
 def _gathered(xp: Any, pool: Any, request: _paged.EngineRequest) -> Any:

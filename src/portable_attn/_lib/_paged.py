@@ -45,6 +45,8 @@ from ._masks import arange
 from ._softmax import finite_shift, safe_denominator, with_sink
 
 __all__ = [
+    "PADDING",
+    "WALK",
     "ChunkIndex",
     "EngineRequest",
     "HostWalk",
@@ -350,7 +352,9 @@ class WalkPlan:
     metadata `runs` is None (every chunk, by a traced loop) and `faulty` the rows whose
     request's metadata is wrong (:func:`faulty_rows`). No tiles: no row to compute.
     `engine` the requests whose rows the engine computes instead (no tile holds them),
-    and `merge` (T,) where each packed row is in the walk's rows followed by theirs.
+    and `merge` the runs ``(source, a, b)`` whose rows, in order, are the result's: rows
+    ``a:b`` of the walk's result (source :data:`WALK`), of the engine's result for
+    ``engine[source]``, or ``b - a`` padding rows (:data:`PADDING`: nothing walked).
     """
 
     problem: PagedProblem
@@ -361,7 +365,17 @@ class WalkPlan:
     runs: tuple[tuple[int, int, int, ChunkIndex], ...] | None = None
     faulty: Any = None
     engine: tuple[EngineRequest, ...] = ()
-    merge: Any = None
+    merge: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def walks(self) -> bool:
+        """Whether the walk computes any row (or every row is the engine's, or padding)."""
+        return not self.merge or any(source == WALK for source, _, _ in self.merge)
+
+
+#: :attr:`WalkPlan.merge`'s sources besides the engine's requests: the walk's result, and
+#: padding rows where nothing is walked
+WALK, PADDING = -1, -2
 
 
 class EngineRequest(NamedTuple):

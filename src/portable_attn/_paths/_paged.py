@@ -21,11 +21,12 @@ Gradients elsewhere are the library's autodiff through the walk (torch autograd)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from .._lib import _paged
 from .._lib._compat import has_concrete_values, on_device, to_host
-from .._lib._paged import EngineRequest, PagedProblem, PagedState, WalkPlan
+from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, PagedState, WalkPlan
 from .._lib._route import library, paged_by_engine, tile_rows
 
 __all__ = ["paged_attention", "plan_walk"]
@@ -43,7 +44,7 @@ def plan_walk(
     if p.num_tokens == 0 or num_requests == 0:  # no row, or every row padding
         return WalkPlan(p, None)
     engine: tuple[EngineRequest, ...] = ()
-    merge = None
+    merge: tuple[tuple[int, int, int], ...] = ()
     if has_concrete_values(q_starts) and has_concrete_values(kv_lengths):
         starts, lengths = to_host(q_starts), to_host(kv_lengths)
         p, engine, merge, walked = _leave_to_engine(xp, p, page_table, starts, lengths)
@@ -70,13 +71,13 @@ def plan_walk(
 
 def _leave_to_engine(
     xp: Any, p: PagedProblem, page_table: Any, starts: Any, lengths: Any
-) -> tuple[PagedProblem, tuple[EngineRequest, ...], Any, Any]:
+) -> tuple[PagedProblem, tuple[EngineRequest, ...], tuple[tuple[int, int, int], ...], Any]:
     """Return the requests the engine computes (``_route.paged_by_engine``), and the walk's rest.
 
     Returns the problem with the tiles' rows of the walked requests alone
-    (``_route.tile_rows``), the engine's requests, where each packed row is in the walk's
-    rows followed by the engine's (:attr:`WalkPlan.merge`; None without any), and which
-    requests the walk computes (R,).
+    (``_route.tile_rows``), the engine's requests, the runs of packed rows that make the
+    result (:attr:`WalkPlan.merge`; none without an engine request), and which requests
+    the walk computes (R,).
     """
     import numpy as np
 
@@ -86,20 +87,28 @@ def _leave_to_engine(
     pairs = zip(counts.tolist(), lengths.tolist(), strict=True)
     by_engine = np.array([paged_by_engine(row, n, m, p.aligned) for n, m in pairs], dtype=bool)
     if not by_engine.any():
-        return p, (), None, True
+        return p, (), (), True
     walked = ~by_engine
+    any_walked = bool(np.any(walked & (counts > 0)))
     rows = tile_rows(int(counts[walked].sum()), int(walked.sum()), p.groups, p.aligned)
-    merge = np.arange(p.num_tokens, dtype=np.int64)
-    engine = []
-    offset = p.num_tokens  # the engine's rows follow the walk's (T,)
-    for r in np.nonzero(by_engine)[0].tolist():
-        a, b, n = int(starts[r]), int(starts[r + 1]), int(lengths[r])
-        merge[a:b] = np.arange(offset, offset + b - a)
-        offset += b - a
-        pages = page_table[r, : -(-n // p.page_size)]
-        engine.append(EngineRequest(a, b, n, pages))
-    merge_x = xp.asarray(merge, **on_device(p.device))
-    return dataclasses.replace(p, rows=rows), tuple(engine), merge_x, walked
+    engine: list[EngineRequest] = []
+    runs: list[tuple[int, int, int]] = []
+
+    def run(source: int, a: int, b: int) -> None:
+        if runs and source == WALK and runs[-1][0] == WALK and runs[-1][2] == a:
+            runs[-1] = (WALK, runs[-1][1], b)  # consecutive rows of the walk: one slice
+        elif b > a:
+            runs.append((source, a, b))
+
+    for r, (a, b) in enumerate(itertools.pairwise(starts.tolist())):
+        if not by_engine[r]:
+            run(WALK, a, b)
+            continue
+        n = int(lengths[r])
+        run(len(engine), 0, b - a)
+        engine.append(EngineRequest(a, b, n, page_table[r, : -(-n // p.page_size)]))
+    run(WALK if any_walked else PADDING, int(starts[-1]), p.num_tokens)
+    return dataclasses.replace(p, rows=rows), tuple(engine), tuple(runs), walked
 
 
 def paged_attention(
