@@ -8,7 +8,8 @@ prefilling a chunk, others decoding one token.
 
 - :func:`paged_kv_write` writes the new tokens' keys and values into their pages;
 - :func:`ragged_paged_attention` is the attention of the new tokens over their
-  requests' pages, without gathering any request's whole cache;
+  requests' pages: decode rows walk them chunk by chunk, a prefill chunk is one engine
+  call over its request's gathered keys;
 - :func:`plan_ragged` plans a step once for every layer's call (:class:`PagedPlan`);
 - :func:`varlen_attention` is the same on contiguous packed keys (training on packed
   data: ``flash_attn_varlen_func``'s job), on the library's tiled engine.
