@@ -342,8 +342,9 @@ class PagedPlan:
 
     Built by :func:`plan_ragged` from the step's metadata; holds which tiles of query
     rows the walk computes, which key chunks each visits and where their pages are,
-    so a model of ``n`` layers reads and checks the metadata once per step, not ``n``
-    times (on a GPU each read of the metadata is a synchronisation with the host).
+    and which requests' rows the engine computes over their gathered keys, so a model
+    of ``n`` layers reads and checks the metadata once per step, not ``n`` times (on a
+    GPU each read of the metadata is a synchronisation with the host).
     The attributes are the shapes and options it was built for; a call given it must
     have the same ones and the same metadata arrays, unchanged since: a plan holds what
     it read of them, so metadata written in place after planning needs a new plan.
