@@ -8,7 +8,9 @@ layer's call (:func:`paged_attention`). Two forms of one walk:
   chunks some tile may see; each chunk folds only the tiles that may see it (a
   contiguous range, as the tiles are sorted), so a decode batch of mixed lengths
   gathers each request's pages once and skips the chunks past it. The plan holds
-  each fold's range and the chunk's page indices.
+  each fold's range and the chunk's page indices. Requests with many new rows are
+  left to the engine (``_route.paged_by_engine``; ``serving`` calls it over their
+  gathered keys): no tile holds their rows.
 - traced metadata (``jax.jit``): as many tiles as the shapes allow, and a
   ``lax.fori_loop`` over every chunk of the page table whose body is a ``lax.cond``
   that skips, by value, a chunk no tile may see. Differentiable (``jax.grad``).
