@@ -108,7 +108,8 @@ def _leave_to_engine(
             continue
         n = int(lengths[r])
         run(len(engine), 0, b - a)
-        engine.append(EngineRequest(a, b, n, page_table[r, : -(-n // p.page_size)]))
+        pages = xp.asarray(page_table[r, : -(-n // p.page_size)], copy=True)  # as read now
+        engine.append(EngineRequest(a, b, n, pages))
     run(WALK if any_walked else PADDING, int(starts[-1]), p.num_tokens)
     return dataclasses.replace(p, rows=rows), tuple(engine), tuple(runs), walked
 
