@@ -1123,6 +1123,104 @@ def test_varlen_packed_training_against_oracle(backend, xp, starts, name, monkey
     assert (options.get("mask_mod") is None and options.get("score_mod") is None) == aligned
 
 
+_MOD_STARTS = {  # q_starts, kv_starts (None: the same array), T, S
+    "unequal": ([0, 5, 6, 6, 14], [0, 9, 10, 13, 21], 16, 22),
+    "same array": ([0, 5, 6, 6, 14], None, 16, 16),
+}
+_PREFIX = np.array([3, 0, 2, 4])  # per request: keys below it seen both ways
+_SPAN = 32  # the learned table's relative distances: -31 .. 32
+
+
+def _at(xp, values, idx):
+    """``values[idx]`` for an index array of any shape, by ``take``."""
+    return xp.reshape(xp.take(values, xp.reshape(idx, (-1,))), idx.shape)
+
+
+def _mods(xp, prefix, table):
+    def prefix_mask(r, h, q, k):
+        return xp.logical_or(k <= q, k < _at(xp, prefix, r))
+
+    def relative_bias(s, r, h, q, k):
+        d = xp.clip(q - k + _SPAN - 1, 0, 2 * _SPAN - 1)
+        return s + xp.astype(_at(xp, xp.reshape(table, (-1,)), h * 2 * _SPAN + d), s.dtype)
+
+    return prefix_mask, relative_bias
+
+
+def _mods_oracle(q, k, v, qs, ks, table):
+    """Per request: the prefix mask and the relative bias as arrays, in float64."""
+    out = np.zeros((q.shape[0], HQ, v.shape[-1]))
+    for r in range(len(qs) - 1):
+        a, b, c, d = qs[r], qs[r + 1], ks[r], ks[r + 1]
+        if a == b:
+            continue
+        qp = (d - c) - (b - a) + np.arange(b - a)  # bottom-right positions
+        kp = np.arange(d - c)
+        mask = (kp[None, :] <= qp[:, None]) | (kp[None, :] < _PREFIX[r])
+        rel = np.clip(qp[:, None] - kp[None, :] + _SPAN - 1, 0, 2 * _SPAN - 1)
+        bias = table[:, rel]  # (Hq, n, m)
+        qr, kr, vr = (x.transpose(1, 0, 2)[None] for x in (q[a:b], k[c:d], v[c:d]))
+        got = reference_attention(qr, kr, vr, mask=mask[None, None], bias=bias[None])
+        out[a:b] = got[0].transpose(1, 0, 2)
+    return out
+
+
+@pytest.mark.parametrize("starts", list(_MOD_STARTS))
+def test_varlen_mask_and_score_mods_against_oracle(backend, xp, starts):
+    # a prefix seen both ways (prefix-LM) and a learned relative bias, per request, in
+    # the request's own positions, on both of varlen's paths
+    qs, ks, t, s = _MOD_STARTS[starts]
+    ks = qs if ks is None else ks
+    q, k, v = randn(t, HQ, DK, seed=1), randn(s, HKV, DK, seed=2), randn(s, HKV, DV, seed=3)
+    table = randn(HQ, 2 * _SPAN, seed=4)
+    qs_b = backend.asarray(np.array(qs))
+    ks_b = qs_b if starts == "same array" else backend.asarray(np.array(ks))
+    mask_mod, score_mod = _mods(xp, backend.asarray(_PREFIX), backend.asarray(table))
+    out = varlen_attention(
+        *(backend.asarray(a) for a in (q, k, v)),
+        qs_b,
+        ks_b,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+    )
+    assert_close(backend, out, _mods_oracle(q, k, v, qs, ks, table))
+    assert np.all(backend.to_numpy(out)[14:] == 0.0)  # padding rows
+
+
+@pytest.mark.autodiff
+def test_varlen_learned_score_mod_gradients_match_central_differences(backend, xp):
+    qs, ks = np.array([0, 2, 5]), np.array([0, 3, 5])
+    q, k, v = randn(5, HQ, 3, seed=1), randn(5, HKV, 3, seed=2), randn(5, HKV, 2, seed=3)
+    w = randn(5, HQ, 2, seed=4)
+    table = randn(HQ, 2 * _SPAN, seed=5)
+
+    def loss_np(table):
+        _, score_mod = _mods(np, _PREFIX, table)
+        out = varlen_attention(q, k, v, qs, ks, is_causal=True, score_mod=score_mod)
+        return float(np.sum(out * w))
+
+    expected = central_differences(loss_np, [table])[0]
+    arrays = [backend.asarray(a) for a in (q, k, v, qs, ks, w)]
+
+    def loss(table):
+        _, score_mod = _mods(xp, backend.asarray(_PREFIX), table)
+        out = varlen_attention(*arrays[:5], is_causal=True, score_mod=score_mod)
+        return xp.sum(out * arrays[5])
+
+    (grad,) = backend.grad(loss, backend.asarray(table))
+    assert_close(backend, grad, expected, atol=1e-7, rtol=1e-6)
+
+
+def test_varlen_mods_must_be_callable(backend, xp):
+    q = backend.asarray(randn(4, HQ, DK, seed=1))
+    k = backend.asarray(randn(4, HKV, DK, seed=2))
+    starts = backend.asarray(np.array([0, 4]))
+    with pytest.raises(TypeError, match="`mask_mod` must be callable"):
+        varlen_attention(q, k, k, starts, starts, mask_mod=3)
+    with pytest.raises(TypeError, match="`score_mod` must be callable"):
+        varlen_attention(q, k, k, starts, starts, score_mod="bias")
+
+
 def test_varlen_long_enough_to_tile(backend, xp):
     # 4 heads x 600 x 600 float64 scores: past NumPy's and torch's dense limit, the tiled
     # path, whose blocks across two sequences are skipped

@@ -21,6 +21,7 @@ Layouts are token-major, as in vLLM and flash-attn: ``(tokens, heads, features)`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -45,10 +46,12 @@ from ._lib._validation import (
     check_head_vector,
     check_integer_array,
     check_is_flag,
+    check_mask_mod,
     check_one_device,
     check_paged,
     check_paged_metadata,
     check_same_axis,
+    check_score_mod,
     check_starts,
     check_window,
 )
@@ -688,6 +691,8 @@ def varlen_attention(
     scale: float | Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
     return_lse: bool = False,
     return_max_logit: bool = False,
 ) -> Array | tuple[Array, ...]:
@@ -709,6 +714,17 @@ def varlen_attention(
         keys sees its keys ``j <= i + m - n``.
     window, softcap, scale, sinks, alibi_slopes, return_lse, return_max_logit
         As in :func:`ragged_paged_attention`, per request.
+    mask_mod : callable, optional
+        ``mask_mod(request, head, q_pos, kv_pos) -> bool array``: True where a row may
+        see a key of its request, AND-ed with the rest. `request` is the request's
+        index, `q_pos` and `kv_pos` positions among the request's keys (a row's
+        bottom-right: ``i + m - n``), index arrays that broadcast as those of
+        :func:`~portable_attn.scaled_dot_product_attention`'s `mask_mod`. A prefix seen
+        both ways (prefix-LM, an image's tokens): ``lambda r, h, q, k: (k <= q) |
+        (k < prefix[r])`` with ``is_causal=False``.
+    score_mod : callable, optional
+        ``score_mod(scores, request, head, q_pos, kv_pos) -> scores``, the same
+        indices, after `softcap` and before ALiBi; arrays it closes over get gradients.
 
     Returns
     -------
@@ -728,7 +744,8 @@ def varlen_attention(
     (``kv_starts[r+1] - q_starts[r+1] == S - T``: packed training, the same starts
     array for both, or equal starts read where that is free), the causal band, window
     and ALiBi are the call's own (torch's fused kernel per document); otherwise a
-    ``mask_mod`` (and for ALiBi a ``score_mod``) places each request.
+    ``mask_mod`` (and for ALiBi a ``score_mod``) places each request, as it places the
+    indices of yours.
     """
     xp = _namespace(
         query,
@@ -758,6 +775,8 @@ def varlen_attention(
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     left, right = (None, None) if window is None else check_window(window)
+    check_mask_mod(mask_mod)
+    check_score_mod(score_mod)
     check_one_device(
         query=query,
         key=key,
@@ -773,39 +792,49 @@ def varlen_attention(
     seg_k, pos_k = _segments(xp, kv_starts, s, -2)
     options = {"softcap": softcap, "scale": scale, "sinks": sinks}
     options.update(return_lse=return_lse, return_max_logit=return_max_logit)
-    if _packed_alignment(q_starts, kv_starts, t, s):  # each request's band: the call's own
-        options.update(is_causal=is_causal, window=window, alibi_slopes=alibi_slopes)
-        return _varlen_call(xp, query, key, value, seg_q, seg_k, options)
     # a row's place among its request's keys: bottom-right
     n_q = q_starts[1:] - q_starts[:-1]
     n_k = kv_starts[1:] - kv_starts[:-1]
     padding = xp.zeros((1,), dtype=n_q.dtype, **on_device(device(q_starts)))  # R = 0 too
     shift = xp.take(xp.concat([n_k - n_q, padding]), xp.where(seg_q < 0, n1 - 1, seg_q))
     pos_q = pos_q + shift
+    request = xp.where(seg_q < 0, 0, seg_q)  # padding rows see no key: request 0's indices
 
-    def rows(idx: Any, positions: Any) -> Any:
-        return xp.reshape(xp.take(positions, xp.reshape(idx, (-1,))), idx.shape)
+    def rows(idx: Any, values: Any) -> Any:
+        return xp.reshape(xp.take(values, xp.reshape(idx, (-1,))), idx.shape)
 
-    def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+    placed = _packed_alignment(q_starts, kv_starts, t, s)  # each request's band: the call's
+    if placed:
+        options.update(is_causal=is_causal, window=window, alibi_slopes=alibi_slopes)
+    band = not placed and (is_causal or left is not None or right is not None)
+    alibi = alibi_slopes is not None and not placed
+
+    def masked(b: Any, h: Any, qi: Any, ki: Any) -> Any:
         qp, kp = rows(qi, pos_q), rows(ki, pos_k)
-        last = qp if is_causal else None
-        if right is not None:
-            last = qp + right if last is None else xp.minimum(last, qp + right)
-        ok = None if last is None else kp <= last
-        if left is not None:
-            ok = kp >= qp - left if ok is None else xp.logical_and(ok, kp >= qp - left)
+        ok = None if mask_mod is None else mask_mod(rows(qi, request), h, qp, kp)
+        if band:
+            last = qp if is_causal else None
+            if right is not None:
+                last = qp + right if last is None else xp.minimum(last, qp + right)
+            if last is not None:
+                ok = kp <= last if ok is None else xp.logical_and(ok, kp <= last)
+            if left is not None:
+                ok = kp >= qp - left if ok is None else xp.logical_and(ok, kp >= qp - left)
         return ok
 
-    score_mod = None
-    if alibi_slopes is not None:
-
-        def score_mod(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
+    def scored(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
+        qp, kp = rows(qi, pos_q), rows(ki, pos_k)
+        if score_mod is not None:
+            scores = score_mod(scores, rows(qi, request), h, qp, kp)
+        if alibi:
             slope = xp.reshape(xp.astype(alibi_slopes, scores.dtype), (-1, 1, 1))
-            dist = xp.astype(xp.abs(rows(qi, pos_q) - rows(ki, pos_k)), scores.dtype)
-            return scores - slope * dist  # (Hq, bq, bk): the indices are at the scores' rank
+            scores = scores - slope * xp.astype(xp.abs(qp - kp), scores.dtype)  # (Hq, bq, bk)
+        return scores
 
-    structured = is_causal or left is not None or right is not None
-    options.update(mask_mod=mask_mod if structured else None, score_mod=score_mod)
+    options.update(
+        mask_mod=masked if band or mask_mod is not None else None,
+        score_mod=scored if alibi or score_mod is not None else None,
+    )
     return _varlen_call(xp, query, key, value, seg_q, seg_k, options)
 
 
