@@ -902,10 +902,17 @@ def test_a_traced_page_table_alone_gives_nan_rows_for_a_page_outside_the_pool(ba
     assert np.all(np.isfinite(out[:2]))
 
 
-def test_varlen_without_requests_gives_padding_rows(backend, xp):
-    # R = 0 (starts [0]): every row is padding (an IndexError before)
+@pytest.mark.parametrize("mods", [False, True], ids=["plain", "mods"])
+def test_varlen_without_requests_gives_padding_rows(backend, xp, mods):
+    # R = 0 (starts [0]): every row is padding (an IndexError before); a mask_mod or
+    # score_mod indexing per-request arrays (of no request) is never called
     q, k = randn(3, HQ, DK, seed=1), randn(5, HKV, DK, seed=2)
     none = backend.asarray(np.zeros(1, np.int64))
+    kw = {}
+    if mods:
+        empty = backend.asarray(np.zeros(0, np.int64))
+        mask_mod, score_mod = _mods(xp, empty, backend.asarray(randn(HQ, 2 * _SPAN)))
+        kw = {"mask_mod": mask_mod, "score_mod": score_mod}
     out, lse, top = varlen_attention(
         backend.asarray(q),
         backend.asarray(k),
@@ -914,6 +921,7 @@ def test_varlen_without_requests_gives_padding_rows(backend, xp):
         none,
         return_lse=True,
         return_max_logit=True,
+        **kw,
     )
     assert np.all(backend.to_numpy(out) == 0.0)
     assert np.all(backend.to_numpy(lse) == -np.inf)

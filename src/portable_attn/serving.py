@@ -799,6 +799,8 @@ def varlen_attention(
     shift = xp.take(xp.concat([n_k - n_q, padding]), xp.where(seg_q < 0, n1 - 1, seg_q))
     pos_q = pos_q + shift
     request = xp.where(seg_q < 0, 0, seg_q)  # padding rows see no key: request 0's indices
+    if n1 == 1:  # no request: every row padding, and no request's index to give yours
+        mask_mod = score_mod = None
 
     def rows(idx: Any, values: Any) -> Any:
         return xp.reshape(xp.take(values, xp.reshape(idx, (-1,))), idx.shape)
