@@ -1223,7 +1223,7 @@ def test_varlen_mods_must_be_callable(backend, xp):
     q = backend.asarray(randn(4, HQ, DK, seed=1))
     k = backend.asarray(randn(4, HKV, DK, seed=2))
     starts = backend.asarray(np.array([0, 4]))
-    with pytest.raises(TypeError, match="`mask_mod` must be callable"):
+    with pytest.raises(TypeError, match=r"`mask_mod` must be callable as mask_mod\(request"):
         varlen_attention(q, k, k, starts, starts, mask_mod=3)
     with pytest.raises(TypeError, match="`score_mod` must be callable"):
         varlen_attention(q, k, k, starts, starts, score_mod="bias")

@@ -165,9 +165,9 @@ def ragged_paged_attention(
     Exact. The keys are visited in chunks of 128 positions (whole pages): each chunk
     gathers, for the tiles of rows that may see it, only the pages it covers, so the
     extra memory is a few chunks per tile; chunks past a request's length or hidden by
-    `is_causal` and `window` are not visited. A request with 16 new rows or more (a
-    prefill chunk; up to 32768 keys; not with `batch_invariant`, nor JAX, which walks
-    every request) is computed instead as one call of
+    `is_causal` and `window` are not visited. With metadata on the host, a request with
+    16 new rows or more (a prefill chunk; up to 32768 keys; not with `batch_invariant`,
+    nor JAX, which walks every request) is computed instead as one call of
     :func:`~portable_attn.scaled_dot_product_attention` over its keys gathered from the
     pool, a copy of its cache (torch's SDPA on a CPU; the prefill step of
     ``benchmarks/serving.py`` took 0.38x the walk's time on torch, 0.67x on NumPy). Pool slots
@@ -775,7 +775,7 @@ def varlen_attention(
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     left, right = (None, None) if window is None else check_window(window)
-    check_mask_mod(mask_mod)
+    check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
     check_score_mod(score_mod)
     check_one_device(
         query=query,

@@ -550,13 +550,15 @@ def check_score_mod(score_mod: Any) -> None:
         raise TypeError(msg)
 
 
-def check_mask_mod(mask_mod: Any, *, name: str = "mask_mod") -> None:
-    """`mask_mod`: None or a callable ``(batch, head, q_idx, kv_idx) -> bool array``."""
+def check_mask_mod(
+    mask_mod: Any,
+    *,
+    name: str = "mask_mod",
+    signature: str = "mask_mod(batch, head, q_idx, kv_idx)",
+) -> None:
+    """`mask_mod`: None or a callable `signature` ``-> bool array``."""
     if mask_mod is not None and not callable(mask_mod):
-        msg = (
-            f"`{name}` must be callable as mask_mod(batch, head, q_idx, kv_idx), but got "
-            f"{type(mask_mod).__name__}"
-        )
+        msg = f"`{name}` must be callable as {signature}, but got {type(mask_mod).__name__}"
         raise TypeError(msg)
 
 
