@@ -40,9 +40,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from . import _validation as v
 from ._compat import on_device, stop_gradient
 from ._masks import arange
-from ._softmax import finite_shift, safe_denominator, with_sink
+from ._tiled import Ops, RowState, normalised, online_step
 
 __all__ = [
     "PADDING",
@@ -50,8 +51,8 @@ __all__ = [
     "ChunkIndex",
     "EngineRequest",
     "HostWalk",
+    "PagedOps",
     "PagedProblem",
-    "PagedState",
     "Tiles",
     "bounded_tiles",
     "chunk_index",
@@ -59,12 +60,10 @@ __all__ = [
     "faulty_rows",
     "head_rows",
     "host_tiles",
-    "metadata_faults",
     "owners",
     "query_slots",
     "row_positions",
     "start",
-    "starts_fault",
     "step",
     "tile_queries",
     "WalkPlan",
@@ -391,19 +390,46 @@ class EngineRequest(NamedTuple):
     pages: Any
 
 
-class PagedState(NamedTuple):
-    """The online softmax of the tiles' rows: (N, 1, Hkv, G·rows, 1), (…, 1), (…, Dv)."""
+class PagedOps(Ops):
+    """The online softmax's block operations over a chunk: scores (N, c', Hkv, rows·G, b).
 
-    m: Any
-    l_sum: Any
-    acc: Any
+    A chunk multiplied page by page (:attr:`PagedProblem.by_page`) has its ``c'`` pages
+    on axis 1: a row's max and sums run over them too. With
+    :attr:`PagedProblem.sums_by_product`, sums are products with ones.
+    """
+
+    def __init__(self, xp: Any, p: PagedProblem) -> None:
+        super().__init__(xp)
+        self.p = p
+
+    def row_max(self, s: Any) -> Any:
+        return self.xp.max(s, axis=(1, 4), keepdims=True)
+
+    def row_sum(self, p: Any) -> Any:
+        xp = self.xp
+        if self.p.sums_by_product:
+            ones = xp.ones((p.shape[-1], 1), dtype=p.dtype, **on_device(self.p.device))
+            return self.over_pages(p @ ones)
+        return self.over_pages(xp.sum(p, axis=-1, keepdims=True))
+
+    def over_pages(self, x: Any) -> Any:
+        """Sum (N, c', Hkv, rows·G, W) over its pages c': (N, 1, Hkv, rows·G, W)."""
+        xp = self.xp
+        n, c2 = x.shape[0], x.shape[1]
+        if c2 == 1:
+            return x
+        if not self.p.sums_by_product:
+            return xp.sum(x, axis=1, keepdims=True)
+        ones = xp.ones((1, c2), dtype=x.dtype, **on_device(self.p.device))
+        summed = ones @ xp.reshape(x, (n, c2, -1))  # (N, 1, Hkv·rows·G·W)
+        return xp.reshape(summed, (n, 1, *x.shape[2:]))
 
 
-def start(xp: Any, p: PagedProblem, n_tiles: int) -> PagedState:
-    """Rows that saw nothing: max -inf, sum 0, accumulator 0."""
+def start(xp: Any, p: PagedProblem, n_tiles: int) -> RowState:
+    """Rows that saw nothing: max -inf, sum 0, accumulator 0, each (N, 1, Hkv, rows·G, …)."""
     kw = {"dtype": p.compute_dtype, **on_device(p.device)}
     rows = (n_tiles, 1, p.num_kv_heads, p.matmul_rows)
-    return PagedState(
+    return RowState(
         xp.full((*rows, 1), -xp.inf, **kw),
         xp.zeros((*rows, 1), **kw),
         xp.zeros((*rows, p.value_dim), **kw),
@@ -494,7 +520,7 @@ def chunk_index(
 def step(
     xp: Any,
     p: PagedProblem,
-    state: PagedState,
+    state: RowState,
     index: ChunkIndex,
     q: Any,
     pos: Any,
@@ -503,7 +529,7 @@ def step(
     *,
     sanitize: bool = True,
     masked: bool = True,
-) -> PagedState:
+) -> RowState:
     """Fold the key chunk `index` locates (:func:`chunk_index`) into the tiles' state.
 
     `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles; `pools` is
@@ -544,32 +570,12 @@ def step(
         if p.right is not None:
             allowed = xp.logical_and(allowed, kp <= pos + p.right)
         s = xp.where(allowed, s, -xp.inf)
-    m, l_sum, acc = state
-    # the running max only shifts the exponents (it cancels exactly): no gradient through
-    # it, as in the engine's walk (compiled backwards turned that gradient into NaN)
-    m_new = stop_gradient(xp.maximum(m, xp.max(s, axis=(1, 4), keepdims=True)))
-    shift = finite_shift(xp, m_new)
-    e = xp.exp(s - shift)  # hidden keys: exactly 0
-    alpha = xp.exp(finite_shift(xp, m) - shift)
-    pv = _over_pages(xp, p, e @ v)  # (N, 1, Hkv, rows·G, Dv)
-    if p.sums_by_product:
-        p_sum = e @ xp.ones((b, 1), dtype=dt, **on_device(p.device))
-    else:
-        p_sum = xp.sum(e, axis=-1, keepdims=True)
-    p_sum = _over_pages(xp, p, p_sum)
-    return PagedState(m_new, alpha * l_sum + p_sum, alpha * acc + pv)
-
-
-def _over_pages(xp: Any, p: PagedProblem, x: Any) -> Any:
-    """Sum (N, c', Hkv, rows·G, W) over its pages c': (N, 1, Hkv, rows·G, W)."""
-    n, c2 = x.shape[0], x.shape[1]
-    if c2 == 1:
-        return x
-    if not p.sums_by_product:
-        return xp.sum(x, axis=1, keepdims=True)
-    ones = xp.ones((1, c2), dtype=x.dtype, **on_device(p.device))
-    summed = ones @ xp.reshape(x, (n, c2, -1))  # (N, 1, Hkv·rows·G·W)
-    return xp.reshape(summed, (n, 1, *x.shape[2:]))
+    ops = PagedOps(xp, p)
+    # the engine's update, over the chunk's pages; the running max's gradient stopped as
+    # in every walk
+    return online_step(
+        ops, state, s, lambda e, first: ops.over_pages(e @ v), stop_gradient=stop_gradient
+    )
 
 
 def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
@@ -582,41 +588,6 @@ def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
         return x
     x = xp.permute_dims(x, (0, 2, 1, 3, 4))
     return xp.reshape(x, (n, 1, p.num_kv_heads, p.chunk_keys, -1))
-
-
-def starts_fault(xp: Any, starts: Any, limit: int) -> Any:
-    """Whether `starts` (R + 1,) is not a packing: 0 first, nondecreasing, at most `limit`."""
-    return xp.logical_or(
-        xp.logical_or(starts[0] != 0, starts[-1] > limit),
-        xp.any(starts[1:] < starts[:-1]),
-    )
-
-
-def metadata_faults(
-    xp: Any,
-    q_starts: Any,
-    kv_lengths: Any,
-    page_table: Any,
-    num_tokens: int,
-    num_pages: int,
-    page_size: int,
-    device: Any,
-) -> tuple[Any, Any, Any]:
-    """Return what is wrong with a paged call's metadata, by array operations (traced or not).
-
-    Returns whether `q_starts` is not a packing of ``num_tokens`` rows (0-d), whether
-    each request's length does not fit its rows and its table (R,), and whether each
-    page a request uses is not a page of the pool (R, max_pages).
-    """
-    max_pages = page_table.shape[1]
-    rows = q_starts[1:] - q_starts[:-1]
-    lengths = xp.logical_or(kv_lengths < rows, kv_lengths > max_pages * page_size)
-    n_used = xp.floor_divide(kv_lengths + (page_size - 1), page_size)
-    logical = xp.astype(arange(xp, 0, max_pages, device), n_used.dtype)
-    used = logical[None, :] < n_used[:, None]
-    outside = xp.logical_or(page_table < 0, page_table >= num_pages)
-    pages = xp.logical_and(used, outside)
-    return starts_fault(xp, q_starts, num_tokens), lengths, pages
 
 
 def faulty_rows(
@@ -634,7 +605,7 @@ def faulty_rows(
     For metadata without values (``jax.jit``), where no error can be raised: these rows
     come out NaN (:func:`finish`) and are not written (``paged_kv_write``).
     """
-    packing, lengths, pages = metadata_faults(
+    packing, lengths, pages = v.metadata_faults(
         xp, q_starts, kv_lengths, page_table, num_tokens, num_pages, page_size, device
     )
     wrong = xp.logical_or(lengths, xp.any(pages, axis=1))
@@ -645,7 +616,7 @@ def faulty_rows(
 def finish(
     xp: Any,
     p: PagedProblem,
-    state: PagedState,
+    state: RowState,
     tiles: Tiles,
     sinks: Any | None,
     dtype: Any,
@@ -658,12 +629,9 @@ def finish(
     max ``-inf``; a row that sees no key (and no sink) too. The rows `faulty` (T,)
     marks (:func:`faulty_rows`) are NaN, in all three.
     """
-    m, l_sum, acc = (x[:, 0, ...] for x in state)
-    denominator = safe_denominator(xp, l_sum)
-    out = acc / denominator
-    lse = xp.where(l_sum == 0.0, -xp.inf, finite_shift(xp, m) + xp.log(denominator))
-    if sinks is not None:
-        out, lse = with_sink(xp, out, lse, head_rows(xp, p, xp.astype(sinks, p.compute_dtype)))
+    m, l_sum, acc = (x[:, 0, ...] for x in state[:3])
+    sink_rows = None if sinks is None else head_rows(xp, p, xp.astype(sinks, p.compute_dtype))
+    out, lse = normalised(xp, RowState(m, l_sum, acc), sink_rows)
     n = out.shape[0]
     rows, hkv, g, hq = p.rows, p.num_kv_heads, p.groups, p.num_q_heads
     out = xp.reshape(out, (n, hkv, rows, g, p.value_dim))

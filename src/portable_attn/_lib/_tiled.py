@@ -63,6 +63,8 @@ __all__ = [
     "ScoreVjp",
     "block_ranges",
     "block_scores",
+    "normalised",
+    "online_step",
     "sum_to_shape",
     "tiled_backward",
     "tiled_forward",
@@ -142,6 +144,14 @@ class Ops:
     def hide(self, s: Any, allowed: Any) -> Any:
         """``-inf`` where not `allowed`."""
         return self.xp.where(allowed, s, -self.xp.inf)
+
+    def row_max(self, s: Any) -> Any:
+        """Return the largest score of each row of a block: (..., rows, keys) -> (..., rows, 1)."""
+        return self.xp.max(s, axis=-1, keepdims=True)
+
+    def row_sum(self, p: Any) -> Any:
+        """Return each row's sum of a block's weights: (..., rows, keys) -> (..., rows, 1)."""
+        return self.xp.sum(p, axis=-1, keepdims=True)
 
     def maximum(self, m: Any, m_blk: Any) -> Any:
         """``maximum(m, m_blk)``."""
@@ -271,32 +281,18 @@ class OnlineSoftmax:
         ops, xp = self.ops, self.call.xp
         plan = keys.call.plan
         hkv, hq = plan.num_kv_heads, plan.num_q_heads
-        m, l_sum, acc, rows_seen = state
         ks, ke = k_range
         s = block_scores(ops, q_rows, keys, q_range, k_range, full)
-        m_blk = xp.max(s, axis=-1, keepdims=True)  # (..., Hq, bq, 1)
-        m_new = m_blk if m is None else ops.maximum(m, m_blk)
-        if self.stop_gradient is not None:
-            m_new = self.stop_gradient(m_new)
-        if rows_seen:  # m_new is finite in every row already
-            m_safe = m_new
-        else:  # a row hidden in every block so far: exp(-inf - finite) = 0
-            m_safe = finite_shift(xp, m_new)
-            rows_seen = full and keys.shows_rows
         terms = keys.call.terms
-        owned = terms.score_mod is None and terms.sinks is None
-        p = ops.exp_shifted(s, m_safe, owned)  # (..., Hq, bq, bk)
-        del s  # keep at most two (bq, bk) blocks alive
-        alpha = None if m is None else ops.exp(m - m_safe, owned=True)  # rescales old sums
         v_blk = keys.values[..., ks:ke, :]
-        hidden, some_rows = None, False
-        if not full:  # keys hidden from rows: their values never reach those rows
-            hidden = keys_hidden_from_rows(xp, terms, plan, q_range, k_range)
-            some_rows = terms.q_segments is not None
+        some_rows = not full and terms.q_segments is not None
 
-        def product(p_blk: Any) -> Any:  # (..., Hq, bq, bk) @ V, as (..., Hq, bq, D)
+        def product(p_blk: Any, first: bool) -> Any:  # (..., Hq, bq, bk) @ V, as (..., Hq, bq, D)
+            # keys hidden from rows: their values never reach those rows
+            hidden = None if full else keys_hidden_from_rows(xp, terms, plan, q_range, k_range)
+
             def matmul(a: Any, b: Any) -> Any:  # one more column than a buffer: a fresh array
-                return xp.matmul(a, b) if some_rows else ops.matmul(a, b, alpha is None)
+                return xp.matmul(a, b) if some_rows else ops.matmul(a, b, first)
 
             p_rows = heads_to_rows(xp, p_blk, hkv)
             pv = visible_product(
@@ -304,18 +300,18 @@ class OnlineSoftmax:
             )
             return rows_to_heads(xp, pv, hq)
 
-        if self.fold:
-            pv = product(p)  # [P V | rowsum], (..., Hq, bq, Dv+1)
-            acc = pv if alpha is None else ops.rescaled(acc, alpha, pv)
-            return RowState(m_new, None, acc, rows_seen)
-        p_sum = xp.sum(p, axis=-1, keepdims=True)  # (..., Hq, bq, 1), before dropout
         keep = slice_block(terms.dropout_keep, q_range, k_range)
-        if keep is not None:
-            p = ops.dropped(p, at_rank(xp, keep, p.ndim))
-        pv = product(p)
-        if alpha is None:
-            return RowState(m_new, p_sum, pv, rows_seen)
-        return RowState(m_new, alpha * l_sum + p_sum, ops.rescaled(acc, alpha, pv), rows_seen)
+        return online_step(
+            ops,
+            state,
+            s,
+            product,
+            stop_gradient=self.stop_gradient,
+            shows_rows=full and keys.shows_rows,
+            owned=terms.score_mod is None and terms.sinks is None,
+            fold=self.fold,
+            keep=None if keep is None else at_rank(xp, keep, s.ndim),
+        )
 
     def finish(self, state: RowState, bq: int) -> tuple[Any, Any]:
         """Return output (..., Hq, bq, Dv) and row statistics (..., Hq, bq, 1 or 2).
@@ -334,16 +330,93 @@ class OnlineSoftmax:
             acc, l_sum = acc[..., :dv], acc[..., dv:]
         if terms.dropout_keep is not None:
             acc = acc * terms.dropout_scale
-        denominator = safe_denominator(xp, l_sum)
-        m_safe = m if rows_seen else finite_shift(xp, m)
-        lse = m_safe + xp.log(denominator)
-        if not rows_seen:
-            lse = xp.where(l_sum == 0.0, -xp.inf, lse)
-        out = acc / denominator
-        if terms.sinks is not None:
-            out, lse = with_sink(xp, out, lse, terms.sinks)
+        out, lse = normalised(xp, RowState(m, l_sum, acc, rows_seen), terms.sinks)
         lse = xp.broadcast_to(lse, (*plan.batch, plan.num_q_heads, bq, 1))
         return out, row_stats(xp, plan, lse, m)
+
+
+def online_step(
+    ops: Ops,
+    state: RowState,
+    s: Any,
+    product: Callable[[Any, bool], Any],
+    *,
+    stop_gradient: Any = None,
+    shows_rows: bool = False,
+    owned: bool = False,
+    fold: bool = False,
+    keep: Any | None = None,
+) -> RowState:
+    """Fold one block of scores into the rows' online softmax: the one update of it.
+
+    Parameters
+    ----------
+    ops : Ops
+        The block operations (:class:`Ops`: fresh arrays, NumPy's workspace buffers,
+        or the paged walk's, whose blocks hold several pages).
+    state : RowState
+        The rows' state before the block; ``m`` None before the first block.
+    s : array, shape (..., rows, keys)
+        The block's scores, ``-inf`` where hidden.
+    product : callable
+        ``product(p, first)``: the block's weights `p` times its values, shape
+        (..., rows, Dv) (with the row sums as a last column where `fold`); `first`:
+        the product becomes the accumulator.
+    stop_gradient : callable, optional
+        Stops the running max's gradient (it cancels exactly; compiled backwards turned
+        it into NaN).
+    shows_rows : bool
+        The block shows every row a finite score: later blocks skip the empty-row guard.
+    owned : bool
+        `s` is a fresh array of ours that may be overwritten.
+    fold : bool
+        The row sums come from `product` (``P @ [V | 1]``).
+    keep : array of bool, broadcastable to `s`, optional
+        Dropout's kept entries (the row sums are taken before it).
+    """
+    xp = ops.xp
+    m, l_sum, acc, rows_seen = state
+    m_blk = ops.row_max(s)  # (..., rows, 1)
+    m_new = m_blk if m is None else ops.maximum(m, m_blk)
+    if stop_gradient is not None:
+        m_new = stop_gradient(m_new)
+    if rows_seen:  # m_new is finite in every row already
+        m_safe = m_new
+    else:  # a row hidden in every block so far: exp(-inf - finite) = 0
+        m_safe = finite_shift(xp, m_new)
+        rows_seen = shows_rows
+    p = ops.exp_shifted(s, m_safe, owned)  # (..., rows, keys)
+    del s  # keep at most two blocks of scores alive
+    alpha = None if m is None else ops.exp(m - m_safe, owned=True)  # rescales old sums
+    if fold:
+        pv = product(p, alpha is None)  # [P V | rowsum]
+        acc = pv if alpha is None else ops.rescaled(acc, alpha, pv)
+        return RowState(m_new, None, acc, rows_seen)
+    p_sum = ops.row_sum(p)  # before dropout
+    if keep is not None:
+        p = ops.dropped(p, keep)
+    pv = product(p, alpha is None)
+    if alpha is None:
+        return RowState(m_new, p_sum, pv, rows_seen)
+    return RowState(m_new, alpha * l_sum + p_sum, ops.rescaled(acc, alpha, pv), rows_seen)
+
+
+def normalised(xp: Any, state: RowState, sinks: Any | None) -> tuple[Any, Any]:
+    """Return the rows' output ``acc / l`` and lse ``m + log l`` (``-inf`` where nothing was seen).
+
+    A row that saw no key is zero with lse ``-inf`` (no NaN, in values or gradients);
+    `sinks` (broadcastable to the lse) join the denominator (:func:`~._softmax.with_sink`).
+    """
+    m, l_sum, acc, rows_seen = state
+    denominator = safe_denominator(xp, l_sum)
+    m_safe = m if rows_seen else finite_shift(xp, m)
+    lse = m_safe + xp.log(denominator)
+    if not rows_seen:
+        lse = xp.where(l_sum == 0.0, -xp.inf, lse)
+    out = acc / denominator
+    if sinks is not None:
+        out, lse = with_sink(xp, out, lse, sinks)
+    return out, lse
 
 
 def block_scores(

@@ -18,8 +18,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import _paged
 from ._compat import array_namespace, device, has_concrete_values, to_host
+from ._masks import arange
 
 __all__ = [
     "array_or_none",
@@ -966,7 +966,7 @@ def check_starts(name: str, starts: Any, limit: int) -> Any:
     if not has_concrete_values(starts):
         return None
     v = np.asarray(to_host(starts), dtype=np.int64)
-    if _paged.starts_fault(np, v, limit):
+    if starts_fault(np, v, limit):
         msg = (
             f"`{name}` must start at 0, never decrease and end at most at {limit} (axis 0 of "
             f"the packed array), but got {v.tolist()}"
@@ -995,7 +995,7 @@ def check_paged_metadata(
     lengths = np.asarray(to_host(kv_lengths), dtype=np.int64)
     known = has_concrete_values(page_table)
     table = np.asarray(to_host(page_table) if known else np.zeros(page_table.shape), np.int64)
-    _, bad_lengths, wrong = _paged.metadata_faults(
+    _, bad_lengths, wrong = metadata_faults(
         array_namespace(kv_lengths=lengths), starts, lengths, table, t, n_pages, page_size, None
     )
     bad = np.nonzero(bad_lengths)[0]
@@ -1014,3 +1014,38 @@ def check_paged_metadata(
             f"P = {n_pages}, {pages_from}), and request {r} uses it"
         )
         raise ValueError(msg)
+
+
+def starts_fault(xp: Any, starts: Any, limit: int) -> Any:
+    """Whether `starts` (R + 1,) is not a packing: 0 first, nondecreasing, at most `limit`."""
+    return xp.logical_or(
+        xp.logical_or(starts[0] != 0, starts[-1] > limit),
+        xp.any(starts[1:] < starts[:-1]),
+    )
+
+
+def metadata_faults(
+    xp: Any,
+    q_starts: Any,
+    kv_lengths: Any,
+    page_table: Any,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+    device: Any,
+) -> tuple[Any, Any, Any]:
+    """Return what is wrong with a paged call's metadata, by array operations (traced or not).
+
+    Returns whether `q_starts` is not a packing of ``num_tokens`` rows (0-d), whether
+    each request's length does not fit its rows and its table (R,), and whether each
+    page a request uses is not a page of the pool (R, max_pages).
+    """
+    max_pages = page_table.shape[1]
+    rows = q_starts[1:] - q_starts[:-1]
+    lengths = xp.logical_or(kv_lengths < rows, kv_lengths > max_pages * page_size)
+    n_used = xp.floor_divide(kv_lengths + (page_size - 1), page_size)
+    logical = xp.astype(arange(xp, 0, max_pages, device), n_used.dtype)
+    used = logical[None, :] < n_used[:, None]
+    outside = xp.logical_or(page_table < 0, page_table >= num_pages)
+    pages = xp.logical_and(used, outside)
+    return starts_fault(xp, q_starts, num_tokens), lengths, pages

@@ -28,8 +28,9 @@ from typing import Any
 
 from .._lib import _paged
 from .._lib._compat import has_concrete_values, on_device, to_host
-from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, PagedState, WalkPlan
+from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
 from .._lib._route import library, paged_by_engine, tile_rows
+from .._lib._tiled import RowState
 
 __all__ = ["paged_attention", "plan_walk"]
 
@@ -152,7 +153,7 @@ def paged_attention(
             state = _fold(xp, p, state, a, b, n, q, plan.pos, index, kv, alibi, kind)
     else:
 
-        def fold(j: Any, s: PagedState) -> PagedState:
+        def fold(j: Any, s: RowState) -> RowState:
             index = _paged.chunk_index(xp, p, j, tiles.request, page_table, kv_lengths)
             return _paged.step(xp, p, s, index, q, plan.pos, kv, alibi)
 
@@ -167,7 +168,7 @@ def paged_attention(
 def _fold(
     xp: Any,
     p: PagedProblem,
-    state: PagedState,
+    state: RowState,
     a: int,
     b: int,
     n: int,
@@ -177,27 +178,29 @@ def _fold(
     pools: tuple[Any, Any],
     alibi: Any | None,
     kind: int,
-) -> PagedState:
+) -> RowState:
     """Fold a chunk into tiles ``a:b`` of `n`, which see it as `kind`; the others stay."""
     flags = {"sanitize": kind == 2, "masked": kind > 0}
     if (a, b) == (0, n):
         return _paged.step(xp, p, state, index, q, pos, pools, alibi, **flags)
-    part = PagedState(*(x[a:b, ...] for x in state))
+    part = RowState(*(x[a:b, ...] for x in state[:3]))
     part = _paged.step(xp, p, part, index, q[a:b, ...], pos[a:b, ...], pools, alibi, **flags)
-    return PagedState(
-        *(xp.concat([x[:a, ...], y, x[b:, ...]], axis=0) for x, y in zip(state, part, strict=True))
-    )
+    pairs = zip(state[:3], part[:3], strict=True)
+    return RowState(*(xp.concat([x[:a, ...], y, x[b:, ...]], axis=0) for x, y in pairs))
 
 
-def _traced_walk(p: PagedProblem, state: PagedState, tiles: _paged.Tiles, fold: Any) -> PagedState:
-    """``fori_loop`` over every chunk; a chunk no tile may see is skipped by value."""
+def _traced_walk(p: PagedProblem, state: RowState, tiles: _paged.Tiles, fold: Any) -> RowState:
+    """``fori_loop`` over every chunk; a chunk no tile may see is skipped by value.
+
+    The loop carries ``(m, l_sum, acc)``: a row state's static fact stays out of it.
+    """
     import jax
     import jax.numpy as jnp
 
     lo, hi = tiles.first_chunk, tiles.last_chunk
 
-    def body(j: Any, s: PagedState) -> PagedState:
+    def body(j: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
         seen = jnp.any((lo <= j) & (j <= hi))
-        return jax.lax.cond(seen, lambda c: fold(j, c), lambda c: c, s)
+        return jax.lax.cond(seen, lambda c: tuple(fold(j, RowState(*c))[:3]), lambda c: c, carry)
 
-    return PagedState(*jax.lax.fori_loop(0, p.num_chunks, body, state))
+    return RowState(*jax.lax.fori_loop(0, p.num_chunks, body, tuple(state[:3])))
