@@ -37,6 +37,7 @@ from ._lib._compat import (
     result_type,
     to_host,
 )
+from ._lib._masks import Band
 from ._lib._route import library, tile_rows
 from ._lib._validation import (
     check_count,
@@ -808,20 +809,15 @@ def varlen_attention(
     placed = _packed_alignment(q_starts, kv_starts, t, s)  # each request's band: the call's
     if placed:
         options.update(is_causal=is_causal, window=window, alibi_slopes=alibi_slopes)
-    band = not placed and (is_causal or left is not None or right is not None)
+    band = Band() if placed else Band.of(is_causal, (left, right))
     alibi = alibi_slopes is not None and not placed
 
     def masked(b: Any, h: Any, qi: Any, ki: Any) -> Any:
         qp, kp = rows(qi, pos_q), rows(ki, pos_k)
         ok = None if mask_mod is None else mask_mod(rows(qi, request), h, qp, kp)
-        if band:
-            last = qp if is_causal else None
-            if right is not None:
-                last = qp + right if last is None else xp.minimum(last, qp + right)
-            if last is not None:
-                ok = kp <= last if ok is None else xp.logical_and(ok, kp <= last)
-            if left is not None:
-                ok = kp >= qp - left if ok is None else xp.logical_and(ok, kp >= qp - left)
+        if band.restricts:
+            inside = band.between(qp, kp)
+            ok = inside if ok is None else xp.logical_and(ok, inside)
         return ok
 
     def scored(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
@@ -834,7 +830,7 @@ def varlen_attention(
         return scores
 
     options.update(
-        mask_mod=masked if band or mask_mod is not None else None,
+        mask_mod=masked if band.restricts or mask_mod is not None else None,
         score_mod=scored if alibi or score_mod is not None else None,
     )
     return _varlen_call(xp, query, key, value, seg_q, seg_k, options)

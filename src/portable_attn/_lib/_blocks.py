@@ -179,13 +179,8 @@ def _sequence_terms(
         if offset is None:
             full = ns.zeros((1, 1, 1), dtype=ns.bool)
         else:
-            first_q, last_q = qs + offset, qe - 1 + offset  # (N | 1, nq, 1)
-            if band.right is not None:
-                hidden = hidden | (ks > last_q + band.right)
-                full = full & (ke - 1 <= first_q + band.right)
-            if band.left is not None:
-                hidden = hidden | (ke - 1 < first_q - band.left)
-                full = full & (ks >= last_q - band.left)
+            band_hidden, band_full = band.blocks(qs + offset, qe - 1 + offset, ks, ke - 1)
+            hidden, full = hidden | band_hidden, full & band_full  # (N | 1, nq, nk)
     for given, values, starts, stops in (
         (terms.kv_lengths, kv_lengths, ks, ke),
         (terms.q_lengths, q_lengths, qs, qe),

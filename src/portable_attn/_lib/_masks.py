@@ -140,13 +140,49 @@ class Band:
             q_pos = at_rank(xp, arange(xp, q_range[0], q_range[1], device)[:, None], offset.ndim)
             q_pos = q_pos + offset
         k_pos = at_rank(xp, arange(xp, k_range[0], k_range[1], device)[None, :], q_pos.ndim)
-        allowed = None
-        if self.right is not None:
-            allowed = k_pos <= q_pos + self.right  # (bq, bk)
-        if self.left is not None:
-            lower = k_pos >= q_pos - self.left  # (bq, bk)
-            allowed = lower if allowed is None else xp.logical_and(allowed, lower)
+        return self.between(q_pos, k_pos)
+
+    def between(self, q_pos: Any, k_pos: Any) -> Any:
+        """Return whether a query at (aligned) `q_pos` may see the key at `k_pos`.
+
+        Integers or integer arrays that broadcast together; True where the band
+        restricts nothing. The one place the band's comparison is written.
+        """
+        allowed: Any = True
+        lo, hi = self.key_bounds(q_pos, q_pos)
+        if hi is not None:
+            allowed = k_pos <= hi
+        if lo is not None:
+            allowed = allowed & (k_pos >= lo)
         return allowed
+
+    def key_bounds(self, first_q: Any, last_q: Any) -> tuple[Any | None, Any | None]:
+        """Return the first and last key the (aligned) rows ``first_q..last_q`` may see.
+
+        ``(first_q - left, last_q + right)``, None on an unbounded side; integers or
+        arrays. Swapped, ``key_bounds(last_q, first_q)`` are the keys *every* row sees.
+        """
+        lo = None if self.left is None else first_q - self.left
+        hi = None if self.right is None else last_q + self.right
+        return lo, hi
+
+    def blocks(self, first_q: Any, last_q: Any, first_k: Any, last_k: Any) -> tuple[Any, Any]:
+        """Return ``(hidden, full)`` of rows ``first_q..last_q`` and keys ``first_k..last_k``.
+
+        `hidden`: the band hides every key from every row; `full`: it shows every key to
+        every row. Integers (bools) or arrays (elementwise).
+        """
+        hidden: Any = False
+        full: Any = True
+        lo, hi = self.key_bounds(first_q, last_q)  # what some row sees
+        lo_all, hi_all = self.key_bounds(last_q, first_q)  # what every row sees
+        if hi is not None:
+            hidden = first_k > hi
+            full = last_k <= hi_all
+        if lo is not None:
+            hidden = hidden | (last_k < lo)
+            full = full & (first_k >= lo_all)
+        return hidden, full
 
     def visibility(self, q_range: Range, k_range: Range, offset: int | None) -> str:
         """``"skip"`` when the band hides the whole block, else ``"partial"`` or ``"full"``.
@@ -155,15 +191,10 @@ class Band:
         """
         if offset is None:
             return "partial"
-        first_q, last_q = q_range[0] + offset, q_range[1] - 1 + offset
-        first_k, last_k = k_range[0], k_range[1] - 1
-        if self.right is not None and first_k > last_q + self.right:
-            return "skip"  # every key is right of every query's band
-        if self.left is not None and last_k < first_q - self.left:
-            return "skip"  # every key is left of every query's band
-        full_right = self.right is None or last_k <= first_q + self.right
-        full_left = self.left is None or first_k >= last_q - self.left
-        return "full" if full_right and full_left else "partial"
+        hidden, full = self.blocks(
+            q_range[0] + offset, q_range[1] - 1 + offset, k_range[0], k_range[1] - 1
+        )
+        return "skip" if hidden else "full" if full else "partial"
 
     def empties_rows(self, q_len: int, kv_len: int, offset: int | None) -> bool:
         """Whether some query row sees no key through the band alone (None offset: maybe)."""
@@ -173,11 +204,10 @@ class Band:
             return True
         if q_len == 0 or kv_len == 0:
             return kv_len == 0 < q_len
-        first_q, last_q = offset, offset + q_len - 1
-        # a row is empty iff its band [i' - left, i' + right] misses [0, Lk)
-        return (self.right is not None and first_q + self.right < 0) or (
-            self.left is not None and last_q - self.left > kv_len - 1
-        )
+        # a row is empty iff its band misses [0, Lk): the first row is the first to miss
+        # it on the left, the last on the right
+        first, last = (self.blocks(q, q, 0, kv_len - 1)[0] for q in (offset, offset + q_len - 1))
+        return bool(first or last)
 
 
 _UNBOUNDED = Band()

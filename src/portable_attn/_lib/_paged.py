@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from . import _validation as v
 from ._compat import on_device, stop_gradient
-from ._masks import arange
+from ._masks import Band, arange
 from ._tiled import Ops, RowState, normalised, online_step
 
 __all__ = [
@@ -98,6 +98,11 @@ class PagedProblem:
     scale: Any = 1.0  # float or 0-d array
     softcap: Any = None  # None, float or 0-d array
     compute_dtype: Any = None
+
+    @property
+    def band(self) -> Band:
+        """The causal / window band of the call (:meth:`~._masks.Band.of`)."""
+        return Band.of(self.is_causal, (self.left, self.right))
 
     @property
     def groups(self) -> int:
@@ -161,12 +166,11 @@ def _chunk_range(
     """Return the key chunks that rows at positions ``lo_pos..hi_pos`` may see."""
     first = xp.zeros_like(lo_pos)
     last = kv_len - 1
-    if p.left is not None:
-        first = xp.maximum(first, lo_pos - p.left)
-    if p.is_causal:
-        last = xp.minimum(last, hi_pos)
-    if p.right is not None:
-        last = xp.minimum(last, hi_pos + p.right)
+    lo, hi = p.band.key_bounds(lo_pos, hi_pos)
+    if lo is not None:
+        first = xp.maximum(first, lo)
+    if hi is not None:
+        last = xp.minimum(last, hi)
     bk = p.chunk_keys
     # floor division of possibly negative positions: a row that sees nothing gets first > last
     return xp.floor_divide(first, bk), xp.floor_divide(last, bk)
@@ -249,13 +253,8 @@ class HostWalk(NamedTuple):
 
         lo_key, hi_key = j * p.chunk_keys, (j + 1) * p.chunk_keys - 1
         valid = self.length[a:b] > hi_key
-        whole = valid.copy()
-        if p.is_causal:
-            whole &= self.first_pos[a:b] >= hi_key
-        if p.left is not None:
-            whole &= self.last_pos[a:b] - p.left <= lo_key
-        if p.right is not None:
-            whole &= self.first_pos[a:b] + p.right >= hi_key
+        _, full = p.band.blocks(self.first_pos[a:b], self.last_pos[a:b], lo_key, hi_key)
+        whole = valid & full
         return np.where(whole, 0, np.where(valid, 1, 2))
 
     def runs(self, p: PagedProblem) -> list[tuple[int, int, int, int]]:
@@ -563,12 +562,8 @@ def step(
         s = s - alibi[:, None, ...] * xp.astype(xp.abs(pos - kp), dt)
     if masked:
         allowed = xp.reshape(key_ok, (n, c2, 1, 1, b))
-        if p.is_causal:
-            allowed = xp.logical_and(allowed, kp <= pos)
-        if p.left is not None:
-            allowed = xp.logical_and(allowed, kp >= pos - p.left)
-        if p.right is not None:
-            allowed = xp.logical_and(allowed, kp <= pos + p.right)
+        if p.band.restricts:
+            allowed = xp.logical_and(allowed, p.band.between(pos, kp))
         s = xp.where(allowed, s, -xp.inf)
     ops = PagedOps(xp, p)
     # the engine's update, over the chunk's pages; the running max's gradient stopped as

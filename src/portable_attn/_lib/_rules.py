@@ -32,6 +32,7 @@ import numpy as np
 
 from ._block_states import FULL, HIDDEN, PARTIAL, HostStates
 from ._compat import array_namespace, device, library_name, numpy_namespace, on_device
+from ._masks import Band as Positions  # the band's arithmetic, on positions
 from ._masks import at_rank
 
 __all__ = [
@@ -112,22 +113,10 @@ class Band(Rule):
 
     def allowed(self, xp: Any, batch: Array, head: Array, q_pos: Array, k_pos: Array) -> Array:
         ok = xp.logical_and(q_pos == q_pos, k_pos == k_pos)  # True, (.., bq, bk)
-        if self.right is not None:
-            ok = xp.logical_and(ok, k_pos <= q_pos + self.right)
-        if self.left is not None:
-            ok = xp.logical_and(ok, k_pos >= q_pos - self.left)
-        return ok
+        return ok & Positions(self.left, self.right).between(q_pos, k_pos)
 
     def blocks(self, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> tuple[Any, Any]:
-        hidden: Any = False
-        full: Any = True
-        if self.right is not None:
-            hidden = hidden | (k_lo > q_hi + self.right)
-            full = full & (k_hi <= q_lo + self.right)
-        if self.left is not None:
-            hidden = hidden | (k_hi < q_lo - self.left)
-            full = full & (k_lo >= q_hi - self.left)
-        return hidden, full
+        return Positions(self.left, self.right).blocks(q_lo, q_hi, k_lo, k_hi)
 
 
 @dataclass(frozen=True)

@@ -242,7 +242,6 @@ def _mask_mod(call: AttentionCall) -> Callable[..., Any] | None:
     mask = None if terms.mask is None else _flat(xp, at_rank(xp, terms.mask, rank), plan, 3)
     band = plan.band
     offset = _offset(call) if band.restricts else None
-    left, right = band.left, band.right
     kv_lengths = None if terms.kv_lengths is None else _flat(xp, terms.kv_lengths, plan, 3)
     q_lengths = None if terms.q_lengths is None else _flat(xp, terms.q_lengths, plan, 3)
     q_seg = kv_seg = None
@@ -260,11 +259,7 @@ def _mask_mod(call: AttentionCall) -> Callable[..., Any] | None:
         if mask is not None:
             allowed = allowed & _at(mask, b, h, q_idx, kv_idx)
         if offset is not None:
-            q_pos = q_idx + _at(offset, b)
-            if right is not None:
-                allowed = allowed & (kv_idx <= q_pos + right)
-            if left is not None:
-                allowed = allowed & (kv_idx >= q_pos - left)
+            allowed = allowed & band.between(q_idx + _at(offset, b), kv_idx)
         if kv_lengths is not None:
             allowed = allowed & (kv_idx < _at(kv_lengths, b, 0, 0, 0))
         if q_lengths is not None:
