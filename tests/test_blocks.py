@@ -15,9 +15,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from portable_attn._lib._blocks import FULL, PARTIAL, SKIP, host_pair_states, traced_pair_states
+from portable_attn._lib._blocks import (
+    FULL,
+    PARTIAL,
+    SKIP,
+    block_ranges,
+    host_pair_states,
+    traced_pair_states,
+)
 from portable_attn._lib._call import prepare
-from portable_attn._lib._tiled import block_ranges
 from portable_attn.testing import structure
 
 

@@ -19,7 +19,7 @@ from portable_attn import get_alibi_slopes
 from portable_attn._lib._call import prepare
 from portable_attn._lib._merge import merge_partials
 from portable_attn._lib._route import route
-from portable_attn._paths._partial import _sliced, partial_attention
+from portable_attn._paths._partial import partial_attention
 from portable_attn.testing import reference_attention
 
 B, HQ, HKV, LQ, LK, D = 2, 4, 2, 6, 11, 8
@@ -36,7 +36,7 @@ def _merge_parts(backend, q, k, v, *, mask=None, bias=None, block_size=None, **k
     whole = prepare(*(backend.asarray(a) for a in (q, k, v)), **kw)
     outs, lses = [], []
     for start, stop in PARTS:
-        call = _sliced(whole, {"lk": (start, stop)}, kv_len=stop - start)
+        call = whole.sliced({"lk": (start, stop)}, kv_len=stop - start)
         call = dataclasses.replace(  # a part: the lengths' host values are the whole's
             call, terms=dataclasses.replace(call.terms, kv_length_values=None)
         )

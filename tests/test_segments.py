@@ -14,9 +14,8 @@ import pytest
 
 from _helpers import assert_close, check, qkv, randn
 from portable_attn import scaled_dot_product_attention
-from portable_attn._lib._blocks import host_pair_states
+from portable_attn._lib._blocks import block_ranges, host_pair_states
 from portable_attn._lib._call import prepare
-from portable_attn._lib._tiled import block_ranges
 from portable_attn.testing import reference_attention
 
 problem = {"batch": (2,), "lq": 6, "lk": 9, "dk": 4, "dv": 3}  # GQA: Hq=4, Hkv=2

@@ -39,17 +39,40 @@ from ._compat import (
     reads_host_values,
     to_host,
 )
-from ._route import library
+from ._path import Blocks
 
 if TYPE_CHECKING:
     from ._call import AttentionCall
 
-__all__ = ["FULL", "PARTIAL", "SKIP", "host_pair_states", "may_skip", "traced_pair_states"]
+__all__ = [
+    "FULL",
+    "PARTIAL",
+    "SKIP",
+    "block_ranges",
+    "host_pair_states",
+    "may_skip",
+    "traced_pair_states",
+]
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
 Range = tuple[int, int]
 Read = Callable[[Any], Any]
+
+
+def block_ranges(length: int, size: Blocks) -> list[Range]:
+    """Half-open ranges covering ``[0, length)``.
+
+    An int gives blocks of `size` (the last one may be shorter); a tuple gives
+    consecutive blocks of those sizes, which must add up to `length`.
+    """
+    if isinstance(size, int):
+        return [(start, min(start + size, length)) for start in range(0, length, size)]
+    ends = [sum(size[: i + 1]) for i in range(len(size))]
+    if not ends or ends[-1] != length:
+        msg = f"block sizes {size} do not add up to the length {length}"
+        raise ValueError(msg)
+    return [(end - n, end) for n, end in zip(size, ends, strict=True) if n > 0]
 
 
 def may_skip(call: AttentionCall) -> bool:
@@ -104,17 +127,21 @@ def _hides(terms: Any) -> bool:
 
 
 def traced_pair_states(
-    call: AttentionCall, q_ranges: Sequence[Range], k_ranges: Sequence[Range]
+    call: AttentionCall,
+    q_ranges: Sequence[Range],
+    k_ranges: Sequence[Range],
+    in_program: Callable[[Any], bool],
 ) -> Any:
     """Return the states of :func:`host_pair_states` as a (nq, nk) JAX array, by value.
 
-    Lengths, segment ids and block states that are JAX arrays (traced or not) are
-    read by value inside the program; host arrays are read on the host.
+    Lengths, segment ids and block states that are the program's own arrays
+    (`in_program`: JAX's, traced or not, by the router's table) are read by value
+    inside the program; host arrays are read on the host.
     """
     import jax.numpy as jnp
 
     def read(x: Any) -> Any:
-        if library(x).walk == "traced":  # the program reads its own arrays by value
+        if in_program(x):
             return x
         return jnp.asarray(to_host(x)) if reads_host_values(x) else None
 

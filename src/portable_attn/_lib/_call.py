@@ -49,7 +49,7 @@ from ._compat import (
     stop_gradient,
     to_host,
 )
-from ._fields import FIELDS
+from ._fields import FIELDS, axis_of
 from ._masks import arange
 from ._scores import PLAIN_TERMS, AttentionPlan, ScoreTerms, empty_result
 
@@ -172,6 +172,32 @@ class AttentionCall:
         if changes["terms"]:
             terms = dataclasses.replace(terms, **changes["terms"])
         return dataclasses.replace(self, plan=plan, terms=terms, **changes["call"])
+
+    def sliced(self, ranges: dict[str, tuple[int, int]], **sizes: int) -> AttentionCall:
+        """Return the call with every array field sliced to `ranges` (grid axis -> range).
+
+        Each field is sliced along the axes its declaration names (size-one axes stay
+        broadcast; views); `sizes` set the plan's lengths. Nothing is placed: a part's
+        positions are the caller's business (``_paths/_partial.place_block``).
+        """
+        arrays, skeleton = self.flatten()
+        parts = {}
+        for name, x in arrays.items():
+            for axis, (start, stop) in ranges.items():
+                d = axis_of(name, x, axis)
+                if d is not None:
+                    x = x[(slice(None),) * d + (slice(start, stop), ...)]
+            parts[name] = x
+        return skeleton.unflatten(parts, **sizes)
+
+    def first_keys(self, kv_len: int) -> AttentionCall:
+        """Return the call with only its first `kv_len` keys: still a whole call, not a part.
+
+        For calls whose `kv_lengths` hide every key from `kv_len` on (the policy's
+        :func:`~portable_attn._lib._route.kept_keys`): their rows are aligned by the
+        lengths, which the cut leaves as they are. Gradients of the keys cut off are zeros.
+        """
+        return self.sliced({"lk": (0, kv_len)}, kv_len=kv_len)
 
     def finish(self, out: Array) -> Array:
         """Cast a result to the promoted input dtype and drop the head axis of 2-D calls."""

@@ -737,8 +737,6 @@ def route(
         A `block_size` or `implementation` that is not one of the documented values,
         or ``implementation="native"`` for a call the kernel cannot express.
     """
-    from .._paths._partial import first_keys
-
     v.check_implementation(implementation)
     sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
     lib = library(call.query) if row is None else row
@@ -750,7 +748,7 @@ def route(
         v.check_native_route(reason)
     keys = kept_keys(call)  # rule 0
     if keys is not None:
-        call = first_keys(call, keys)
+        call = call.first_keys(keys)
     path = _path(call, lib, sizes, implementation, return_lse)
     user_functions = call.terms.score_mod is not None or call.terms.mask_mod is not None
     segments = call.terms.q_segments is not None
@@ -1144,8 +1142,7 @@ def skipped_fraction(call: AttentionCall, block_q: int, block_k: int) -> float:
     aligned from shapes, segment ids, a ``mask_mod``. A band aligned by lengths decides
     nothing here (the lengths' own skipping is rule 0's cut, taken every call).
     """
-    from ._blocks import SKIP, host_pair_states
-    from ._tiled import block_ranges
+    from ._blocks import SKIP, block_ranges, host_pair_states
 
     plan, terms = call.plan, call.terms
     band = plan.band.restricts and not plan.has_lengths

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
-from ._blocks import FULL, host_pair_states
+from ._blocks import FULL, block_ranges, host_pair_states
 from ._call import AttentionCall
 from ._compat import on_device
 from ._masks import at_rank
@@ -61,7 +61,6 @@ __all__ = [
     "Ops",
     "RowState",
     "ScoreVjp",
-    "block_ranges",
     "block_scores",
     "normalised",
     "online_step",
@@ -78,21 +77,6 @@ Range = tuple[int, int]
 #: ``d_params`` are the gradients of the arrays the ``score_mod`` closes over (a tuple,
 #: the same length for every block); given by ``_paths/_autodiff.py``
 ScoreVjp = Callable[..., tuple[Any, Callable[[Any], tuple[Any, tuple[Any, ...]]]]]
-
-
-def block_ranges(length: int, size: Blocks) -> list[Range]:
-    """Half-open ranges covering ``[0, length)``.
-
-    An int gives blocks of `size` (the last one may be shorter); a tuple gives
-    consecutive blocks of those sizes, which must add up to `length`.
-    """
-    if isinstance(size, int):
-        return [(start, min(start + size, length)) for start in range(0, length, size)]
-    ends = [sum(size[: i + 1]) for i in range(len(size))]
-    if not ends or ends[-1] != length:
-        msg = f"block sizes {size} do not add up to the length {length}"
-        raise ValueError(msg)
-    return [(end - n, end) for n, end in zip(size, ends, strict=True) if n > 0]
 
 
 def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:

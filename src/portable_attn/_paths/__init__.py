@@ -37,7 +37,6 @@ from ._flex import flex_attention
 from ._loop import loop_attention
 from ._native import native_attention, native_tiles
 from ._ops import walk
-from ._partial import first_keys
 from ._threads import threaded_attention
 
 __all__ = ["compiled", "run", "tied_to_inputs"]
@@ -55,7 +54,7 @@ def run(
     compiled program of a ``route.compiled`` call (:func:`compiled`), kept by the cache.
     """
     if route.keys is not None:
-        call = first_keys(call, route.keys)
+        call = call.first_keys(route.keys)
     if route.compiled:
         arrays, skeleton = call.flatten()
         if kept is None:

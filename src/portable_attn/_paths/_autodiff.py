@@ -45,12 +45,13 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._lib._blocks import block_ranges
 from .._lib._call import AttentionCall
 from .._lib._compat import reads_host_values
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._scores import score_index
-from .._lib._tiled import ScoreVjp, block_ranges, tiled_backward
+from .._lib._tiled import ScoreVjp, tiled_backward
 from ._ops import walk, walk_ops
 
 __all__ = [

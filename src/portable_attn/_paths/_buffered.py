@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from .._lib import _route
+from .._lib._blocks import block_ranges
 from .._lib._call import AttentionCall
 from .._lib._path import Blocks
-from .._lib._tiled import Ops, block_ranges, tiled_forward
+from .._lib._tiled import Ops, tiled_forward
 
 __all__ = ["Workspace", "buffered_forward"]
 

@@ -33,14 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from .._lib._blocks import FULL, SKIP, host_pair_states
+from .._lib._blocks import FULL, SKIP, block_ranges, host_pair_states
 from .._lib._call import AttentionCall
 from .._lib._compat import has_concrete_values
 from .._lib._masks import at_rank
 from .._lib._path import Native
 from .._lib._route import DEFAULT_MASK_BLOCK
 from .._lib._scores import logits_rank, query_offset, without_hidden_keys
-from .._lib._tiled import block_ranges
 from .._lib._validation import array_or_none
 
 __all__ = ["failed", "flex_attention", "traces", "values_finite"]

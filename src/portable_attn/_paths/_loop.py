@@ -46,6 +46,7 @@ from .._lib._call import AttentionCall
 from .._lib._fields import Role, axis_of, field
 from .._lib._masks import at_rank
 from .._lib._path import Tiled
+from .._lib._route import library
 from .._lib._tiled import (
     Keys,
     OnlineSoftmax,
@@ -185,7 +186,7 @@ def _states(skeleton: AttentionCall, arrays: dict[str, Array], grid: _Grid) -> A
     """(nq, nk) int8: the state of every block pair (``_lib/_blocks.py``), traced by value."""
     call = skeleton.unflatten(arrays)
     q_ranges, k_ranges = block_ranges(grid.lq, grid.bq), block_ranges(grid.lk, grid.bk)
-    return traced_pair_states(call, q_ranges, k_ranges)
+    return traced_pair_states(call, q_ranges, k_ranges, lambda x: library(x).walk == "traced")
 
 
 def _visits(visible: Any) -> tuple[Any, Any]:

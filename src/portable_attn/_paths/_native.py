@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._lib._blocks import FULL, host_pair_states
+from .._lib._blocks import FULL, block_ranges, host_pair_states
 from .._lib._call import AttentionCall
 from .._lib._compat import to_host, torch_func_transforms
 from .._lib._dense import dense_attention
@@ -45,7 +45,6 @@ from .._lib._scores import (
     rows_may_be_empty,
     without_hidden_keys,
 )
-from .._lib._tiled import block_ranges
 from .._lib._validation import array_or_none
 from ._partial import cut_call
 

@@ -20,13 +20,12 @@ from typing import Any
 
 from .._lib._call import AttentionCall
 from .._lib._compat import on_device
-from .._lib._fields import axis_of
 from .._lib._masks import Alignment
 from .._lib._path import DaskGrid, Dense, Empty, Path, Tiled
 from .._lib._tiled import tiled_forward
 from ._buffered import buffered_forward
 
-__all__ = ["cut_call", "first_keys", "partial_attention", "place_block", "shift_keys"]
+__all__ = ["cut_call", "partial_attention", "place_block", "shift_keys"]
 
 Array = Any
 
@@ -128,38 +127,8 @@ def cut_call(
     """
     (qs, qe), (ks, ke) = q_range, k_range
     plan = call.plan
-    part = _sliced(call, {"lq": q_range, "lk": k_range}, q_len=qe - qs, kv_len=ke - ks)
+    part = call.sliced({"lq": q_range, "lk": k_range}, q_len=qe - qs, kv_len=ke - ks)
     return place_block(part, q_start=qs, kv_start=ks, q_total=plan.q_len, kv_total=plan.kv_len)
-
-
-def first_keys(call: AttentionCall, kv_len: int) -> AttentionCall:
-    """Return `call` with only its first `kv_len` keys: still a whole call, not a part.
-
-    For calls whose `kv_lengths` hide every key from `kv_len` on (the policy's
-    :func:`~portable_attn._lib._route.kept_keys`): their rows are aligned by the
-    lengths, which the cut leaves as they are. Every array field with a key axis is
-    sliced (views); gradients of the keys cut off are zeros.
-    """
-    return _sliced(call, {"lk": (0, kv_len)}, kv_len=kv_len)
-
-
-def _sliced(
-    call: AttentionCall, ranges: dict[str, tuple[int, int]], **sizes: int
-) -> AttentionCall:
-    """`call` with every array field sliced to `ranges` (grid axis -> range), `sizes` set.
-
-    Each field is sliced along the axes its declaration names (size-one axes stay
-    broadcast); nothing is placed: that is the caller's business.
-    """
-    arrays, skeleton = call.flatten()
-    parts = {}
-    for name, x in arrays.items():
-        for axis, (start, stop) in ranges.items():
-            d = axis_of(name, x, axis)
-            if d is not None:
-                x = x[(slice(None),) * d + (slice(start, stop), ...)]
-        parts[name] = x
-    return skeleton.unflatten(parts, **sizes)
 
 
 def _shifted_mask_mod(mask_mod: Any, q_start: int | Array, kv_start: int | Array) -> Any:

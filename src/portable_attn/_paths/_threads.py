@@ -21,12 +21,11 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .._lib._blocks import host_pair_states
+from .._lib._blocks import block_ranges, host_pair_states
 from .._lib._call import AttentionCall
 from .._lib._cpu import blas_limited
 from .._lib._path import Blocks, Tiled
 from .._lib._scores import with_ones_column
-from .._lib._tiled import block_ranges
 from ._buffered import buffered_forward
 
 __all__ = ["threaded_attention", "tile_map"]
