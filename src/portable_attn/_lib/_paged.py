@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from . import _validation as v
+from ._blocks import FULL, PARTIAL
 from ._compat import on_device, stop_gradient
 from ._masks import Band, arange
 from ._tiled import Ops, RowState, normalised, online_step
@@ -242,47 +243,50 @@ class HostWalk(NamedTuple):
     first_pos: Any
     last_pos: Any
 
-    def kinds(self, p: PagedProblem, j: int, a: int, b: int) -> Any:
-        """How tiles ``a:b`` see chunk `j`: 0 whole, 1 in part (every key valid), 2 past a length.
+    def states(self, p: PagedProblem, j: int, a: int, b: int) -> tuple[Any, Any]:
+        """Return how tiles ``a:b`` see chunk `j`: block states, and slots past a length.
 
-        0: every row sees every key of the chunk (no mask to build); 1: the chunk holds
-        only valid keys, but causal or window structure hides some; 2: the chunk holds
-        slots past the request's length (zeroed before use).
+        The states in ``_blocks``' encoding. :data:`~._blocks.FULL`: every row sees every
+        key of the chunk (no mask to build);
+        :data:`~._blocks.PARTIAL`: the band hides some, or the chunk holds slots past the
+        request's length, which the second array (bool) marks: they are zeroed before use.
         """
         import numpy as np
 
         lo_key, hi_key = j * p.chunk_keys, (j + 1) * p.chunk_keys - 1
-        valid = self.length[a:b] > hi_key
+        past = self.length[a:b] <= hi_key
         _, full = p.band.blocks(self.first_pos[a:b], self.last_pos[a:b], lo_key, hi_key)
-        whole = valid & full
-        return np.where(whole, 0, np.where(valid, 1, 2))
+        return np.where(full & ~past, FULL, PARTIAL), past
 
-    def runs(self, p: PagedProblem) -> list[tuple[int, int, int, int]]:
-        """Return the folds of the walk, ``(chunk, a, b, kind)``, chunk by chunk.
+    def runs(self, p: PagedProblem) -> list[tuple[int, int, int, int, bool]]:
+        """Return the folds of the walk, ``(chunk, a, b, state, past)``, chunk by chunk.
 
         Every chunk some tile may see, folded into the tiles that may see it: a range
-        (the tiles are sorted by last chunk), cut where their kinds (:meth:`kinds`)
-        change, so tiles that see a whole chunk build no mask and zero nothing (most of
-        a prefill's chunks). More than three runs of kinds fold as one, the most
-        careful kind.
+        (the tiles are sorted by last chunk), cut where their states or `past`
+        (:meth:`states`) change, so tiles that see a whole chunk build no mask and zero
+        nothing (most of a prefill's chunks). More than three runs fold as one, the
+        most careful.
         """
         import numpy as np
 
         lo, hi = self.first_chunk, self.last_chunk
         if len(lo) == 0 or int(hi.max()) < 0:
             return []
-        runs: list[tuple[int, int, int, int]] = []
+        runs: list[tuple[int, int, int, int, bool]] = []
         for j in range(max(int(lo.min()), 0), min(int(hi.max()), p.num_chunks - 1) + 1):
             active = np.nonzero((lo <= j) & (j <= hi))[0]
             if len(active) == 0:
                 continue
             a, b = int(active[0]), int(active[-1]) + 1
-            kinds = self.kinds(p, j, a, b)
-            cuts = [0, *(np.nonzero(np.diff(kinds))[0] + 1).tolist(), b - a]
-            parts = [(a + x, a + y, int(kinds[x])) for x, y in itertools.pairwise(cuts)]
+            states, past = self.states(p, j, a, b)
+            change = (states[1:] != states[:-1]) | (past[1:] != past[:-1])
+            cuts = [0, *(np.nonzero(change)[0] + 1).tolist(), b - a]
+            parts = [
+                (a + x, a + y, int(states[x]), bool(past[x])) for x, y in itertools.pairwise(cuts)
+            ]
             if len(parts) > 3:
-                parts = [(a, b, int(kinds.max()))]
-            runs.extend((j, lo_t, hi_t, kind) for lo_t, hi_t, kind in parts)
+                parts = [(a, b, int(states.min()), bool(past.any()))]
+            runs.extend((j, *part) for part in parts)
         return runs
 
 
@@ -345,7 +349,7 @@ class WalkPlan:
     `problem` the geometry (:class:`PagedProblem` without a layer's own fields),
     `tiles` (:class:`Tiles`), `slots`/`held` the query rows of the tiles' slots
     (:func:`query_slots`), `pos` the slots' positions (:func:`row_positions`). With
-    metadata on the host, `runs` the walk's folds ``(a, b, kind, index)`` in order
+    metadata on the host, `runs` the walk's folds ``(a, b, state, past, index)`` in order
     (:meth:`HostWalk.runs`, each chunk's :class:`ChunkIndex` built once); with traced
     metadata `runs` is None (every chunk, by a traced loop) and `faulty` the rows whose
     request's metadata is wrong (:func:`faulty_rows`). No tiles: no row to compute.
@@ -360,7 +364,7 @@ class WalkPlan:
     slots: Any = None
     held: Any = None
     pos: Any = None
-    runs: tuple[tuple[int, int, int, ChunkIndex], ...] | None = None
+    runs: tuple[tuple[int, int, int, bool, ChunkIndex], ...] | None = None
     faulty: Any = None
     engine: tuple[EngineRequest, ...] = ()
     merge: tuple[tuple[int, int, int], ...] = ()

@@ -27,6 +27,7 @@ import itertools
 from typing import Any
 
 from .._lib import _paged
+from .._lib._blocks import FULL
 from .._lib._compat import has_concrete_values, on_device, to_host
 from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
 from .._lib._route import library, paged_by_engine, tile_rows
@@ -53,8 +54,14 @@ def plan_walk(
         p, engine, merge, walked = _leave_to_engine(xp, p, page_table, starts, lengths)
         tiles, walk = _paged.host_tiles(xp, p, starts, lengths, walked)
         runs = tuple(
-            (a, b, kind, _paged.chunk_index(xp, p, j, tiles.request[a:b], page_table, kv_lengths))
-            for j, a, b, kind in walk.runs(p)
+            (
+                a,
+                b,
+                state,
+                past,
+                _paged.chunk_index(xp, p, j, tiles.request[a:b], page_table, kv_lengths),
+            )
+            for j, a, b, state, past in walk.runs(p)
         )
     else:
         tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, num_requests)
@@ -149,8 +156,8 @@ def paged_attention(
     state = _paged.start(xp, p, n)
     kv = (key_pages, value_pages)
     if plan.runs is not None:
-        for a, b, kind, index in plan.runs:
-            state = _fold(xp, p, state, a, b, n, q, plan.pos, index, kv, alibi, kind)
+        for a, b, seen, past, index in plan.runs:
+            state = _fold(xp, p, state, a, b, n, q, plan.pos, index, kv, alibi, (seen, past))
     else:
 
         def fold(j: Any, s: RowState) -> RowState:
@@ -177,10 +184,14 @@ def _fold(
     index: _paged.ChunkIndex,
     pools: tuple[Any, Any],
     alibi: Any | None,
-    kind: int,
+    seen: tuple[int, bool],
 ) -> RowState:
-    """Fold a chunk into tiles ``a:b`` of `n`, which see it as `kind`; the others stay."""
-    flags = {"sanitize": kind == 2, "masked": kind > 0}
+    """Fold a chunk into tiles ``a:b`` of `n`, which see it as `seen`; the others stay.
+
+    `seen`: the tiles' block state (``_blocks.FULL`` or ``PARTIAL``) and whether the chunk
+    holds slots past their requests' lengths (:meth:`~._paged.HostWalk.states`).
+    """
+    flags = {"sanitize": seen[1], "masked": seen[0] != FULL}
     if (a, b) == (0, n):
         return _paged.step(xp, p, state, index, q, pos, pools, alibi, **flags)
     part = RowState(*(x[a:b, ...] for x in state[:3]))
