@@ -39,6 +39,7 @@ from ._lib._compat import (
 )
 from ._lib._masks import Band
 from ._lib._route import library, tile_rows
+from ._lib._scores import distance
 from ._lib._validation import (
     check_count,
     check_exact_rank,
@@ -826,7 +827,7 @@ def varlen_attention(
             scores = score_mod(scores, rows(qi, request), h, qp, kp)
         if alibi:
             slope = xp.reshape(xp.astype(alibi_slopes, scores.dtype), (-1, 1, 1))
-            scores = scores - slope * xp.astype(xp.abs(qp - kp), scores.dtype)  # (Hq, bq, bk)
+            scores = scores - slope * distance(xp, qp, kp, scores.dtype)  # (Hq, bq, bk)
         return scores
 
     options.update(

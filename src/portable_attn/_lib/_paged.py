@@ -44,6 +44,7 @@ from . import _validation as v
 from ._blocks import FULL, PARTIAL
 from ._compat import on_device, stop_gradient
 from ._masks import Band, arange
+from ._scores import distance
 from ._tiled import Ops, RowState, normalised, online_step
 
 __all__ = [
@@ -563,7 +564,7 @@ def step(
     kp = xp.reshape(kpos, (1, c2, 1, 1, b))
     pos = pos[:, None, ...]  # (N, 1, 1, rows·G, 1)
     if alibi is not None:
-        s = s - alibi[:, None, ...] * xp.astype(xp.abs(pos - kp), dt)
+        s = s - alibi[:, None, ...] * distance(xp, pos, kp, dt)
     if masked:
         allowed = xp.reshape(key_ok, (n, c2, 1, 1, b))
         if p.band.restricts:

@@ -26,6 +26,7 @@ __all__ = [
     "ScoreTerms",
     "alibi_block",
     "alibi_distance",
+    "distance",
     "allowed_block",
     "capped_logits",
     "empty_result",
@@ -550,7 +551,16 @@ def alibi_distance(
         q_pos = at_rank(xp, q_pos, offset.ndim)
     q_pos = q_pos + offset
     k_pos = at_rank(xp, arange(xp, k_range[0], k_range[1], plan.device)[None, :], q_pos.ndim)
-    return xp.astype(xp.abs(q_pos - k_pos), plan.compute_dtype)
+    return distance(xp, q_pos, k_pos, plan.compute_dtype)
+
+
+def distance(xp: Any, q_pos: Any, k_pos: Any, dtype: Any) -> Any:
+    """``|q_pos - k_pos|`` as `dtype`: the distance ALiBi's slopes multiply (broadcast).
+
+    The one place it is written: the engine's blocks, flex's ``score_mod``, the paged
+    walk and ``varlen_attention``'s closures subtract ``slope · distance``.
+    """
+    return xp.astype(xp.abs(q_pos - k_pos), dtype)
 
 
 def logits_rank(plan: AttentionPlan) -> int:

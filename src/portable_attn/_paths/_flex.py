@@ -39,7 +39,7 @@ from .._lib._compat import has_concrete_values
 from .._lib._masks import at_rank
 from .._lib._path import Native
 from .._lib._route import DEFAULT_MASK_BLOCK
-from .._lib._scores import logits_rank, query_offset, without_hidden_keys
+from .._lib._scores import distance, logits_rank, query_offset, without_hidden_keys
 from .._lib._validation import array_or_none
 
 __all__ = ["failed", "flex_attention", "traces", "values_finite"]
@@ -208,8 +208,8 @@ def _score_mod(call: AttentionCall) -> Callable[..., Any] | None:
         if bias is not None:
             score = score + _at(bias, b, h, q_idx, kv_idx)
         if slopes is not None:
-            distance = xp.abs(q_idx + _at(offset, b) - kv_idx)
-            score = score - _at(slopes, b, h) * distance
+            far = distance(xp, q_idx + _at(offset, b), kv_idx, score.dtype)
+            score = score - _at(slopes, b, h) * far
         return score
 
     return score_mod
