@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from array_api_compat import is_numpy_array
 
 from ._block_states import FULL, HIDDEN, PARTIAL, HostStates
 from ._compat import array_namespace, device, library_name, numpy_namespace, on_device
@@ -557,7 +558,7 @@ def ids_in(rule: Rule, xp: Any, dev: Any, target: str) -> Rule:
 def _ids_to(name: str, ids: Array, xp: Any, dev: Any, target: str) -> Array:
     if array_namespace(**{name: ids}) is xp:
         return ids
-    if library_name(ids) == "numpy":
+    if is_numpy_array(ids):  # host ids: copied to the query's library and device
         return xp.asarray(ids, **on_device(dev))
     msg = f"document_mask_mod: `{name}` is a {library_name(ids)} array, but {target}"
     raise TypeError(msg)
