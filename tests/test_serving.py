@@ -1229,6 +1229,80 @@ def test_varlen_mods_must_be_callable(backend, xp):
         varlen_attention(q, k, k, starts, starts, score_mod="bias")
 
 
+def _paged_mods_oracle(pool, table):
+    """The prefix mask and relative bias of :func:`_mods` over a pool's requests."""
+    keys, values = np.concatenate(pool.keys), np.concatenate(pool.values)
+    kv_starts = np.concatenate([[0], np.cumsum(pool.lengths)])
+    return _mods_oracle(pool.query, keys, values, pool.starts, kv_starts, table)
+
+
+@pytest.mark.parametrize("lane", ["default", "walk", "engine", "invariant", "traced"])
+def test_paged_mask_and_score_mods_against_oracle(backend, xp, lane, monkeypatch):
+    # varlen's prefix-LM mask and learned relative bias, per request in its own
+    # positions: on the walk's decode rows and chunks, on the engine's calls over a
+    # request's gathered pages (by default the requests of 20 and 17 rows), and on the
+    # walk of traced metadata (jax.jit's: every chunk, the tiles' requests traced)
+    if lane == "walk" and backend.family == "jax":
+        pytest.skip("JAX walks every request by default (the case beside this one)")
+    if lane == "traced":
+        _traced(monkeypatch)
+    _lane(monkeypatch, backend, lane)
+    pool = Pool([5, 40, 9, 23], [5, 20, 1, 17])
+    table = randn(HQ, 2 * _SPAN, seed=4)
+    mask_mod, score_mod = _mods(xp, backend.asarray(_PREFIX), backend.asarray(table))
+    out = ragged_paged_attention(
+        *pool.args(backend),
+        is_causal=False,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        batch_invariant=lane == "invariant",
+    )
+    assert_close(backend, out, _paged_mods_oracle(pool, table))
+    assert np.all(backend.to_numpy(out)[-2:] == 0.0)  # padding rows
+
+
+@pytest.mark.autodiff
+@pytest.mark.parametrize("lane", ["walk", "engine"])
+def test_paged_learned_score_mod_gradients_match_central_differences(
+    backend, xp, lane, monkeypatch
+):
+    pool = Pool([5, 9], [3, 2], heads=(HQ, HKV, 3, 2), num_pages=8)
+    w = randn(pool.query.shape[0], HQ, 2, seed=4)
+    table = randn(HQ, 2 * _SPAN, seed=5)
+    prefix = np.array([1, 0])
+
+    def loss_np(table):
+        _, score_mod = _mods(np, prefix, table)
+        host = (pool.query, pool.key_pages, pool.value_pages, pool.table)
+        out = ragged_paged_attention(*host, pool.lengths, pool.starts, score_mod=score_mod)
+        return float(np.sum(out * w))
+
+    expected = central_differences(loss_np, [table])[0]
+    _lane(monkeypatch, backend, lane)
+    arrays = pool.args(backend)
+    w_b = backend.asarray(w)
+
+    def loss(table):
+        _, score_mod = _mods(xp, backend.asarray(prefix), table)
+        return xp.sum(ragged_paged_attention(*arrays, score_mod=score_mod) * w_b)
+
+    (grad,) = backend.grad(loss, backend.asarray(table))
+    assert_close(backend, grad, expected, atol=1e-7, rtol=1e-6)
+
+
+def test_paged_mods_are_checked(backend, xp):
+    pool = Pool([5, 9], [3, 2])
+    args = pool.args(backend)
+    with pytest.raises(TypeError, match=r"`mask_mod` must be callable as mask_mod\(request"):
+        ragged_paged_attention(*args, mask_mod=3)
+    with pytest.raises(TypeError, match="`score_mod` must be callable"):
+        ragged_paged_attention(*args, score_mod="bias")
+    with pytest.raises(TypeError, match="`mask_mod` must return a boolean array"):
+        ragged_paged_attention(*args, mask_mod=lambda r, h, q, k: q - k)
+    with pytest.raises(ValueError, match="`score_mod` must return the shape"):
+        ragged_paged_attention(*args, score_mod=lambda s, r, h, q, k: s[..., :1])
+
+
 def test_varlen_long_enough_to_tile(backend, xp):
     # 4 heads x 600 x 600 float64 scores: past NumPy's and torch's dense limit, the tiled
     # path, whose blocks across two sequences are skipped

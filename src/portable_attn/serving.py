@@ -56,6 +56,7 @@ from ._lib._validation import (
     check_score_mod,
     check_starts,
     check_window,
+    guarded_rule,
 )
 from ._paths._paged import paged_attention, plan_walk
 
@@ -84,6 +85,8 @@ def ragged_paged_attention(
     scale: float | Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
     return_lse: bool = False,
     return_max_logit: bool = False,
     batch_invariant: bool = False,
@@ -124,6 +127,18 @@ def ragged_paged_attention(
     softcap, scale, sinks, alibi_slopes
         As in :func:`~portable_attn.scaled_dot_product_attention`; `sinks` and
         `alibi_slopes` have shape (Hq,), ALiBi distances use the positions above.
+    mask_mod : callable, optional
+        ``mask_mod(request, head, q_pos, kv_pos) -> bool array``: True where a row may
+        see a key of its request, AND-ed with `is_causal` and `window`. `request` is
+        the request's index, `head` the query head's, `q_pos` and `kv_pos` positions
+        among the request's keys (a row's as above), integer index arrays that
+        broadcast together. A speculative-decoding tree: ``lambda r, h, q, k: (k <
+        first[r]) | ancestor[r, q - first[r], k - first[r]]`` (clipped indices) with
+        ``is_causal=False``; an image's tokens seen both ways: ``(k <= q) | ((k >=
+        lo[r]) & (q < hi[r]))``.
+    score_mod : callable, optional
+        ``score_mod(scores, request, head, q_pos, kv_pos) -> scores``, the same indices,
+        after `softcap` and before ALiBi; arrays it closes over get gradients.
     return_lse : bool, default False
         Also return the rows' log-sum-exp, shape (T, Hq), in the compute dtype.
     return_max_logit : bool, default False
@@ -186,8 +201,8 @@ def ragged_paged_attention(
     A query row reaches only its own request's results and gradients (the other
     rows of a tile are zeros, never another request's rows or padding), so a NaN
     there makes no other request's values or key/value gradients NaN.
-    Differentiable with respect to `query`, the pools, `scale`, `softcap`, `sinks`
-    and `alibi_slopes` (torch autograd, ``jax.grad``), by automatic differentiation
+    Differentiable with respect to `query`, the pools, `scale`, `softcap`, `sinks`,
+    `alibi_slopes` and the arrays a `score_mod` closes over (torch autograd, ``jax.grad``), by automatic differentiation
     through the walk (the engine's own backward for the requests it computes).
 
     Examples
@@ -214,6 +229,8 @@ def ragged_paged_attention(
     check_head_groups(query, key_pages, hq, hkv)
     check_head_vector(xp, sinks, "sinks", hq)
     check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
+    check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
+    check_score_mod(score_mod)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
@@ -256,11 +273,14 @@ def ragged_paged_attention(
             else scalar_option(xp, "scale", scale, compute),
             softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
             compute_dtype=compute,
+            mask_mod=None if mask_mod is None else guarded_rule("mask_mod", mask_mod),
+            score_mod=None if score_mod is None else guarded_rule("score_mod", score_mod),
         )
     if not walk.engine:
         return _results(*zip(walked, asked, strict=True))
     options = {"is_causal": is_causal, "window": _bounds(left, right), "softcap": softcap}
     options.update(scale=scale, sinks=sinks, alibi_slopes=alibi_slopes)
+    options.update(mask_mod=mask_mod, score_mod=score_mod)
     parts = _by_engine(xp, walk, query, (key_pages, value_pages, dv), asked, options)
     fills = (0.0, -xp.inf, -xp.inf)  # padding rows: zeros, lse and max -inf
     results = [
@@ -292,7 +312,12 @@ def _by_engine(
         values = keys[..., :dv] if value_pages is None else _gathered(xp, value_pages, request)
         q = xp.permute_dims(query[request.begin : request.end, ...], (1, 0, 2))  # (Hq, n, Dk)
         got = scaled_dot_product_attention(
-            q, keys, values, return_lse=asked[1], return_max_logit=asked[2], **options
+            q,
+            keys,
+            values,
+            return_lse=asked[1],
+            return_max_logit=asked[2],
+            **_request_rules(request, options),
         )
         got = iter(got if isinstance(got, tuple) else (got,))
         for i, part in enumerate(parts):
@@ -300,6 +325,35 @@ def _by_engine(
                 x = next(got)
                 part.append(xp.permute_dims(x, (1, 0, 2) if i == 0 else (1, 0)))
     return parts
+
+
+def _request_rules(request: _paged.EngineRequest, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the call's rules seeing `request`'s index and positions.
+
+    The engine's call over the request's keys gives ``(batch, head, q_idx, kv_idx)``;
+    the rules take ``(request, head, q_pos, kv_pos)``, the row at ``q_idx + m - n``.
+    """
+    mask_mod, score_mod = options["mask_mod"], options["score_mod"]
+    if mask_mod is None and score_mod is None:
+        return options
+    shift = request.length - (request.end - request.begin)
+
+    def at(b: Any, q_idx: Any) -> tuple[Any, Any]:
+        return b * 0 + request.request, q_idx + shift
+
+    def masked(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        r, q_pos = at(b, q_idx)
+        return mask_mod(r, h, q_pos, kv_idx)
+
+    def scored(scores: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        r, q_pos = at(b, q_idx)
+        return score_mod(scores, r, h, q_pos, kv_idx)
+
+    return {
+        **options,
+        "mask_mod": None if mask_mod is None else masked,
+        "score_mod": None if score_mod is None else scored,
+    }
 
 
 def _merged(xp: Any, walk: _paged.WalkPlan, walked: Any, engine: list[Any], fill: float) -> Any:
@@ -773,6 +827,8 @@ def varlen_attention(
         raise ValueError(msg)
     check_head_vector(xp, sinks, "sinks", hq)
     check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
+    check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
+    check_score_mod(score_mod)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)

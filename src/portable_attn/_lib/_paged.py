@@ -40,7 +40,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import _validation as v
+from . import _validation
 from ._blocks import FULL, PARTIAL
 from ._compat import on_device, stop_gradient
 from ._masks import Band, arange
@@ -77,7 +77,8 @@ class PagedProblem:
     """The static facts of one call (shapes, options), fixed under ``jax.jit``.
 
     A :class:`WalkPlan` holds the facts every layer of a step shares; a call fills in
-    its layer's own (``value_dim``, ``scale``, ``softcap``, ``compute_dtype``).
+    its layer's own (``value_dim``, ``scale``, ``softcap``, ``compute_dtype`` and the
+    rules ``mask_mod`` and ``score_mod``).
     """
 
     num_tokens: int
@@ -100,6 +101,8 @@ class PagedProblem:
     scale: Any = 1.0  # float or 0-d array
     softcap: Any = None  # None, float or 0-d array
     compute_dtype: Any = None
+    mask_mod: Any = None  # (request, head, q_pos, kv_pos) -> bool, guarded (serving)
+    score_mod: Any = None  # (score, request, head, q_pos, kv_pos) -> score, guarded
 
     @property
     def band(self) -> Band:
@@ -384,10 +387,11 @@ WALK, PADDING = -1, -2
 class EngineRequest(NamedTuple):
     """A request the engine computes, not the walk (``_route.paged_by_engine``).
 
-    Its packed rows ``begin:end``, its `length` keys, and the `pages`
-    (ceil(length / page_size),) that hold them.
+    The `request`'s index, its packed rows ``begin:end``, its `length` keys, and the
+    `pages` (ceil(length / page_size),) that hold them.
     """
 
+    request: int
     begin: int
     end: int
     length: int
@@ -530,6 +534,7 @@ def step(
     pos: Any,
     pools: tuple[Any, Any],
     alibi: Any | None,
+    request: Any,
     *,
     sanitize: bool = True,
     masked: bool = True,
@@ -539,7 +544,8 @@ def step(
     `q` (N, Hkv, rows·G, Dk) and `pos` (N, 1, rows·G, 1) of the tiles; `pools` is
     ``(key_pages, value_pages)``, `value_pages` None where the values are the keys'
     first ``value_dim`` features; `alibi` the slopes as :func:`head_rows` lays them
-    out, or None. `sanitize`: zero the gathered slots past a request's length;
+    out, or None; `request` (N,) the tiles' requests, which the rules see. `sanitize`:
+    zero the gathered slots past a request's length;
     `masked`: hide the keys past a length and those causal or window structure hides.
     Either False only where the caller knows there is nothing to zero or hide in any
     of these tiles (:meth:`HostWalk.runs`).
@@ -563,12 +569,26 @@ def step(
         s = p.softcap * xp.tanh(s / p.softcap)
     kp = xp.reshape(kpos, (1, c2, 1, 1, b))
     pos = pos[:, None, ...]  # (N, 1, 1, rows·G, 1)
+    # the rules' indices: request (N, 1, 1, 1, 1), query head (1, 1, Hkv, rows·G, 1),
+    # the row's and the key's positions among the request's keys
+    heads = head_rows(xp, p, xp.astype(arange(xp, 0, p.num_q_heads, p.device), kpos.dtype))
+    at = (xp.reshape(request, (n, 1, 1, 1, 1)), heads[:, None, ...], pos, kp)
+    if p.score_mod is not None:
+        modified = p.score_mod(s, *at)
+        _validation.check_score_mod_result(xp, modified, s)
+        s = xp.astype(modified, dt, copy=False)
     if alibi is not None:
         s = s - alibi[:, None, ...] * distance(xp, pos, kp, dt)
+    allowed = None
     if masked:
         allowed = xp.reshape(key_ok, (n, c2, 1, 1, b))
         if p.band.restricts:
             allowed = xp.logical_and(allowed, p.band.between(pos, kp))
+    if p.mask_mod is not None:
+        ruled = p.mask_mod(*at)
+        _validation.check_mask_mod_result(xp, ruled, s.shape)
+        allowed = ruled if allowed is None else xp.logical_and(allowed, ruled)
+    if allowed is not None:
         s = xp.where(allowed, s, -xp.inf)
     ops = PagedOps(xp, p)
     # the engine's update, over the chunk's pages; the running max's gradient stopped as
@@ -605,7 +625,7 @@ def faulty_rows(
     For metadata without values (``jax.jit``), where no error can be raised: these rows
     come out NaN (:func:`finish`) and are not written (``paged_kv_write``).
     """
-    packing, lengths, pages = v.metadata_faults(
+    packing, lengths, pages = _validation.metadata_faults(
         xp, q_starts, kv_lengths, page_table, num_tokens, num_pages, page_size, device
     )
     wrong = xp.logical_or(lengths, xp.any(pages, axis=1))

@@ -117,7 +117,7 @@ def _leave_to_engine(
         n = int(lengths[r])
         run(len(engine), 0, b - a)
         pages = xp.asarray(page_table[r, : -(-n // p.page_size)], copy=True)  # as read now
-        engine.append(EngineRequest(a, b, n, pages))
+        engine.append(EngineRequest(r, a, b, n, pages))
     run(WALK if any_walked else PADDING, int(starts[-1]), p.num_tokens)
     return dataclasses.replace(p, rows=rows), tuple(engine), tuple(runs), walked
 
@@ -157,12 +157,13 @@ def paged_attention(
     kv = (key_pages, value_pages)
     if plan.runs is not None:
         for a, b, seen, past, index in plan.runs:
-            state = _fold(xp, p, state, a, b, n, q, plan.pos, index, kv, alibi, (seen, past))
+            chunk = (index, kv, alibi, tiles.request)
+            state = _fold(xp, p, state, a, b, n, q, plan.pos, chunk, (seen, past))
     else:
 
         def fold(j: Any, s: RowState) -> RowState:
             index = _paged.chunk_index(xp, p, j, tiles.request, page_table, kv_lengths)
-            return _paged.step(xp, p, s, index, q, plan.pos, kv, alibi)
+            return _paged.step(xp, p, s, index, q, plan.pos, kv, alibi, tiles.request)
 
         if library(query).walk == "traced":
             state = _traced_walk(p, state, tiles, fold)
@@ -181,21 +182,23 @@ def _fold(
     n: int,
     q: Any,
     pos: Any,
-    index: _paged.ChunkIndex,
-    pools: tuple[Any, Any],
-    alibi: Any | None,
+    chunk: tuple[_paged.ChunkIndex, tuple[Any, Any], Any | None, Any],
     seen: tuple[int, bool],
 ) -> RowState:
     """Fold a chunk into tiles ``a:b`` of `n`, which see it as `seen`; the others stay.
 
-    `seen`: the tiles' block state (``_blocks.FULL`` or ``PARTIAL``) and whether the chunk
-    holds slots past their requests' lengths (:meth:`~._paged.HostWalk.states`).
+    `chunk`: its index (for tiles ``a:b``), the pools, the ALiBi rows and the tiles'
+    requests (all `n`). `seen`: the tiles' block state (``_blocks.FULL`` or ``PARTIAL``)
+    and whether the chunk holds slots past their requests' lengths
+    (:meth:`~._paged.HostWalk.states`).
     """
+    index, pools, alibi, request = chunk
     flags = {"sanitize": seen[1], "masked": seen[0] != FULL}
     if (a, b) == (0, n):
-        return _paged.step(xp, p, state, index, q, pos, pools, alibi, **flags)
+        return _paged.step(xp, p, state, index, q, pos, pools, alibi, request, **flags)
     part = RowState(*(x[a:b, ...] for x in state[:3]))
-    part = _paged.step(xp, p, part, index, q[a:b, ...], pos[a:b, ...], pools, alibi, **flags)
+    rows = (q[a:b, ...], pos[a:b, ...])
+    part = _paged.step(xp, p, part, index, *rows, pools, alibi, request[a:b], **flags)
     pairs = zip(state[:3], part[:3], strict=True)
     return RowState(*(xp.concat([x[:a, ...], y, x[b:, ...]], axis=0) for x, y in pairs))
 
