@@ -1303,6 +1303,69 @@ def test_paged_mods_are_checked(backend, xp):
         ragged_paged_attention(*args, score_mod=lambda s, r, h, q, k: s[..., :1])
 
 
+def _packed(pool, order):
+    """A pool's requests packed in `order` for varlen_attention: q, k, v, q_starts, kv_starts."""
+    rows = np.diff(pool.starts)
+    q = np.concatenate([pool.query[pool.starts[r] : pool.starts[r + 1]] for r in order])
+    k = np.concatenate([pool.keys[r] for r in order])
+    v = np.concatenate([pool.values[r] for r in order])
+    qs = np.concatenate([[0], np.cumsum(rows[order])])
+    ks = np.concatenate([[0], np.cumsum(pool.lengths[order])])
+    return q, k, v, qs, ks
+
+
+@pytest.mark.parametrize("name", ["causal", "softcap+sinks", "alibi+window-right"])
+def test_varlen_batch_invariant_has_the_paged_bits(backend, xp, name):
+    # a request's rows: the same bits whatever is packed beside it and in what order, and
+    # the bits ragged_paged_attention gives it over pools of 4, 16 and 32 slots a page
+    kw = _on(backend, OPTIONS[name])
+    lengths, new = [37, 5, 150, 40], [37, 1, 17, 0]
+    pools = [Pool(lengths, new, page_size=ps, num_pages=60, pad=0) for ps in (4, 16, 32)]
+    pool = pools[0]
+
+    def varlen(order):
+        arrays = [backend.asarray(a, "float32") for a in _packed(pool, np.array(order))[:3]]
+        starts = [backend.asarray(a) for a in _packed(pool, np.array(order))[3:]]
+        got = varlen_attention(*arrays, *starts, batch_invariant=True, **{"is_causal": True, **kw})
+        return backend.to_numpy(got)
+
+    first, second = varlen([0, 1, 2, 3]), varlen([2, 3, 0])
+    s = pool.starts
+    assert np.array_equal(first[s[2] : s[3]], second[:17])  # request 2, packed first
+    assert np.array_equal(first[s[0] : s[1]], second[17:])  # request 0, after 2 and 3
+    for other in pools:
+        paged = ragged_paged_attention(*other.args(backend, "float32"), batch_invariant=True, **kw)
+        assert np.array_equal(backend.to_numpy(paged), first), other.page_size
+    np.testing.assert_allclose(first, pool.oracle(**OPTIONS[name])[0], atol=2e-5, rtol=1e-4)
+
+
+def test_varlen_batch_invariant_needs_a_key_per_row(backend, xp):
+    q = backend.asarray(randn(6, HQ, DK, seed=1))
+    k = backend.asarray(randn(6, HKV, DK, seed=2))
+    qs, ks = backend.asarray(np.array([0, 2, 6])), backend.asarray(np.array([0, 3, 6]))
+    with pytest.raises(ValueError, match=r"request 1 has 4 query rows .* but 3 keys"):
+        varlen_attention(q, k, k, qs, ks, batch_invariant=True)
+
+
+@pytest.mark.autodiff
+def test_varlen_batch_invariant_gradients(backend, xp):
+    pool = Pool([9, 5, 12], [4, 1, 12], heads=(HQ, HKV, 3, 2), pad=0)
+    q, k, v, qs, ks = (backend.asarray(a) for a in _packed(pool, np.arange(3)))
+    w = backend.asarray(randn(17, HQ, 2, seed=4))
+
+    def loss(invariant):
+        def f(q, k, v):
+            out = varlen_attention(q, k, v, qs, ks, is_causal=True, batch_invariant=invariant)
+            return xp.sum(out * w)
+
+        return f
+
+    for got, expected in zip(
+        backend.grad(loss(True), q, k, v), backend.grad(loss(False), q, k, v), strict=True
+    ):
+        assert_close(backend, got, backend.to_numpy(expected))
+
+
 def test_varlen_long_enough_to_tile(backend, xp):
     # 4 heads x 600 x 600 float64 scores: past NumPy's and torch's dense limit, the tiled
     # path, whose blocks across two sequences are skipped

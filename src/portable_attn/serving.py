@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ._attention import scaled_dot_product_attention
 from ._lib import _paged
 from ._lib._call import compute_dtype_of, scalar_option
@@ -37,7 +39,7 @@ from ._lib._compat import (
     result_type,
     to_host,
 )
-from ._lib._masks import Band
+from ._lib._masks import Band, arange
 from ._lib._route import library, tile_rows
 from ._lib._scores import distance
 from ._lib._validation import (
@@ -202,8 +204,9 @@ def ragged_paged_attention(
     rows of a tile are zeros, never another request's rows or padding), so a NaN
     there makes no other request's values or key/value gradients NaN.
     Differentiable with respect to `query`, the pools, `scale`, `softcap`, `sinks`,
-    `alibi_slopes` and the arrays a `score_mod` closes over (torch autograd, ``jax.grad``), by automatic differentiation
-    through the walk (the engine's own backward for the requests it computes).
+    `alibi_slopes` and the arrays a `score_mod` closes over (torch autograd,
+    ``jax.grad``), by automatic differentiation through the walk (the engine's own
+    backward for the requests it computes).
 
     Examples
     --------
@@ -751,6 +754,7 @@ def varlen_attention(
     score_mod: Callable[..., Any] | None = None,
     return_lse: bool = False,
     return_max_logit: bool = False,
+    batch_invariant: bool = False,
 ) -> Array | tuple[Array, ...]:
     """Attention within each of R packed sequences: ``flash_attn_varlen_func``'s job.
 
@@ -781,6 +785,14 @@ def varlen_attention(
     score_mod : callable, optional
         ``score_mod(scores, request, head, q_pos, kv_pos) -> scores``, the same
         indices, after `softcap` and before ALiBi; arrays it closes over get gradients.
+    batch_invariant : bool, default False
+        The bits :func:`ragged_paged_attention` gives the same requests with
+        ``batch_invariant=True`` (pools of 1 to 128 slots a page, the chunk a multiple of
+        16 keys), whatever else is packed beside them: a trainer's and a generator's
+        attention agree bit for bit on one backend and device. The packed keys are
+        walked as a pool of one-slot pages (the paged walk, not the engine's kernels:
+        slower; gradients by automatic differentiation through it). Each request needs
+        at least as many keys as rows (its rows sit at positions of its keys).
 
     Returns
     -------
@@ -833,8 +845,7 @@ def varlen_attention(
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     left, right = (None, None) if window is None else check_window(window)
-    check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
-    check_score_mod(score_mod)
+    batch_invariant = check_is_flag("batch_invariant", batch_invariant)
     check_one_device(
         query=query,
         key=key,
@@ -846,6 +857,22 @@ def varlen_attention(
     )
     for name, starts, limit in (("q_starts", q_starts, t), ("kv_starts", kv_starts, s)):
         check_starts(name, starts, limit)
+    if batch_invariant and s > 0:  # the paged walk's bits, over pages of one slot
+        return ragged_paged_attention(
+            query,
+            *_one_slot_pages(xp, key, value, q_starts, kv_starts),
+            is_causal=is_causal,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            sinks=sinks,
+            alibi_slopes=alibi_slopes,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            return_lse=return_lse,
+            return_max_logit=return_max_logit,
+            batch_invariant=True,
+        )
     seg_q, pos_q = _segments(xp, q_starts, t, -1)
     seg_k, pos_k = _segments(xp, kv_starts, s, -2)
     options = {"softcap": softcap, "scale": scale, "sinks": sinks}
@@ -891,6 +918,35 @@ def varlen_attention(
         score_mod=scored if alibi or score_mod is not None else None,
     )
     return _varlen_call(xp, query, key, value, seg_q, seg_k, options)
+
+
+def _one_slot_pages(
+    xp: Any, key: Any, value: Any, q_starts: Any, kv_starts: Any
+) -> tuple[Any, ...]:
+    """Packed keys as a paged call's pool of one-slot pages: pools, table, lengths, starts.
+
+    Request ``r``'s page ``j`` is key ``kv_starts[r] + j``; the table is as wide as the
+    longest request (read where that is free; else ``S``).
+    """
+    s, hkv = key.shape[0], key.shape[1]
+    lengths = kv_starts[1:] - kv_starts[:-1]
+    width = s
+    if has_concrete_values(kv_starts) and has_concrete_values(q_starts):
+        m, n = np.diff(to_host(kv_starts)), np.diff(to_host(q_starts))
+        short = np.nonzero(m < n)[0]
+        if short.size:
+            r = int(short[0])
+            msg = (
+                f"varlen_attention(batch_invariant=True): request {r} has {int(n[r])} query "
+                f"rows (q_starts) but {int(m[r])} keys (kv_starts); each request needs at "
+                "least as many keys as rows"
+            )
+            raise ValueError(msg)
+        width = max(int(m.max(initial=0)), 1)
+    slot = xp.astype(arange(xp, 0, width, device(key)), kv_starts.dtype)
+    table = xp.clip(kv_starts[:-1, None] + slot[None, :], 0, s - 1)  # (R, width)
+    pools = (xp.reshape(key, (s, 1, hkv, -1)), xp.reshape(value, (s, 1, hkv, -1)))
+    return (*pools, table, lengths, q_starts)
 
 
 def _packed_alignment(q_starts: Any, kv_starts: Any, t: int, s: int) -> bool:

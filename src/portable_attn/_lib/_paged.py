@@ -44,6 +44,7 @@ from . import _validation
 from ._blocks import FULL, PARTIAL
 from ._compat import on_device, stop_gradient
 from ._masks import Band, arange
+from ._route import INVARIANT_PRODUCT_KEYS
 from ._scores import distance
 from ._tiled import Ops, RowState, normalised, online_step
 
@@ -141,6 +142,20 @@ class PagedProblem:
         0.89x at rows·G = 16 (``batch_invariant``'s tiles).
         """
         return self.matmul_rows <= self.page_size or self.chunk_pages == 1
+
+    @property
+    def product_keys(self) -> int:
+        """The keys of one product of the walk: a page, the chunk, or (aligned) 16 keys.
+
+        With ``aligned`` (``batch_invariant``) a fixed number of keys whatever the page
+        size (``_route.INVARIANT_PRODUCT_KEYS``), where the chunk holds a multiple of it:
+        a row's bits do not depend on the pages. Otherwise a page (:attr:`by_page`) or
+        the whole chunk.
+        """
+        fixed = INVARIANT_PRODUCT_KEYS
+        if self.aligned and self.chunk_keys % fixed == 0:
+            return fixed
+        return self.page_size if self.by_page else self.chunk_keys
 
 
 class Tiles(NamedTuple):
@@ -554,8 +569,8 @@ def step(
     key_pages, value_pages = pools
     pages, key_ok, kpos = index
     n = q.shape[0]
-    c, ps, bk = p.chunk_pages, p.page_size, p.chunk_keys
-    c2, b = (c, ps) if p.by_page else (1, bk)
+    b = p.product_keys
+    c2 = p.chunk_keys // b
     k = _gathered(xp, p, key_pages, pages, n)
     v = None if value_pages is None else _gathered(xp, p, value_pages, pages, n)
     if sanitize:  # slots past a length: zero, whatever they hold (NaN in values or gradients)
@@ -599,15 +614,17 @@ def step(
 
 
 def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
-    """Gather the chunk's pages of a pool, as (N, c', Hkv, b, D)."""
+    """Gather the chunk's pages of a pool, as (N, c', Hkv, b, D): `b` the product's keys."""
     x = xp.astype(xp.take(pool, pages, axis=0), p.compute_dtype, copy=False)
     if not p.head_major:
         x = xp.permute_dims(x, (0, 2, 1, 3))  # (N·c, Hkv, page_size, D)
-    x = xp.reshape(x, (n, p.chunk_pages, p.num_kv_heads, p.page_size, -1))
-    if p.by_page:
+    hkv, b = p.num_kv_heads, p.product_keys
+    x = xp.reshape(x, (n, p.chunk_pages, hkv, p.page_size, -1))
+    if b == p.page_size:
         return x
-    x = xp.permute_dims(x, (0, 2, 1, 3, 4))
-    return xp.reshape(x, (n, 1, p.num_kv_heads, p.chunk_keys, -1))
+    x = xp.permute_dims(x, (0, 2, 1, 3, 4))  # (N, Hkv, c, page_size, D): positions in order
+    x = xp.reshape(x, (n, hkv, p.chunk_keys // b, b, -1))
+    return xp.permute_dims(x, (0, 2, 1, 3, 4))
 
 
 def faulty_rows(

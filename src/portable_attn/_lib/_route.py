@@ -98,6 +98,7 @@ __all__ = [
     "FLEX_CUDA",
     "GPU_CHUNK_KEYS",
     "INVARIANT_MATMUL_ROWS",
+    "INVARIANT_PRODUCT_KEYS",
     "MAX_TILE_ROWS",
     "GPU_DENSE_LIMIT_BYTES",
     "GPU_LOOP_TILES",
@@ -357,6 +358,13 @@ INVARIANT_MATMUL_ROWS = 16
 """With ``batch_invariant=True``, a paged tile holds ``ceil(16 / G)`` rows, from a multiple
 of them among its request's positions: the matrix products are ``G · rows`` by ``bk``, the
 same for every call of the model, and a row's place in them is its position's."""
+
+INVARIANT_PRODUCT_KEYS = 16
+"""With ``batch_invariant=True``, the paged walk multiplies a tile's rows by 16 keys at a
+time, whatever the page size (where a chunk's keys are a multiple of 16): a row's bits
+then do not depend on how a pool pages its keys, so pools of 1 to 128 slots a page (and
+``varlen_attention``'s packed keys, pages of one slot) give the same bits. With 16 slots
+a page these are the pages themselves, as before."""
 
 MAX_TILE_ROWS = 128
 """Without it, a paged tile holds the mean rows per request rounded up to a power of two,
