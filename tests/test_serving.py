@@ -172,6 +172,24 @@ def test_paged_against_oracle(backend, xp, name, lane, monkeypatch):
     assert_close(backend, ragged_paged_attention(*args, **_on(backend, kw)), expected_out)
 
 
+def test_split_rows(backend, xp):
+    # the engine's requests' rows and pages, split once: the parts are the slices, and
+    # torch's come from one split (one concatenation in the backward, no zero array of
+    # the whole per part)
+    from portable_attn._lib._compat import split_rows
+
+    x = backend.asarray(randn(10, 3, seed=1))
+    parts = split_rows(x, [0, 2, 2, 7, 10])
+    for part, (a, b) in zip(parts, [(0, 2), (2, 2), (2, 7), (7, 10)], strict=True):
+        np.testing.assert_array_equal(backend.to_numpy(part), backend.to_numpy(x)[a:b])
+    if backend.family == "torch":
+        import torch
+
+        leaf = torch.zeros(10, 3, requires_grad=True)
+        nodes = {type(p.grad_fn).__name__ for p in split_rows(leaf * 1.0, [0, 4, 10])}
+        assert nodes == {"SplitWithSizesBackward0"}
+
+
 def test_requests_with_many_rows_go_to_the_engine(backend, xp):
     from portable_attn._lib import _route
 

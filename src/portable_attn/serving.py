@@ -20,6 +20,7 @@ Layouts are token-major, as in vLLM and flash-attn: ``(tokens, heads, features)`
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from ._lib._compat import (
     on_device,
     reads_host_values,
     result_type,
+    split_rows,
     to_host,
 )
 from ._lib._masks import Band, arange
@@ -310,10 +312,22 @@ def _by_engine(
     """
     key_pages, value_pages, dv = pools
     parts: list[list[Any]] = [[], [], []]
-    for request in walk.engine:
-        keys = _gathered(xp, key_pages, request)  # (Hkv, L, Dk)
-        values = keys[..., :dv] if value_pages is None else _gathered(xp, value_pages, request)
-        q = xp.permute_dims(query[request.begin : request.end, ...], (1, 0, 2))  # (Hq, n, Dk)
+    # every request's rows, and every request's pages gathered, split once: in the
+    # backward one concatenation each (a slice's is a zero array of the whole)
+    cuts = [0, *(x for r in walk.engine for x in (r.begin, r.end)), query.shape[0]]
+    rows = split_rows(query, cuts)[1::2]
+    n_pages = list(itertools.accumulate((r.pages.shape[0] for r in walk.engine), initial=0))
+    pages = xp.concat([r.pages for r in walk.engine])
+    key_parts = split_rows(xp.take(key_pages, pages, axis=0), n_pages)
+    value_parts = (
+        key_parts
+        if value_pages is None
+        else split_rows(xp.take(value_pages, pages, axis=0), n_pages)
+    )
+    for i, request in enumerate(walk.engine):
+        keys = _keys_of(xp, key_parts[i], request)  # (Hkv, L, Dk)
+        values = keys[..., :dv] if value_pages is None else _keys_of(xp, value_parts[i], request)
+        q = xp.permute_dims(rows[i], (1, 0, 2))  # (Hq, n, Dk)
         got = scaled_dot_product_attention(
             q,
             keys,
@@ -374,10 +388,9 @@ def _merged(xp: Any, walk: _paged.WalkPlan, walked: Any, engine: list[Any], fill
     return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=0)
 
 
-def _gathered(xp: Any, pool: Any, request: _paged.EngineRequest) -> Any:
-    """Return a request's keys (or values) from its pages of `pool`, as (Hkv, L, D)."""
-    x = xp.take(pool, request.pages, axis=0)  # (pages, page_size, Hkv, D)
-    x = xp.reshape(x, (-1, *x.shape[2:]))[: request.length, ...]
+def _keys_of(xp: Any, pages: Any, request: _paged.EngineRequest) -> Any:
+    """Return a request's keys (or values) from its gathered pages, as (Hkv, L, D)."""
+    x = xp.reshape(pages, (-1, *pages.shape[2:]))[: request.length, ...]  # (pages, ps, Hkv, D)
     return xp.permute_dims(x, (1, 0, 2))
 
 

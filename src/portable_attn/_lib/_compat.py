@@ -11,6 +11,7 @@ table, :data:`portable_attn._lib._route.LIBRARIES`.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import types
 import warnings
@@ -111,6 +112,21 @@ def chunk_library(x: Any) -> str:
     if library_name(x) == "dask":
         x = getattr(x, "_meta", None)
     return library_name(x)
+
+
+def split_rows(x: Any, cuts: list[int]) -> list[Any]:
+    """Return the consecutive parts ``x[cuts[i] : cuts[i+1]]`` along axis 0.
+
+    torch: one ``torch.split``, whose backward is one concatenation; a slice's backward
+    is a zero array of the whole of `x` each (8 prefill requests of a 256 MiB query:
+    8 such transients, 0.3 GiB of peak memory in the serving backward,
+    benchmarks/results/serving-backward.json). Others: slices.
+    """
+    if library_name(x) == "torch":
+        import torch
+
+        return list(torch.split(x, [b - a for a, b in itertools.pairwise(cuts)]))
+    return [x[a:b, ...] for a, b in itertools.pairwise(cuts)]
 
 
 def on_device(dev: Any) -> dict[str, Any]:
