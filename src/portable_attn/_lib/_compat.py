@@ -118,9 +118,9 @@ def split_rows(x: Any, cuts: list[int]) -> list[Any]:
     """Return the consecutive parts ``x[cuts[i] : cuts[i+1]]`` along axis 0.
 
     torch: one ``torch.split``, whose backward is one concatenation; a slice's backward
-    is a zero array of the whole of `x` each (8 prefill requests of a 256 MiB query:
-    8 such transients, 0.3 GiB of peak memory in the serving backward,
-    benchmarks/results/serving-backward.json). Others: slices.
+    is a zero array of the whole of `x` each (the paged engine lane's backward at 8
+    prefill requests: ``backward`` of benchmarks/results/serving-backward.json). Others:
+    slices.
     """
     if library_name(x) == "torch":
         import torch
