@@ -1279,6 +1279,39 @@ def test_paged_mask_and_score_mods_against_oracle(backend, xp, lane, monkeypatch
     assert np.all(backend.to_numpy(out)[-2:] == 0.0)  # padding rows
 
 
+@pytest.mark.parametrize("lane", ["default", "walk", "engine", "varlen"])
+def test_ready_rules_see_each_requests_positions(backend, xp, lane, monkeypatch):
+    # Llama 4's chunked local attention per request: a ready rule aligned by the call
+    # (offset=None) sees the positions the batched calls give (bottom-right already)
+    from portable_attn.block_mask import chunked_mask_mod
+
+    if lane == "walk" and backend.family == "jax":
+        pytest.skip("JAX walks every request by default (the case beside this one)")
+    _lane(monkeypatch, backend, "default" if lane == "varlen" else lane)
+    pool = Pool([5, 40, 9, 23], [5, 20, 1, 17])
+    rule = chunked_mask_mod(8)
+    if lane == "varlen":
+        arrays = (backend.asarray(a) for a in _packed(pool, np.arange(4)))
+        out = varlen_attention(*arrays, is_causal=True, mask_mod=rule)
+    else:
+        out = ragged_paged_attention(*pool.args(backend), mask_mod=rule)
+    expected = np.zeros((pool.query.shape[0], HQ, DV))
+    for r in range(4):
+        a, b = pool.starts[r], pool.starts[r + 1]
+        qp = pool.lengths[r] - (b - a) + np.arange(b - a)
+        kp = np.arange(pool.lengths[r])
+        mask = (kp[None, :] <= qp[:, None]) & (kp[None, :] // 8 == qp[:, None] // 8)
+        q, k, v = (
+            x.transpose(1, 0, 2)[None] for x in (pool.query[a:b], pool.keys[r], pool.values[r])
+        )
+        if a < b:
+            expected[a:b] = reference_attention(q, k, v, mask=mask[None, None])[0].transpose(
+                1, 0, 2
+            )
+    t = int(pool.starts[-1])
+    assert_close(backend, out[:t, ...], expected[:t])
+
+
 @pytest.mark.autodiff
 @pytest.mark.parametrize("lane", ["walk", "engine"])
 def test_paged_learned_score_mod_gradients_match_central_differences(

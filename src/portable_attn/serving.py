@@ -43,6 +43,7 @@ from ._lib._compat import (
 )
 from ._lib._masks import Band, arange
 from ._lib._route import library, tile_rows
+from ._lib._rules import MaskRule
 from ._lib._scores import distance
 from ._lib._validation import (
     check_count,
@@ -139,7 +140,9 @@ def ragged_paged_attention(
         broadcast together. A speculative-decoding tree: ``lambda r, h, q, k: (k <
         first[r]) | ancestor[r, q - first[r], k - first[r]]`` (clipped indices) with
         ``is_causal=False``; an image's tokens seen both ways: ``(k <= q) | ((k >=
-        lo[r]) & (q < hi[r]))``.
+        lo[r]) & (q < hi[r]))``. A ready rule of ``portable_attn.block_mask``
+        (``chunked_mask_mod(8192)``, Llama 4's chunked layers) sees these positions as
+        its aligned ones.
     score_mod : callable, optional
         ``score_mod(scores, request, head, q_pos, kv_pos) -> scores``, the same indices,
         after `softcap` and before ALiBi; arrays it closes over get gradients.
@@ -236,6 +239,7 @@ def ragged_paged_attention(
     check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
     check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
     check_score_mod(score_mod)
+    mask_mod = _on_positions(mask_mod)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
@@ -794,7 +798,8 @@ def varlen_attention(
         bottom-right: ``i + m - n``), index arrays that broadcast as those of
         :func:`~portable_attn.scaled_dot_product_attention`'s `mask_mod`. A prefix seen
         both ways (prefix-LM, an image's tokens): ``lambda r, h, q, k: (k <= q) |
-        (k < prefix[r])`` with ``is_causal=False``.
+        (k < prefix[r])`` with ``is_causal=False``. A ready rule of
+        ``portable_attn.block_mask`` sees these positions as its aligned ones.
     score_mod : callable, optional
         ``score_mod(scores, request, head, q_pos, kv_pos) -> scores``, the same
         indices, after `softcap` and before ALiBi; arrays it closes over get gradients.
@@ -854,6 +859,7 @@ def varlen_attention(
     check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
     check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
     check_score_mod(score_mod)
+    mask_mod = _on_positions(mask_mod)
     is_causal = check_is_flag("is_causal", is_causal)
     return_lse = check_is_flag("return_lse", return_lse)
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
@@ -931,6 +937,17 @@ def varlen_attention(
         score_mod=scored if alibi or score_mod is not None else None,
     )
     return _varlen_call(xp, query, key, value, seg_q, seg_k, options)
+
+
+def _on_positions(mask_mod: Any) -> Any:
+    """Return `mask_mod`, a ready rule (``block_mask``'s) seeing a request's positions.
+
+    The batched calls give their rules positions already aligned (a row's is
+    bottom-right), so a rule aligned by the call (``offset=None``) takes offset 0.
+    """
+    if isinstance(mask_mod, MaskRule) and mask_mod.needs_alignment:
+        return mask_mod.aligned(0, 0)
+    return mask_mod
 
 
 def _one_slot_pages(
