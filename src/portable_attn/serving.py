@@ -194,7 +194,7 @@ def ragged_paged_attention(
     nor JAX, which walks every request) is computed instead as one call of
     :func:`~portable_attn.scaled_dot_product_attention` over its keys gathered from the
     pool, a copy of its cache (torch's SDPA on a CPU; the prefill step of
-    ``benchmarks/serving.py`` took 0.39x the walk's time on torch, 0.61x on NumPy). Pool slots
+    ``benchmarks/serving.py`` took 0.32x the walk's time on torch, 0.68x on NumPy). Pool slots
     that hold no valid key of a request may contain anything, NaN included. With
     metadata on the host (NumPy, torch, JAX outside ``jit``) the loop bounds are read
     there once per call; under ``jax.jit`` the metadata stays traced and a chunk no

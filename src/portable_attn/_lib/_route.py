@@ -377,11 +377,12 @@ PAGED_ENGINE_ROWS = 16
 walked: its keys are gathered from the pool and its rows computed by the engine's own route
 (torch's SDPA on a CPU), one request at a time (``Library.paged_engine``; never with
 ``batch_invariant``, whose bits are the walk's). One request of 2048 keys (Hq = 32,
-Hkv = 8, D = 128), the engine's time over the walk's: torch 0.84x at one row, 0.98-1.03x
-at 4-16, 0.86-0.87x at 32-64; NumPy 1.16-1.60x below 16 rows, 0.77-0.94x from 16
-(benchmarks/results/serving-engine.json); the prefill step of ``benchmarks/serving.py``
-(512-row chunks) took 0.39x the walk's time on torch, 0.61x on NumPy (serving.json). A
-decode step keeps the walk, which batches its requests."""
+Hkv = 8, D = 128), the engine's time over the walk's: torch 0.46-0.54x at 1-16 rows,
+0.59-0.73x at 32-64; NumPy 0.56-0.75x (benchmarks/results/serving-engine.json, an Intel
+Xeon); the prefill step of
+``benchmarks/serving.py`` (512-row chunks) took 0.32x the walk's time on torch, 0.68x
+on NumPy (serving.json). A decode step keeps the walk, which batches its requests:
+0.92x the time of SDPA per request on its gathered pages (serving.json)."""
 
 PAGED_ENGINE_MAX_KEYS = 32768
 """... and at most this many keys: its gathered keys and values are a copy of its cache
