@@ -805,8 +805,9 @@ def varlen_attention(
         indices, after `softcap` and before ALiBi; arrays it closes over get gradients.
     batch_invariant : bool, default False
         The bits :func:`ragged_paged_attention` gives the same requests with
-        ``batch_invariant=True`` (pools of 1 to 128 slots a page, the chunk a multiple of
-        16 keys), whatever else is packed beside them: a trainer's and a generator's
+        ``batch_invariant=True`` (pools whose page size divides the walk's chunk of
+        keys: 1, 2, 4, ... 128 on a CPU), whatever else is packed beside them: a
+        trainer's and a generator's
         attention agree bit for bit on one backend and device. The packed keys are
         walked as a pool of one-slot pages (the paged walk, not the engine's kernels:
         slower; gradients by automatic differentiation through it). Each request needs

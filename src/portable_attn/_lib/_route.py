@@ -362,9 +362,10 @@ same for every call of the model, and a row's place in them is its position's.""
 INVARIANT_PRODUCT_KEYS = 16
 """With ``batch_invariant=True``, the paged walk multiplies a tile's rows by 16 keys at a
 time, whatever the page size (where a chunk's keys are a multiple of 16): a row's bits
-then do not depend on how a pool pages its keys, so pools of 1 to 128 slots a page (and
-``varlen_attention``'s packed keys, pages of one slot) give the same bits. With 16 slots
-a page these are the pages themselves, as before."""
+then do not depend on how a pool pages its keys, so pools whose page size divides the
+walk's chunk (``Library.chunk_keys``: 1, 2, 4, ... 128 slots a page on a CPU), and
+``varlen_attention``'s packed keys (pages of one slot), give the same bits. With 16
+slots a page these are the pages themselves, as before."""
 
 MAX_TILE_ROWS = 128
 """Without it, a paged tile holds the mean rows per request rounded up to a power of two,
