@@ -807,11 +807,11 @@ def varlen_attention(
         The bits :func:`ragged_paged_attention` gives the same requests with
         ``batch_invariant=True`` (pools whose page size divides the walk's chunk of
         keys: 1, 2, 4, ... 128 on a CPU), whatever else is packed beside them: a
-        trainer's and a generator's
-        attention agree bit for bit on one backend and device. The packed keys are
-        walked as a pool of one-slot pages (the paged walk, not the engine's kernels:
-        slower; gradients by automatic differentiation through it). Each request needs
-        at least as many keys as rows (its rows sit at positions of its keys).
+        trainer's and a generator's attention agree bit for bit on one backend and
+        device. The packed keys are walked as a pool of one-slot pages (the paged walk,
+        not the engine's kernels: slower; gradients by automatic differentiation
+        through it). Each request needs at least as many keys as rows (its rows sit at
+        positions of its keys).
 
     Returns
     -------
