@@ -584,10 +584,13 @@ def step(
         s = p.softcap * xp.tanh(s / p.softcap)
     kp = xp.reshape(kpos, (1, c2, 1, 1, b))
     pos = pos[:, None, ...]  # (N, 1, 1, rows·G, 1)
-    # the rules' indices: request (N, 1, 1, 1, 1), query head (1, 1, Hkv, rows·G, 1),
-    # the row's and the key's positions among the request's keys
-    heads = head_rows(xp, p, xp.astype(arange(xp, 0, p.num_q_heads, p.device), kpos.dtype))
-    at = (xp.reshape(request, (n, 1, 1, 1, 1)), heads[:, None, ...], pos, kp)
+    at: tuple[Any, ...] = ()
+    if p.score_mod is not None or p.mask_mod is not None:
+        # the rules' indices: request (N, 1, 1, 1, 1), query head (1, 1, Hkv, rows·G, 1),
+        # the row's and the key's positions among the request's keys
+        heads = arange(xp, 0, p.num_q_heads, p.device)
+        heads = head_rows(xp, p, xp.astype(heads, kpos.dtype))
+        at = (xp.reshape(request, (n, 1, 1, 1, 1)), heads[:, None, ...], pos, kp)
     if p.score_mod is not None:
         modified = p.score_mod(s, *at)
         _validation.check_score_mod_result(xp, modified, s)
