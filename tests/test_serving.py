@@ -920,6 +920,210 @@ def test_a_traced_page_table_alone_gives_nan_rows_for_a_page_outside_the_pool(ba
     assert np.all(np.isfinite(out[:2]))
 
 
+# ---------------------------------------------------------------------------
+# explicit query positions
+
+#: rows at positions the bottom-right rule does not give: rows in any order and at the
+#: same position (request 0), a chunk of a prompt written in full (request 1), a row
+#: among keys written after it (request 3), the bottom-right rows (request 5)
+_POSITIONED = ([5, 40, 1, 70, 9, 23], [5, 20, 1, 1, 0, 17])
+_POSITIONS = np.concatenate(
+    [[4, 0, 2, 2, 1], np.arange(10, 30), [0], [33], np.arange(6, 23), [7, 7]]
+).astype(np.int64)
+
+
+def _positions_oracle(
+    pool, positions, *, is_causal=True, window=None, alibi_slopes=None, rule=None, **kw
+):
+    """out (T, Hq, Dv) and lse (T, Hq) in float64 of rows at `positions`, as masks and biases."""
+    t = pool.query.shape[0]
+    hq, _, _, dv = pool.heads
+    out, lse = np.zeros((t, hq, dv)), np.full((t, hq), -np.inf)
+    for r, m in enumerate(pool.lengths):
+        a, b = pool.starts[r], pool.starts[r + 1]
+        if a == b:
+            continue
+        pos, keys = positions[a:b, None], np.arange(m)[None, :]
+        allow = np.ones((b - a, m), dtype=bool)
+        if is_causal:
+            allow &= keys <= pos
+        left, right = window or (None, None)
+        if left is not None:
+            allow &= keys >= pos - left
+        if right is not None:
+            allow &= keys <= pos + right
+        if rule is not None:
+            allow &= rule(pos, keys)
+        terms = {"mask": allow[None, None]}
+        if alibi_slopes is not None:
+            terms["bias"] = -alibi_slopes[None, :, None, None] * np.abs(pos - keys)[None, None]
+        q = pool.query[a:b].astype(np.float64).transpose(1, 0, 2)[None]
+        k = pool.keys[r].transpose(1, 0, 2)[None]
+        v = pool.values[r].transpose(1, 0, 2)[None]
+        out[a:b] = reference_attention(q, k, v, **terms, **kw)[0].transpose(1, 0, 2)
+        lse[a:b] = reference_lse(q, k, **terms, **kw)[0].transpose(1, 0)
+    return out, lse
+
+
+@pytest.mark.parametrize("lane", ["host", "host-invariant", "traced-invariant"])
+@pytest.mark.parametrize("name", ["causal", "window", "softcap+sinks", "alibi+window-right"])
+def test_q_positions_against_oracle(backend, xp, name, lane, monkeypatch):
+    # the band, ALiBi and the chunks a tile visits follow each row's own position; on
+    # the host plan and on the traced one (jax.jit's, torch tracers'), tiles of any rows
+    if lane.startswith("traced"):
+        monkeypatch.setattr(paged_driver, "has_concrete_values", lambda x: False)
+    pool = Pool(*_POSITIONED)
+    kw = OPTIONS[name]
+    out, lse = ragged_paged_attention(
+        *pool.args(backend),
+        q_positions=backend.asarray(_POSITIONS),
+        return_lse=True,
+        batch_invariant=lane.endswith("invariant"),
+        **_on(backend, kw),
+    )
+    expected_out, expected_lse = _positions_oracle(pool, _POSITIONS, **kw)
+    assert_close(backend, out, expected_out)
+    assert_close(backend, lse, expected_lse)
+
+
+def test_q_positions_feed_the_rules(backend, xp):
+    # a mask_mod and a score_mod see each row's given position as q_pos
+    pool = Pool(*_POSITIONED)
+
+    def mask_mod(r, h, q, k):
+        return (q - k) % 3 != 1
+
+    def score_mod(s, r, h, q, k):  # ALiBi of slope 0.25, by the rule
+        return s - 0.25 * xp.astype(xp.abs(q - k), s.dtype)
+
+    out = ragged_paged_attention(
+        *pool.args(backend),
+        q_positions=backend.asarray(_POSITIONS),
+        is_causal=False,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+    )
+    expected, _ = _positions_oracle(
+        pool,
+        _POSITIONS,
+        is_causal=False,
+        alibi_slopes=np.full(HQ, 0.25),
+        rule=lambda q, k: (q - k) % 3 != 1,
+    )
+    assert_close(backend, out, expected)
+
+
+@pytest.mark.main_kinds
+def test_q_positions_at_the_bottom_right_are_the_default_bits(backend, xp):
+    # the positions the call would take: the same bits (batch_invariant walks both)
+    pool = Pool(*_POSITIONED)
+    counts = np.diff(pool.starts)
+    bottom_right = np.concatenate(
+        [np.arange(m - n, m) for m, n in zip(pool.lengths, counts, strict=True)] + [[0, 0]]
+    )
+    args = pool.args(backend, "float32")
+    given = ragged_paged_attention(
+        *args, q_positions=backend.asarray(bottom_right), batch_invariant=True, return_lse=True
+    )
+    default = ragged_paged_attention(*args, batch_invariant=True, return_lse=True)
+    for x, y in zip(given, default, strict=True):
+        np.testing.assert_array_equal(backend.to_numpy(x), backend.to_numpy(y))
+
+
+@pytest.mark.main_kinds
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_prompt_written_in_full_then_computed_in_chunks_has_the_prefill_bits(backend, xp, jit):
+    # the whole prompt's keys are in the pool before its rows are computed, in chunks of
+    # 7, 100, 1 and 240 rows at their positions: the bits of the prefill of all 348
+    if jit and backend.family != "jax":
+        pytest.skip("jax.jit only")
+    n = _PROMPT + _NEW
+    pool = Pool([n], [n], pad=0, num_pages=96)
+    fn = ragged_paged_attention
+    if jit:
+        import jax
+
+        fn = jax.jit(ragged_paged_attention, static_argnames=("batch_invariant", "return_lse"))
+    q, kp, vp, table, lengths, _ = pool.args(backend, "float32")
+    prefill = fn(
+        q,
+        kp,
+        vp,
+        table,
+        lengths,
+        backend.asarray(np.array([0, n])),
+        batch_invariant=True,
+        return_lse=True,
+    )
+    outs, lses, done = [], [], 0
+    for rows in (7, 100, 1, 240):
+        starts = backend.asarray(np.array([0, rows]))
+        positions = backend.asarray(np.arange(done, done + rows))
+        out, lse = fn(
+            q[done : done + rows, ...],
+            kp,
+            vp,
+            table,
+            lengths,
+            starts,
+            q_positions=positions,
+            batch_invariant=True,
+            return_lse=True,
+        )
+        outs.append(backend.to_numpy(out))
+        lses.append(backend.to_numpy(lse))
+        done += rows
+    np.testing.assert_array_equal(np.concatenate(outs), backend.to_numpy(prefill[0]))
+    np.testing.assert_array_equal(np.concatenate(lses), backend.to_numpy(prefill[1]))
+
+
+def test_q_positions_are_checked(backend, xp):
+    pool = Pool(*_POSITIONED)
+    args = pool.args(backend)
+    bad = _POSITIONS.copy()
+    bad[20] = 40  # a row of request 1, which has 40 keys
+    with pytest.raises(ValueError, match=r"`q_positions`\[20\] = 40 .* request 1: 0 <= position"):
+        ragged_paged_attention(*args, q_positions=backend.asarray(bad))
+    bad[20] = -1
+    with pytest.raises(ValueError, match=r"`q_positions`\[20\] = -1"):
+        ragged_paged_attention(*args, q_positions=backend.asarray(bad))
+    with pytest.raises(ValueError, match=r"`query` axis 0 and `q_positions` axis 0 \(T\)"):
+        ragged_paged_attention(*args, q_positions=backend.asarray(_POSITIONS[:-1]))
+    with pytest.raises(TypeError, match="`q_positions` must be an integer array"):
+        ragged_paged_attention(*args, q_positions=backend.asarray(_POSITIONS * 1.0))
+    meta = args[3:]
+    shape = {"num_q_heads": HQ, "num_kv_heads": HKV, "page_size": 4, "num_pages": 48}
+    t = len(_POSITIONS)
+    with pytest.raises(ValueError, match=r"`q_positions` must have shape \(T,\) = \(47,\)"):
+        plan_ragged(*meta, q_positions=backend.asarray(_POSITIONS), num_tokens=t + 1, **shape)
+    plan = plan_ragged(*meta, num_tokens=t, **shape)  # without positions
+    with pytest.raises(ValueError, match="pass the `q_positions` array given to plan_ragged"):
+        ragged_paged_attention(*args, q_positions=backend.asarray(_POSITIONS), plan=plan)
+    positions = backend.asarray(_POSITIONS)
+    plan = plan_ragged(*meta, q_positions=positions, num_tokens=t, **shape)
+    expected = ragged_paged_attention(*args, q_positions=positions)
+    assert_close(
+        backend, ragged_paged_attention(*args, q_positions=positions, plan=plan), expected
+    )
+
+
+@pytest.mark.backends("jax", reason="jax.jit with traced positions")
+def test_q_positions_outside_their_request_under_jit_give_nan_rows(backend, xp):
+    import jax
+
+    pool = Pool(*_POSITIONED)
+    bad = _POSITIONS.copy()
+    bad[20] = 40  # a row of request 1, past its 40 keys
+    out = jax.jit(lambda *a, q_positions: ragged_paged_attention(*a, q_positions=q_positions))(
+        *pool.args(backend), q_positions=backend.asarray(bad)
+    )
+    out = backend.to_numpy(out)
+    assert np.all(np.isnan(out[20]))
+    rest = np.delete(out, 20, axis=0)
+    expected = np.delete(_positions_oracle(pool, _POSITIONS)[0], 20, axis=0)
+    np.testing.assert_allclose(rest, expected, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("mods", [False, True], ids=["plain", "mods"])
 def test_varlen_without_requests_gives_padding_rows(backend, xp, mods):
     # R = 0 (starts [0]): every row is padding (an IndexError before); a mask_mod or

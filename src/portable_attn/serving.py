@@ -57,6 +57,7 @@ from ._lib._validation import (
     check_one_device,
     check_paged,
     check_paged_metadata,
+    check_positions,
     check_same_axis,
     check_score_mod,
     check_starts,
@@ -84,6 +85,7 @@ def ragged_paged_attention(
     kv_lengths: Array,
     q_starts: Array,
     *,
+    q_positions: Array | None = None,
     is_causal: bool = True,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | Array | None = None,
@@ -123,10 +125,20 @@ def ragged_paged_attention(
         with :func:`paged_kv_write`).
     q_starts : integer array, shape (R + 1,)
         ``q_starts[0] == 0``, nondecreasing, ``q_starts[R] <= T``.
+    q_positions : integer array, shape (T,), optional
+        Each row's position among its request's keys, ``0 <= q_positions[t] <
+        kv_lengths[r]`` (padding rows: any value), where the bottom-right rule below does
+        not hold: a prompt written to the pool in full and computed in chunks, rows
+        placed among keys written after them. The band, ALiBi and the rules see these
+        positions. Given, every request is walked (none goes to the engine). With
+        `batch_invariant`, a request's rows take a tile's slots in order from its first
+        row's position, so rows whose positions follow each other (a chunk) get the bits
+        they get without `q_positions`.
     is_causal : bool, default True
         Row ``i`` of request ``r`` (``n_r`` rows) sits at position
-        ``kv_lengths[r] - n_r + i`` and sees the keys up to it (bottom-right, as
-        ``scaled_dot_product_attention``'s `is_causal`).
+        ``kv_lengths[r] - n_r + i`` (or at ``q_positions[q_starts[r] + i]``) and sees
+        the keys up to it (bottom-right, as ``scaled_dot_product_attention``'s
+        `is_causal`).
     window : (int or None, int or None), optional
         ``(left, right)``: the keys ``position - left .. position + right``.
     softcap, scale, sinks, alibi_slopes
@@ -227,7 +239,15 @@ def ragged_paged_attention(
     (5, 8, 64)
     """
     xp = _namespace(
-        query, key_pages, value_pages, page_table, kv_lengths, q_starts, sinks, alibi_slopes
+        query,
+        key_pages,
+        value_pages,
+        page_table,
+        kv_lengths,
+        q_starts,
+        q_positions,
+        sinks,
+        alibi_slopes,
     )
     t, hq, dk = check_exact_rank(xp, "query", query, 3, "(T, Hq, Dk)")
     check_same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
@@ -235,6 +255,7 @@ def ragged_paged_attention(
         xp, key_pages, value_pages, page_table, kv_lengths, q_starts, value_dim
     )
     check_head_groups(query, key_pages, hq, hkv)
+    check_positions(xp, q_positions, query)
     check_head_vector(xp, sinks, "sinks", hq)
     check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
     check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
@@ -252,16 +273,27 @@ def ragged_paged_attention(
         page_table=page_table,
         kv_lengths=kv_lengths,
         q_starts=q_starts,
+        q_positions=q_positions,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
     )
     shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
     flags = (is_causal, _bounds(left, right), batch_invariant)
+    metadata = (page_table, kv_lengths, q_starts, q_positions)
     if plan is None:
-        check_paged_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
-        walk = _walk_plan(xp, shape, page_table, kv_lengths, q_starts, *flags)
+        check_paged_metadata(
+            q_starts,
+            kv_lengths,
+            page_table,
+            t,
+            n_pages,
+            page_size,
+            max_pages,
+            q_positions=q_positions,
+        )
+        walk = _walk_plan(xp, shape, metadata, *flags)
     else:
-        walk = _plan_for(plan, shape, flags, page_table, kv_lengths, q_starts)[0]
+        walk = _plan_for(plan, shape, flags, metadata)[0]
     pools = (key_pages,) if value_pages is None else (key_pages, value_pages)
     dtype = result_type(xp, query.dtype, *(x.dtype for x in pools))
     compute = compute_dtype_of(xp, dtype)
@@ -439,7 +471,7 @@ class PagedPlan:
     batch_invariant: bool
     _walk: _paged.WalkPlan = field(repr=False)
     _slots: _Slots | None = field(repr=False)
-    _metadata: tuple[Any, Any, Any] = field(repr=False)
+    _metadata: tuple[Any, Any, Any, Any] = field(repr=False)
     _max_pages: int = field(repr=False)
 
 
@@ -448,6 +480,7 @@ def plan_ragged(
     kv_lengths: Array,
     q_starts: Array,
     *,
+    q_positions: Array | None = None,
     num_tokens: int,
     num_q_heads: int,
     num_kv_heads: int,
@@ -471,6 +504,8 @@ def plan_ragged(
     ----------
     page_table, kv_lengths, q_starts : integer arrays
         As in :func:`ragged_paged_attention`: shapes (R, max_pages), (R,), (R + 1,).
+    q_positions : integer array, shape (T,), optional
+        As in :func:`ragged_paged_attention`; the calls given the plan pass the same.
     num_tokens : int
         ``T``, the packed query rows of the step (axis 0 of the calls' `query`).
     num_q_heads, num_kv_heads : int
@@ -506,8 +541,8 @@ def plan_ragged(
     >>> out.shape
     (5, 8, 64)
     """
-    names = ("page_table", "kv_lengths", "q_starts")
-    xp = _namespace(page_table, kv_lengths, q_starts, names=names)
+    names = ("page_table", "kv_lengths", "q_starts", "q_positions")
+    xp = _namespace(page_table, kv_lengths, q_starts, q_positions, names=names)
     counts = {
         "num_tokens": (num_tokens, 0),
         "num_q_heads": (num_q_heads, 1),
@@ -520,18 +555,28 @@ def plan_ragged(
     n_req, max_pages = check_integer_array(xp, "page_table", page_table, 2, "(R, max_pages)")
     check_integer_array(xp, "kv_lengths", kv_lengths, 1, "(R,)", (n_req,), "page_table")
     check_integer_array(xp, "q_starts", q_starts, 1, "(R + 1,)", (n_req + 1,), "page_table")
-    check_one_device(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
+    check_positions(xp, q_positions, None, t)
+    check_one_device(
+        page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts, q_positions=q_positions
+    )
     is_causal = check_is_flag("is_causal", is_causal)
     batch_invariant = check_is_flag("batch_invariant", batch_invariant)
     left, right = (None, None) if window is None else check_window(window)
     check_paged_metadata(
-        q_starts, kv_lengths, page_table, t, n_pages, ps, max_pages, pages_from="`num_pages`"
+        q_starts,
+        kv_lengths,
+        page_table,
+        t,
+        n_pages,
+        ps,
+        max_pages,
+        pages_from="`num_pages`",
+        q_positions=q_positions,
     )
     shape = _StepShape(t, hq, hkv, ps, n_pages, max_pages)
     bounds = _bounds(left, right)
-    walk = _walk_plan(
-        xp, shape, page_table, kv_lengths, q_starts, is_causal, bounds, batch_invariant
-    )
+    metadata = (page_table, kv_lengths, q_starts, q_positions)
+    walk = _walk_plan(xp, shape, metadata, is_causal, bounds, batch_invariant)
     return PagedPlan(
         t,
         hq,
@@ -543,7 +588,7 @@ def plan_ragged(
         batch_invariant,
         walk,
         _write_slots(xp, page_table, kv_lengths, q_starts, t, n_pages, ps),
-        (page_table, kv_lengths, q_starts),
+        metadata,
         max_pages,
     )
 
@@ -556,14 +601,16 @@ def _bounds(left: int | None, right: int | None) -> tuple[int | None, int | None
 def _walk_plan(
     xp: Any,
     shape: _StepShape,
-    page_table: Any,
-    kv_lengths: Any,
-    q_starts: Any,
+    metadata: tuple[Any, Any, Any, Any],
     is_causal: bool,
     window: tuple[int | None, int | None] | None,
     batch_invariant: bool,
 ) -> _paged.WalkPlan:
-    """Return the walk's plan of checked metadata (:func:`~._paths._paged.plan_walk`)."""
+    """Return the walk's plan of checked metadata (:func:`~._paths._paged.plan_walk`).
+
+    `metadata`: the page table, lengths, starts and query positions (or None).
+    """
+    page_table = metadata[0]
     t, hq, hkv = shape.num_tokens, shape.num_q_heads, shape.num_kv_heads
     left, right = (None, None) if window is None else window
     row = library(page_table)
@@ -584,26 +631,25 @@ def _walk_plan(
         sums_by_product=row.sums_by_program,
         keys_per_chunk=row.chunk_keys,
     )
-    return plan_walk(xp, problem, page_table, kv_lengths, q_starts)
+    return plan_walk(xp, problem, *metadata)
 
 
 def _plan_for(
     plan: Any,
     shape: _StepShape,
     flags: tuple[bool, Any, bool] | None,
-    page_table: Any,
-    kv_lengths: Any,
-    q_starts: Any,
+    metadata: tuple[Any, ...],
 ) -> tuple[_paged.WalkPlan, _Slots | None]:
     """Return the walk and the write slots of `plan`, once it is this call's (else raise).
 
+    `metadata`: the page table, lengths, starts and (the attention's) query positions.
     `flags` None (the write's) are not compared.
     """
     if not isinstance(plan, PagedPlan):
         msg = f"`plan` must be a PagedPlan from plan_ragged, but got {type(plan).__name__}"
         raise TypeError(msg)
-    given = {"page_table": page_table, "kv_lengths": kv_lengths, "q_starts": q_starts}
-    for (name, x), y in zip(given.items(), plan._metadata, strict=True):
+    names = ("page_table", "kv_lengths", "q_starts", "q_positions")
+    for name, x, y in zip(names, metadata, plan._metadata, strict=False):
         if x is not y:
             msg = (
                 f"`plan` was built for other metadata: pass the `{name}` array given to "
@@ -743,7 +789,7 @@ def paged_kv_write(
     else:
         hq = getattr(plan, "num_q_heads", 0)  # the write has no query heads
         shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
-        slots = _plan_for(plan, shape, None, page_table, kv_lengths, q_starts)[1]
+        slots = _plan_for(plan, shape, None, (page_table, kv_lengths, q_starts))[1]
     if slots is None:  # no row, or every row padding
         return key_pages, value_pages
     named = {"key_pages": (key_pages, new_keys), "value_pages": (value_pages, new_values)}
@@ -1122,6 +1168,7 @@ def _namespace(
         "page_table",
         "kv_lengths",
         "q_starts",
+        "q_positions",
         "sinks",
         "alibi_slopes",
     ),

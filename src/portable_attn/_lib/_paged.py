@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from . import _validation
 from ._blocks import FULL, PARTIAL
-from ._compat import on_device, stop_gradient
+from ._compat import numpy_namespace, on_device, stop_gradient
 from ._masks import Band, arange
 from ._route import INVARIANT_PRODUCT_KEYS
 from ._scores import distance
@@ -57,6 +57,7 @@ __all__ = [
     "PagedOps",
     "PagedProblem",
     "Tiles",
+    "bottom_right",
     "bounded_tiles",
     "chunk_index",
     "finish",
@@ -196,9 +197,45 @@ def _chunk_range(
     return xp.floor_divide(first, bk), xp.floor_divide(last, bk)
 
 
-def _lead(xp: Any, p: PagedProblem, first_pos: Any) -> Any:
-    """Slots before a request's first new row (at `first_pos`) in its first tile."""
-    return first_pos % p.rows if p.aligned else xp.zeros_like(first_pos)
+def _lead(xp: Any, p: PagedProblem, q_starts: Any, positions: Any) -> Any:
+    """Slots before each request's first new row in its first tile (R,).
+
+    Aligned (``batch_invariant``): the first row's position modulo the tile's rows, so
+    that a row at position ``first + i`` sits in slot ``(first + i) % rows``. Else 0.
+    """
+    if not p.aligned:
+        return xp.zeros_like(q_starts[1:])
+    first = xp.take(positions, xp.clip(q_starts[:-1], 0, max(p.num_tokens - 1, 0)))
+    return xp.astype(first, q_starts.dtype) % p.rows
+
+
+def bottom_right(xp: Any, q_starts: Any, kv_lengths: Any, num_tokens: int, device: Any) -> Any:
+    """Return the packed rows' positions (T,) where none are given: each request's last.
+
+    Row ``i`` of request ``r`` (``n_r`` rows) sits at ``kv_lengths[r] - n_r + i``;
+    padding rows get the last request's next positions (never read).
+    """
+    req, _, idx = owners(xp, q_starts[1:], num_tokens, device)
+    counts = q_starts[1:] - q_starts[:-1]
+    pos0 = kv_lengths - counts - q_starts[:-1]  # + a packed row: its position
+    return xp.take(pos0, req) + idx
+
+
+def _span(
+    xp: Any, p: PagedProblem, first: Any, begin: Any, end: Any, positions: Any, device: Any
+) -> tuple[Any, Any]:
+    """Return the least and the largest position of each tile's rows, (N,) each.
+
+    A tile's rows are the packed rows ``begin:end`` of its slots ``first .. first +
+    rows - 1``; a tile that holds none gets an empty span (least above largest).
+    """
+    idx, held = _slots(xp, p, first, begin, end, device)
+    pos = xp.take(positions, xp.reshape(idx, (-1,)))
+    pos = xp.reshape(xp.astype(pos, first.dtype), idx.shape)
+    big = 2**62
+    lo = xp.min(xp.where(held, pos, big), axis=1)
+    hi = xp.max(xp.where(held, pos, -big), axis=1)
+    return lo, hi
 
 
 def owners(xp: Any, ends: Any, length: int, device: Any) -> tuple[Any, Any, Any]:
@@ -215,7 +252,7 @@ def owners(xp: Any, ends: Any, length: int, device: Any) -> tuple[Any, Any, Any]
 
 
 def bounded_tiles(
-    xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any, num_requests: int
+    xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any, positions: Any, num_requests: int
 ) -> Tiles:
     """Return the tiles in request order, as many as any call of these shapes can need.
 
@@ -228,7 +265,7 @@ def bounded_tiles(
     spare = num_requests * (rows - 1) * (2 if p.aligned else 1)
     n_tiles = max(1, min(t, (t + spare) // rows))
     counts = xp.clip(q_starts[1:] - q_starts[:-1], 0, None)  # (R,)
-    lead = _lead(xp, p, kv_lengths - counts)  # (R,)
+    lead = _lead(xp, p, q_starts, positions)  # (R,)
     per_request = xp.where(counts > 0, xp.floor_divide(lead + counts + (rows - 1), rows), 0)
     ends = xp.cumulative_sum(per_request)  # (R,)
     starts = ends - per_request
@@ -238,8 +275,7 @@ def bounded_tiles(
     begin = xp.where(real, xp.maximum(first, q0), q0)
     end = xp.where(real, xp.maximum(xp.minimum(first + rows, q1), begin), begin)
     kv = xp.take(kv_lengths, req)
-    pos0 = kv - xp.take(counts, req) - q0  # + a packed row: its position
-    lo, hi = _chunk_range(xp, p, pos0 + begin, pos0 + end - 1, kv)
+    lo, hi = _chunk_range(xp, p, *_span(xp, p, first, begin, end, positions, p.device), kv)
     hi = xp.where(end > begin, hi, -1)
     # packed row -> (tile, slot)
     row_req, valid, r_all = owners(xp, q_starts[1:], t, p.device)
@@ -310,21 +346,24 @@ class HostWalk(NamedTuple):
 
 
 def host_tiles(
-    xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any, walked: Any = True
+    xp: Any, p: PagedProblem, q_starts: Any, kv_lengths: Any, positions: Any, walked: Any = True
 ) -> tuple[Tiles, HostWalk]:
     """Return the tiles that hold rows, from host (NumPy) metadata, longest walk first.
 
     Returns the tiles as arrays of `xp` on the problem's device, and what the driver's
-    loop needs to know of them (:class:`HostWalk`). `walked` (R,) bool: the requests
-    whose rows the walk computes (the others' rows are left out of every tile).
+    loop needs to know of them (:class:`HostWalk`). `positions` (T,) the packed rows'
+    positions; `walked` (R,) bool: the requests whose rows the walk computes (the
+    others' rows are left out of every tile).
     """
     import numpy as np
 
     q_starts = np.asarray(q_starts, dtype=np.int64)
     kv_lengths = np.asarray(kv_lengths, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
     rows = p.rows
     counts = np.diff(q_starts)
-    lead = _lead(np, p, kv_lengths - counts)
+    host = numpy_namespace()
+    lead = _lead(host, p, q_starts, positions)
     req, first = [], []
     for r in np.nonzero((counts > 0) & walked)[0].tolist():
         for s in range(int(q_starts[r] - lead[r]), int(q_starts[r + 1]), rows):
@@ -338,8 +377,7 @@ def host_tiles(
     begin = np.minimum(np.maximum(first_a, q_starts[req_a]), q_starts[req_a + 1])
     end = begin if empty else np.maximum(np.minimum(first_a + rows, q_starts[req_a + 1]), begin)
     kv = kv_lengths[req_a]
-    pos0 = kv - counts[req_a] - q_starts[req_a]  # + a packed row: its position
-    first_pos, last_pos = pos0 + begin, pos0 + np.maximum(end, begin + 1) - 1
+    first_pos, last_pos = _span(host, p, first_a, begin, end, positions, None)
     lo, hi = _chunk_range(np, p, first_pos, last_pos, kv)
     hi = np.where(end > begin, hi, -1)
     # longest walks first (the active tiles of a chunk are then a range, mostly a prefix),
@@ -467,14 +505,21 @@ def query_slots(xp: Any, p: PagedProblem, tiles: Tiles) -> tuple[Any, Any]:
     would reach this tile's keys' gradients (``0 · NaN`` in the backward), and the same
     zeros in every call (batch invariance).
     """
-    idx = tiles.first[:, None] + _offsets(xp, p, tiles)[None, :]  # (N, rows)
-    held = xp.logical_and(idx >= tiles.begin[:, None], idx < tiles.end[:, None])
-    idx = xp.clip(idx, 0, max(p.num_tokens - 1, 0))
+    idx, held = _slots(xp, p, tiles.first, tiles.begin, tiles.end, p.device)
     return xp.reshape(idx, (-1,)), xp.reshape(held, (-1,))
 
 
-def _offsets(xp: Any, p: PagedProblem, tiles: Tiles) -> Any:
-    return xp.astype(arange(xp, 0, p.rows, p.device), tiles.first.dtype)
+def _slots(
+    xp: Any, p: PagedProblem, first: Any, begin: Any, end: Any, device: Any
+) -> tuple[Any, Any]:
+    """Return the packed row of each tile slot (N, rows), clipped, and whether it is held.
+
+    A tile's slots are the packed rows ``first .. first + rows - 1``; it holds
+    ``begin:end``.
+    """
+    idx = first[:, None] + xp.astype(arange(xp, 0, p.rows, device), first.dtype)[None, :]
+    held = xp.logical_and(idx >= begin[:, None], idx < end[:, None])
+    return xp.clip(idx, 0, max(p.num_tokens - 1, 0)), held
 
 
 def tile_queries(xp: Any, p: PagedProblem, query: Any, slots: Any, held: Any) -> Any:
@@ -487,19 +532,17 @@ def tile_queries(xp: Any, p: PagedProblem, query: Any, slots: Any, held: Any) ->
     return xp.reshape(xp.permute_dims(q, (0, 2, 1, 3, 4)), (-1, hkv, rows * g, dk))
 
 
-def row_positions(xp: Any, p: PagedProblem, tiles: Tiles, q_starts: Any, kv_lengths: Any) -> Any:
+def row_positions(xp: Any, p: PagedProblem, slots: Any, positions: Any) -> Any:
     """Positions of the tiles' rows among their requests' keys, (N, 1, rows·G, 1).
 
-    A tile's slots that hold no row are computed like the others (zero queries) and
-    never read: :func:`finish` takes only the rows the tiles hold.
+    `slots` the packed row of each tile slot (:func:`query_slots`), `positions` (T,)
+    the packed rows'. A tile's slots that hold no row are computed like the others
+    (zero queries, at some other row's position) and never read: :func:`finish` takes
+    only the rows the tiles hold.
     """
-    req = tiles.request
-    kv = xp.take(kv_lengths, req)
-    n_req = xp.take(q_starts, req + 1) - xp.take(q_starts, req)
-    pos0 = kv - n_req + (tiles.first - xp.take(q_starts, req))  # (N,)
-    pos = pos0[:, None] + _offsets(xp, p, tiles)[None, :]  # (N, rows)
-    n = req.shape[0]
-    pos = xp.broadcast_to(pos[:, :, None], (n, p.rows, p.groups))
+    pos = xp.reshape(xp.take(positions, slots), (-1, p.rows, 1))
+    n = pos.shape[0]
+    pos = xp.broadcast_to(pos, (n, p.rows, p.groups))
     return xp.reshape(pos, (n, 1, p.matmul_rows, 1))
 
 
@@ -639,18 +682,24 @@ def faulty_rows(
     num_pages: int,
     page_size: int,
     device: Any,
+    q_positions: Any = None,
 ) -> Any:
     """Return the packed rows (T,) whose request's metadata is wrong (all: a wrong packing).
 
     For metadata without values (``jax.jit``), where no error can be raised: these rows
-    come out NaN (:func:`finish`) and are not written (``paged_kv_write``).
+    come out NaN (:func:`finish`) and are not written (``paged_kv_write``). With
+    `q_positions`, a row whose position is not one of its request's keys is wrong too.
     """
     packing, lengths, pages = _validation.metadata_faults(
         xp, q_starts, kv_lengths, page_table, num_tokens, num_pages, page_size, device
     )
     wrong = xp.logical_or(lengths, xp.any(pages, axis=1))
     req, inside, _ = owners(xp, q_starts[1:], num_tokens, device)
-    return xp.logical_or(packing, xp.logical_and(inside, xp.take(wrong, req)))
+    rows = xp.take(wrong, req)
+    if q_positions is not None:
+        outside = xp.logical_or(q_positions < 0, q_positions >= xp.take(kv_lengths, req))
+        rows = xp.logical_or(rows, outside)
+    return xp.logical_or(packing, xp.logical_and(inside, rows))
 
 
 def finish(

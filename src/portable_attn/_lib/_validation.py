@@ -945,6 +945,21 @@ def check_integer_array(
     return tuple(int(n) for n in x.shape)
 
 
+def check_positions(xp: Any, q_positions: Any, query: Any, t: int = 0) -> None:
+    """Check a paged call's `q_positions`: None, or integers (T,), T from `query` or `t`."""
+    if q_positions is None:
+        return
+    check_integer_array(xp, "q_positions", q_positions, 1, "(T,)")
+    if query is not None:
+        check_same_axis("query", query, 0, "q_positions", q_positions, 0, "T")
+    elif q_positions.shape[0] != t:
+        msg = (
+            f"`q_positions` must have shape (T,) = ({t},) (`num_tokens`), but got shape "
+            f"{tuple(q_positions.shape)}"
+        )
+        raise ValueError(msg)
+
+
 def check_head_vector(xp: Any, x: Any, name: str, hq: int) -> None:
     if x is None:
         return
@@ -984,10 +999,12 @@ def check_paged_metadata(
     page_size: int,
     max_pages: int,
     pages_from: str = "axis 0 of `key_pages`",
+    q_positions: Any = None,
 ) -> None:
     """Check metadata with values: lengths that fit the table and rows, pages in the pool.
 
-    `pages_from` says where the pool's page count comes from.
+    `pages_from` says where the pool's page count comes from. `q_positions` (T,), where
+    given, must place each request's rows among its keys.
     """
     starts = check_starts("q_starts", q_starts, t)
     if starts is None or not has_concrete_values(kv_lengths):
@@ -1007,6 +1024,18 @@ def check_paged_metadata(
             f"row(s) (`q_starts`) and at most max_pages * page_size = {max_pages * page_size}"
         )
         raise ValueError(msg)
+    if q_positions is not None and has_concrete_values(q_positions):
+        pos = np.asarray(to_host(q_positions), dtype=np.int64)[: starts[-1]]
+        limit = np.repeat(lengths, np.diff(starts))
+        outside = np.nonzero((pos < 0) | (pos >= limit))[0]
+        if len(outside):
+            i = int(outside[0])
+            r = int(np.searchsorted(starts, i, side="right")) - 1
+            msg = (
+                f"`q_positions`[{i}] = {pos[i]} must be a position among the keys of its "
+                f"request {r}: 0 <= position < `kv_lengths`[{r}] = {lengths[r]}"
+            )
+            raise ValueError(msg)
     if known and wrong.any():
         r, j = (int(i) for i in np.argwhere(wrong)[0])
         msg = (

@@ -26,9 +26,11 @@ import dataclasses
 import itertools
 from typing import Any
 
+import numpy as np
+
 from .._lib import _paged
 from .._lib._blocks import FULL
-from .._lib._compat import has_concrete_values, on_device, to_host
+from .._lib._compat import has_concrete_values, numpy_namespace, on_device, to_host
 from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
 from .._lib._route import library, paged_by_engine, tile_rows
 from .._lib._tiled import RowState
@@ -42,17 +44,33 @@ def plan_walk(
     page_table: Any,
     kv_lengths: Any,
     q_starts: Any,
+    q_positions: Any = None,
 ) -> WalkPlan:
-    """Return the plan of a step: its tiles, and on the host the folds of its walk."""
+    """Return the plan of a step: its tiles, and on the host the folds of its walk.
+
+    `q_positions` (T,) the packed rows' positions, or None: each request's last ones
+    (:func:`~._paged.bottom_right`). Given, every request is walked.
+    """
     num_requests = page_table.shape[0]
     if p.num_tokens == 0 or num_requests == 0:  # no row, or every row padding
         return WalkPlan(p, None)
     engine: tuple[EngineRequest, ...] = ()
     merge: tuple[tuple[int, int, int], ...] = ()
-    if has_concrete_values(q_starts) and has_concrete_values(kv_lengths):
+    metadata = (
+        (q_starts, kv_lengths) if q_positions is None else (q_starts, kv_lengths, q_positions)
+    )
+    t = p.num_tokens
+    if all(has_concrete_values(x) for x in metadata):
         starts, lengths = to_host(q_starts), to_host(kv_lengths)
-        p, engine, merge, walked = _leave_to_engine(xp, p, page_table, starts, lengths)
-        tiles, walk = _paged.host_tiles(xp, p, starts, lengths, walked)
+        walked: Any = True
+        if q_positions is None:
+            p, engine, merge, walked = _leave_to_engine(xp, p, page_table, starts, lengths)
+            host = numpy_namespace()
+            host_positions = _paged.bottom_right(host, starts, lengths, t, None)
+            positions = xp.asarray(host_positions, **on_device(p.device))
+        else:
+            host_positions, positions = to_host(q_positions), q_positions
+        tiles, walk = _paged.host_tiles(xp, p, starts, lengths, host_positions, walked)
         runs = tuple(
             (
                 a,
@@ -64,18 +82,29 @@ def plan_walk(
             for j, a, b, state, past in walk.runs(p)
         )
     else:
-        tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, num_requests)
+        positions = q_positions
+        if positions is None:
+            positions = _paged.bottom_right(xp, q_starts, kv_lengths, t, p.device)
+        tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, positions, num_requests)
         runs = None
     faulty = None
-    if not all(has_concrete_values(x) for x in (q_starts, kv_lengths, page_table)):
+    if not all(has_concrete_values(x) for x in (*metadata, page_table)):
         # no error can be raised on traced metadata (a traced page table included): the
         # rows of requests whose metadata is wrong come out NaN (the pages they name are
         # read clipped, never shown to others)
         faulty = _paged.faulty_rows(
-            xp, q_starts, kv_lengths, page_table, p.num_tokens, p.num_pages, p.page_size, p.device
+            xp,
+            q_starts,
+            kv_lengths,
+            page_table,
+            t,
+            p.num_pages,
+            p.page_size,
+            p.device,
+            q_positions,
         )
     slots, held = _paged.query_slots(xp, p, tiles)
-    pos = _paged.row_positions(xp, p, tiles, q_starts, kv_lengths)
+    pos = _paged.row_positions(xp, p, slots, positions)
     return WalkPlan(p, tiles, slots, held, pos, runs, faulty, engine, merge)
 
 
@@ -89,8 +118,6 @@ def _leave_to_engine(
     result (:attr:`WalkPlan.merge`; none without an engine request), and which requests
     the walk computes (R,).
     """
-    import numpy as np
-
     starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     counts = np.diff(starts)
     row = library(page_table)
