@@ -125,6 +125,7 @@ def _pytest(
     ignore: tuple[str, ...] = (),
     only: tuple[str, ...] = (),
 ) -> None:
+    """Run the suite on `backend`, but the files `ignore` names; `only`: extra arguments."""
     session.run(
         "python",
         "-m",
@@ -140,10 +141,12 @@ def _pytest(
     )
 
 
-#: the test files whose promises are bitwise (batch invariance, determinism): run again under
-#: each of :data:`BLAS_CORES` in the portable sessions, since OpenBLAS rounds a product by
-#: the kernel it picks for the CPU (AVX2 and AVX-512 kernels differ)
-BITWISE_TESTS = ("tests/test_serving.py", "tests/test_determinism.py")
+#: the tests whose promises are bitwise (batch invariance, determinism), marked ``bitwise``:
+#: run again under each of :data:`BLAS_CORES` in the portable sessions, since OpenBLAS
+#: rounds a product by the kernel it picks for the CPU (AVX2 and AVX-512 kernels differ)
+BITWISE_TESTS = ("-m", "bitwise")
+#: the rest of the suite, where the JAX session compiles fast (:data:`FAST_COMPILE`)
+OTHER_TESTS = ("-m", "not bitwise")
 #: OpenBLAS core types the bitwise tests also run under (``OPENBLAS_CORETYPE``): an AVX2
 #: kernel set and an AVX-512 one, whatever CPU the session runs on
 BLAS_CORES = ("Haswell", "SkylakeX")
@@ -243,9 +246,9 @@ class Backend:
     also: tuple[str, ...] = ()  # installed with ".[test]"
     skip_without_gpu: str | None = None  # skip with this reason when no NVIDIA GPU is found
     families: str | None = None  # the suite's --backend, by default the session's name
-    blas_cores: tuple[str, ...] = ()  # run BITWISE_TESTS again under each OpenBLAS core type
+    blas_cores: tuple[str, ...] = ()  # the bitwise tests again under each OpenBLAS core type
     env: tuple[tuple[str, str], ...] = ()  # the suite's environment variables
-    fast_compile: bool = False  # FAST_COMPILE on a CPU, then BITWISE_TESTS without it
+    fast_compile: bool = False  # FAST_COMPILE on a CPU but for the bitwise tests
 
 
 BACKENDS = {
@@ -299,7 +302,7 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
         families = spec.families or backend
         env = dict(spec.env)
         if spec.fast_compile and not _has_nvidia_gpu():
-            _pytest(session, families, {**env, **dict([FAST_COMPILE])}, ignore=BITWISE_TESTS)
+            _pytest(session, families, {**env, **dict([FAST_COMPILE])}, only=OTHER_TESTS)
             _pytest(session, families, env, only=BITWISE_TESTS)
         else:
             _pytest(session, families, env)
@@ -308,7 +311,8 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
                 session.warn(f"NumPy's OpenBLAS crashes under OPENBLAS_CORETYPE={core}: skipped")
                 continue
             session.run(
-                "python", "-m", "pytest", "-q", "--backend", families, *BITWISE_TESTS,
+                "python", "-m", "pytest", "-q", "--backend", families,
+                "--ignore=tests/integrations", *BITWISE_TESTS,
                 env={"PORTABLE_ATTN_BACKEND": families, "OPENBLAS_CORETYPE": core},
             )  # fmt: skip
         if spec.doctests:

@@ -72,6 +72,8 @@ MARKERS = {
     "skip_backends": "skip_backends(*families, reason=None): never run on these families",
     "autodiff": "autodiff: run only on the families with automatic differentiation",
     "main_kinds": "main_kinds: run on the first kind of each family only",
+    "bitwise": "bitwise: compares bits across calls (batch invariance, determinism); the "
+    "matrix runs these again under other BLAS kernels and with XLA's default code generation",
     "dtypes": "dtypes(*dtypes): parametrize `dtype` with `backend`, only supported pairs",
 }
 

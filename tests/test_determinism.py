@@ -13,6 +13,8 @@ import pytest
 from _helpers import on_backend, qkv, randn
 from portable_attn import scaled_dot_product_attention
 
+pytestmark = pytest.mark.bitwise
+
 KW = {  # lengths, a window, a bias and a sink: every term of the walk
     "is_causal": True,
     "window": (6, None),

@@ -315,6 +315,7 @@ def ragged_batches(draw):
     return lengths, new, page_size, seed, window, causal
 
 
+@pytest.mark.bitwise
 @pytest.mark.main_kinds
 @pytest.mark.skip_backends("jax", reason="compiles a program per shape: the test below")
 @given(ragged_batches())
@@ -322,6 +323,7 @@ def test_property_any_ragged_batch_matches_the_oracle_and_each_request_alone(bac
     _ragged_batch_matches_the_oracle_and_each_request_alone(backend, case)
 
 
+@pytest.mark.bitwise
 @pytest.mark.backends("jax", reason="a program per shape and request: fewer examples")
 @settings(max_examples=6)
 @given(ragged_batches())
@@ -410,6 +412,7 @@ _N = 45  # the request every call below holds: 45 keys; the row of its last toke
 _ALONE = Pool([_N], [1], seed=0)
 
 
+@pytest.mark.bitwise
 @pytest.mark.main_kinds
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_batch_invariant_rows_are_the_same_bits(backend, xp, jit):
@@ -486,6 +489,7 @@ def _fed(backend, splits, page_size, *, jit=False, heads=(HQ, HKV, DK, DV)):
 _HELD_OUT = (32, 8, 128, 128)
 
 
+@pytest.mark.bitwise
 @pytest.mark.main_kinds
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize(
@@ -969,14 +973,20 @@ def _positions_oracle(
 @pytest.mark.parametrize("name", ["causal", "window", "softcap+sinks", "alibi+window-right"])
 def test_q_positions_against_oracle(backend, xp, name, lane, monkeypatch):
     # the band, ALiBi and the chunks a tile visits follow each row's own position; on
-    # the host plan and on the traced one (jax.jit's, torch tracers'), tiles of any rows
+    # the host plan and on the traced one (jax.jit's, torch tracers'), tiles of any rows;
+    # metadata of 32-bit integers (JAX's default)
     if lane.startswith("traced"):
         monkeypatch.setattr(paged_driver, "has_concrete_values", lambda x: False)
     pool = Pool(*_POSITIONED)
     kw = OPTIONS[name]
+    q, kp, vp, *meta = pool.args(backend)
+    meta = [backend.asarray(backend.to_numpy(x).astype(np.int32)) for x in meta]  # 32 bits
     out, lse = ragged_paged_attention(
-        *pool.args(backend),
-        q_positions=backend.asarray(_POSITIONS),
+        q,
+        kp,
+        vp,
+        *meta,
+        q_positions=backend.asarray(_POSITIONS.astype(np.int32)),
         return_lse=True,
         batch_invariant=lane.endswith("invariant"),
         **_on(backend, kw),
@@ -1013,6 +1023,7 @@ def test_q_positions_feed_the_rules(backend, xp):
     assert_close(backend, out, expected)
 
 
+@pytest.mark.bitwise
 @pytest.mark.main_kinds
 def test_q_positions_at_the_bottom_right_are_the_default_bits(backend, xp):
     # the positions the call would take: the same bits (batch_invariant walks both)
@@ -1030,6 +1041,7 @@ def test_q_positions_at_the_bottom_right_are_the_default_bits(backend, xp):
         np.testing.assert_array_equal(backend.to_numpy(x), backend.to_numpy(y))
 
 
+@pytest.mark.bitwise
 @pytest.mark.main_kinds
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_prompt_written_in_full_then_computed_in_chunks_has_the_prefill_bits(backend, xp, jit):
@@ -1105,6 +1117,36 @@ def test_q_positions_are_checked(backend, xp):
     assert_close(
         backend, ragged_paged_attention(*args, q_positions=positions, plan=plan), expected
     )
+
+
+@pytest.mark.backends("jax", reason="JAX without jax_enable_x64: 32-bit integers")
+def test_q_positions_with_jax_default_integers(backend, xp):
+    # under jax.jit the tiles' spans took a 64-bit sentinel, which JAX's int32 refused
+    import jax
+    import jax.numpy as jnp
+
+    pool = Pool(*_POSITIONED)
+    arrays = [np.asarray(x) for x in pool.args(backend)]
+    was = jax.config.read("jax_enable_x64")
+    jax.config.update("jax_enable_x64", False)
+    try:
+        args = [
+            jnp.asarray(x.astype(np.float32 if x.dtype.kind == "f" else np.int32)) for x in arrays
+        ]
+        positions = jnp.asarray(_POSITIONS.astype(np.int32))
+        outs = [
+            np.asarray(
+                jax.jit(ragged_paged_attention, static_argnames="batch_invariant")(
+                    *args, q_positions=positions, batch_invariant=inv
+                )
+            )
+            for inv in (False, True)
+        ]
+    finally:
+        jax.config.update("jax_enable_x64", was)
+    expected = _positions_oracle(pool, _POSITIONS)[0]
+    for out in outs:
+        np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.backends("jax", reason="jax.jit with traced positions")
@@ -1569,6 +1611,7 @@ def _packed(pool, order):
     return q, k, v, qs, ks
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("name", ["causal", "alibi+window-right"])
 def test_varlen_batch_invariant_has_the_paged_bits(backend, xp, name):
     # a request's rows: the same bits whatever is packed beside it and in what order, and

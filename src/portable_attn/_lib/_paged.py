@@ -232,9 +232,9 @@ def _span(
     idx, held = _slots(xp, p, first, begin, end, device)
     pos = xp.take(positions, xp.reshape(idx, (-1,)))
     pos = xp.reshape(xp.astype(pos, first.dtype), idx.shape)
-    big = 2**62
-    lo = xp.min(xp.where(held, pos, big), axis=1)
-    hi = xp.max(xp.where(held, pos, -big), axis=1)
+    bounds = xp.iinfo(pos.dtype)
+    lo = xp.min(xp.where(held, pos, bounds.max), axis=1)
+    hi = xp.max(xp.where(held, pos, bounds.min), axis=1)
     return lo, hi
 
 
