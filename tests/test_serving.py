@@ -10,12 +10,14 @@ array-api-strict); bad input named.
 
 from __future__ import annotations
 
+import array_api_compat
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _helpers import assert_close, randn
+from portable_attn import scaled_dot_product_attention
 from portable_attn._lib import _paged
 from portable_attn._paths import _paged as paged_driver
 from portable_attn.serving import (
@@ -507,11 +509,11 @@ def test_batch_invariant_chunks_and_decode_steps_equal_one_prefill(
     # the product: the tiles start at multiples of their rows now)
     if jit and backend.family != "jax":
         pytest.skip("jax.jit only")
-    if heads is not None and backend.family == "jax" and not jit:
+    if backend.family == "jax" and not jit and (heads is not None or page_size == 4):
         # JAX serves under jit (the case beside this one); eager, each of the walk's
-        # operations dispatches alone: 90 s of the JAX session at this shape, while the
-        # small shapes above still run eager
-        pytest.skip("JAX runs the held-out shape under jax.jit, as it serves")
+        # operations dispatches alone: 90 s of the JAX session at the held-out shape,
+        # 110 s for pages of 4 slots; pages of 16 slots still run eager
+        pytest.skip("JAX runs this case under jax.jit, as it serves")
     kw = {"jit": jit, "heads": heads or (HQ, HKV, DK, DV)}
     out, lse = _fed(backend, _SPLITS[split], page_size, **kw)
     expected_out, expected_lse = _fed(backend, _SPLITS["prefill"], page_size, **kw)
@@ -1049,6 +1051,8 @@ def test_a_prompt_written_in_full_then_computed_in_chunks_has_the_prefill_bits(b
     # 7, 100, 1 and 240 rows at their positions: the bits of the prefill of all 348
     if jit and backend.family != "jax":
         pytest.skip("jax.jit only")
+    if not jit and backend.family == "jax":  # each operation of the walk dispatched alone
+        pytest.skip("JAX serves under jax.jit: the case beside this one")
     n = _PROMPT + _NEW
     pool = Pool([n], [n], pad=0, num_pages=96)
     fn = ragged_paged_attention
@@ -1749,6 +1753,9 @@ def test_bad_input_is_named(backend, xp):
 
 def test_dask_is_refused_with_a_clear_error():
     da = pytest.importorskip("dask.array")
+    x = da.from_array(randn(2, 5, 4, seed=1), chunks=2)
+    with pytest.raises(ValueError, match="batch_invariant=True does not take Dask arrays"):
+        scaled_dot_product_attention(x, x, x, batch_invariant=True)
     pool = Pool([5], [1])
     with pytest.raises(TypeError, match="Dask"):
         ragged_paged_attention(
@@ -1759,3 +1766,189 @@ def test_dask_is_refused_with_a_clear_error():
             pool.lengths,
             pool.starts,
         )
+
+
+# ---------------------------------------------------------------------------
+# scaled_dot_product_attention(batch_invariant=True): the paged walk's bits
+
+_B, _LQ, _LK = 3, 6, 40  # three sequences (the bits test below: over two key chunks)
+
+
+def _sdpa_terms(xp):
+    """The single call's arguments, each beside the ones it needs (NumPy, for the oracle)."""
+    rng = np.random.default_rng(5)
+
+    def linear(s, b, h, q, k):  # a score_mod: ALiBi of slope 0.05 in the call's indices
+        ns = array_api_compat.array_namespace(s)
+        return s - 0.05 * ns.astype(ns.abs(q - k), s.dtype)
+
+    return {
+        "plain": {},
+        "causal": {"is_causal": True},
+        "window": {"is_causal": True, "window": (9, 0)},
+        "softcap+sinks+scale": {"softcap": 2.0, "sinks": randn(HQ, seed=3), "scale": 0.4},
+        "alibi-per-head": {"alibi_slopes": SLOPES, "window": (20, 3)},
+        "alibi-per-sequence": {"alibi_slopes": rng.uniform(0.01, 0.3, (_B, HQ))},
+        "lengths": {"is_causal": True, "kv_lengths": np.array([40, 3, 29]),
+                    "q_lengths": np.array([6, 2, 4])},
+        "mask+bias": {"mask": rng.random((_B, 1, _LQ, _LK)) < 0.8,
+                      "bias": randn(HQ, _LQ, _LK, seed=9) * 0.5},
+        "segments": {"q_segment_ids": np.repeat(np.array([[0, 1, 1, 2, 2, 2]]), _B, 0),
+                     "kv_segment_ids": rng.integers(0, 3, (_B, _LK)), "is_causal": True},
+        "score_mod": {"score_mod": linear, "is_causal": True},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "plain",
+        "causal",
+        "window",
+        "softcap+sinks+scale",
+        "alibi-per-head",
+        "alibi-per-sequence",
+        "lengths",
+        "mask+bias",
+        "segments",
+        "score_mod",
+    ],
+)
+def test_sdpa_batch_invariant_against_oracle(backend, xp, name):
+    # every argument of the single call but dropout, on the paged walk: out, lse, max
+    kw = _sdpa_terms(xp)[name]
+    q = randn(_B, HQ, _LQ, DK, seed=1)
+    k, v = randn(_B, HKV, _LK, DK, seed=2), randn(_B, HKV, _LK, DV, seed=3)
+    out, lse, top = scaled_dot_product_attention(
+        *(backend.asarray(x) for x in (q, k, v)),
+        batch_invariant=True,
+        return_lse=True,
+        return_max_logit=True,
+        **_on(backend, kw),
+    )
+    assert_close(backend, out, reference_attention(q, k, v, **kw))
+    assert_close(backend, lse, reference_lse(q, k, **kw))
+    logit_kw = {n: x for n, x in kw.items() if n != "sinks"}
+    assert_close(backend, top, reference_max_logit(q, k, **logit_kw))
+
+
+def test_sdpa_batch_invariant_mask_mod_sees_the_calls_indices(backend, xp):
+    # rows and keys as the call indexes them (a row of a shorter sequence included)
+    q = randn(_B, HQ, _LQ, DK, seed=1)
+    k, v = randn(_B, HKV, _LK, DK, seed=2), randn(_B, HKV, _LK, DV, seed=3)
+    lengths = np.array([40, 3, 29])  # 3 keys for 6 rows: rows before the first key
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx + kv_idx + b) % 3 != 0
+
+    out = scaled_dot_product_attention(
+        *(backend.asarray(x) for x in (q, k, v)),
+        batch_invariant=True,
+        is_causal=True,
+        kv_lengths=backend.asarray(lengths),
+        mask_mod=mask_mod,
+    )
+    b, i, j = np.ogrid[:_B, :_LQ, :_LK]
+    mask = ((i + j + b) % 3 != 0)[:, None]
+    expected = reference_attention(q, k, v, is_causal=True, kv_lengths=lengths, mask=mask)
+    assert_close(backend, out, expected)
+
+
+@pytest.mark.bitwise
+@pytest.mark.main_kinds
+def test_sdpa_batch_invariant_has_the_paged_bits(backend, xp):
+    # a sequence's rows: the same bits in a batch of three as alone, and as
+    # ragged_paged_attention(batch_invariant=True) gives them over a shuffled pool
+    lengths, width = [140, 37, 90], 140
+    pool = Pool(lengths, [_LQ] * _B, pad=0, num_pages=70, dtype=np.float32)
+    q = pool.query.reshape(_B, _LQ, HQ, DK).transpose(0, 2, 1, 3)
+    k, v = (np.zeros((_B, HKV, width, d), np.float32) for d in (DK, DV))
+    for r, n in enumerate(lengths):
+        k[r, :, :n], v[r, :, :n] = (x[r].transpose(1, 0, 2) for x in (pool.keys, pool.values))
+    kw = {"is_causal": True, "window": (50, 0), "return_lse": True}
+
+    def sdpa(*arrays):
+        out, lse = scaled_dot_product_attention(
+            *(backend.asarray(x, "float32") for x in arrays[:3]),
+            kv_lengths=backend.asarray(arrays[3]),
+            batch_invariant=True,
+            **kw,
+        )
+        return backend.to_numpy(out), backend.to_numpy(lse)
+
+    batch = sdpa(q, k, v, np.array(lengths))
+    out, lse = ragged_paged_attention(*pool.args(backend, "float32"), batch_invariant=True, **kw)
+    paged = (
+        backend.to_numpy(out).reshape(_B, _LQ, HQ, DV).transpose(0, 2, 1, 3),
+        backend.to_numpy(lse).reshape(_B, _LQ, HQ).transpose(0, 2, 1),
+    )
+    for r in range(_B):
+        alone = sdpa(q[r : r + 1], k[r : r + 1], v[r : r + 1], np.array(lengths[r : r + 1]))
+        for got, expected, whole in zip(alone, paged, batch, strict=True):
+            np.testing.assert_array_equal(got[0], expected[r])
+            np.testing.assert_array_equal(whole[r], expected[r])
+    expected = reference_attention(
+        q.astype(np.float64), k, v, is_causal=True, window=(50, 0), kv_lengths=np.array(lengths)
+    )
+    np.testing.assert_allclose(batch[0], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.autodiff
+def test_sdpa_batch_invariant_gradients_match_central_differences(backend, xp):
+    # through the walk: to Q, K, V and a bias read by the walk's rules
+    q = randn(2, HQ, 3, 3, seed=1)
+    k, v = randn(2, HKV, 9, 3, seed=2), randn(2, HKV, 9, 2, seed=3)
+    bias = randn(HQ, 3, 9, seed=4)
+    w = randn(2, HQ, 3, 2, seed=5)
+    lengths = np.array([9, 5])
+    kw = {"is_causal": True, "softcap": 3.0}
+
+    def loss_np(q, k, v, bias):
+        out = reference_attention(q, k, v, bias=bias, kv_lengths=lengths, **kw)
+        return float(np.sum(out * w))
+
+    expected = central_differences(loss_np, [q, k, v, bias])
+
+    def loss(q, k, v, bias):
+        out = scaled_dot_product_attention(
+            q, k, v, bias=bias, kv_lengths=backend.asarray(lengths), batch_invariant=True, **kw
+        )
+        return xp.sum(out * backend.asarray(w))
+
+    grads = backend.grad(loss, *(backend.asarray(x) for x in (q, k, v, bias)))
+    for got, want in zip(grads, expected, strict=True):
+        assert_close(backend, got, want, atol=1e-7, rtol=1e-6)
+
+
+def test_sdpa_batch_invariant_refuses_what_the_walk_cannot_take(backend, xp):
+    q, k, v = (backend.asarray(randn(2, HQ, 3, DK, seed=s)) for s in (1, 2, 3))
+    k, v = k[:, :HKV, ...], v[:, :HKV, ...]
+    cases = {
+        "dropout": {"dropout_p": 0.5, "dropout_mask": backend.asarray(np.ones((3, 3), bool))},
+        "implementation='native'": {"implementation": "native"},
+        r"block_size=\(8, 8\)": {"block_size": 8},
+        "`sinks` that differ by sequence": {"sinks": backend.asarray(randn(2, HQ, seed=4))},
+    }
+    for match, kw in cases.items():
+        with pytest.raises(ValueError, match=f"batch_invariant=True does not take {match}"):
+            scaled_dot_product_attention(q, k, v, batch_invariant=True, **kw)
+    with pytest.raises(TypeError, match="`batch_invariant` must be"):
+        scaled_dot_product_attention(q, k, v, batch_invariant="yes")
+
+
+@pytest.mark.backends("jax", reason="jax.jit")
+def test_sdpa_batch_invariant_under_jit(backend, xp):
+    import jax
+
+    q = randn(_B, HQ, _LQ, DK, seed=1)
+    k, v = randn(_B, HKV, _LK, DK, seed=2), randn(_B, HKV, _LK, DV, seed=3)
+    lengths = np.array([40, 3, 29])
+
+    @jax.jit
+    def call(q, k, v, lengths):
+        return scaled_dot_product_attention(
+            q, k, v, is_causal=True, kv_lengths=lengths, batch_invariant=True
+        )
+
+    out = call(*(backend.asarray(x) for x in (q, k, v, lengths)))
+    assert_close(backend, out, reference_attention(q, k, v, is_causal=True, kv_lengths=lengths))

@@ -53,6 +53,7 @@ def scaled_dot_product_attention(
     implementation: Literal["portable", "native"] | None = None,
     return_lse: bool = False,
     return_max_logit: bool = False,
+    batch_invariant: bool = False,
     layout: Literal["bhld", "blhd"] = "bhld",
 ) -> Array | tuple[Array, ...]:
     r"""Scaled dot-product attention, ``softmax(Q Kᵀ · scale) V``, on any array-API library.
@@ -212,6 +213,18 @@ def scaled_dot_product_attention(
         in the forward pass on every path at no extra memory (the online
         softmax carries it), with no gradient: what QK-clip (MuonClip) reads
         every step. Like `return_lse`, it moves a call off SDPA.
+    batch_invariant : bool, default False
+        Make each sequence's rows (output, lse, max logit) the same bits whatever
+        else the batch holds (other sequences, their number and order), on one
+        backend and device: the bits
+        :func:`~portable_attn.serving.ragged_paged_attention` gives the same sequence
+        with ``batch_invariant=True`` (and ``varlen_attention``), so a trainer's batch
+        and a server's ragged batches agree. The call runs the paged walk, each
+        sequence a request over pages of one slot (slower than the default routes;
+        gradients by automatic differentiation through it). Takes every argument but
+        dropout, `sinks` that differ by sequence, a `block_mask` built without a
+        `mask_mod`, `implementation="native"`, a `block_size` other than "auto" and
+        Dask arrays (a ValueError names it).
     layout : {"bhld", "blhd"}, default "bhld"
         The order of the last three axes of `query`, `key`, `value` and the
         output: ``"bhld"`` (..., H, L, D), or ``"blhd"`` (..., L, H, D), the
@@ -307,7 +320,9 @@ def scaled_dot_product_attention(
         q_segment_ids, kv_segment_ids = given["q_segment_ids"], given["kv_segment_ids"]
     arrays: tuple[Any, ...] = (query, key, value, mask, bias, q_lengths, kv_lengths)
     arrays += (alibi_slopes, dropout_mask, sinks, q_segment_ids, kv_segment_ids)
+    invariant = check_is_flag("batch_invariant", batch_invariant)
     options: tuple[Any, ...] = (is_causal, scale, window, softcap, block_size, implementation)
+    options += (invariant,)
     options += (return_lse, return_max_logit, dropout_p, score_mod is None, mask_mod is None)
     options += (None if block_mask is None else _block_mask_key(block_mask),)
     arguments = (query, key, value, mask)
@@ -320,7 +335,7 @@ def scaled_dot_product_attention(
             call = call.with_row_max()  # kept in the entry's plan for later hits
         kept = arguments if signature is not None else None  # no signature: nothing kept
         stats = with_lse or call.plan.row_max
-        entry, route = decide(call, block_size, implementation, stats, kept)
+        entry, route = decide(call, block_size, implementation, stats, kept, invariant)
         return entry, (call, route)
 
     try:
@@ -339,7 +354,9 @@ def scaled_dot_product_attention(
         call = prepare(query, key, value, static=static, **(given or arguments_by_name()))
         route = entry.route
         if route is None:  # the router reads host values of this call
-            route = router.route(call, block_size, implementation, return_lse=stats)
+            route = router.route(
+                call, block_size, implementation, return_lse=stats, batch_invariant=invariant
+            )
     out, lse = run(call, route, with_lse=stats, kept=entry.kept)
     if not stats and layout == "bhld":
         return call.finish(out)
@@ -358,6 +375,7 @@ def decide(
     implementation: Any,
     return_lse: bool,
     arguments: tuple[Any, ...] | None,
+    batch_invariant: bool = False,
 ) -> tuple[_cache.Entry, Route]:
     """Route `call` and return what the cache keeps for its signature, and the route.
 
@@ -366,7 +384,9 @@ def decide(
     of the call, the compiled program of an eager JAX call, and the kernel call of a
     torch call whose arrays go to SDPA as they are.
     """
-    route = router.route(call, block_size, implementation, return_lse=return_lse)
+    route = router.route(
+        call, block_size, implementation, return_lse=return_lse, batch_invariant=batch_invariant
+    )
     if arguments is None or router.reads_values(call):
         return _cache.Entry(call.xp, call.plan), route
     kept = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Blocks", "DaskGrid", "Dense", "Empty", "Native", "Path", "Route", "Tiled"]
+__all__ = ["Blocks", "DaskGrid", "Dense", "Empty", "Native", "Paged", "Path", "Route", "Tiled"]
 
 #: A block size, or the sizes of consecutive blocks (a Dask array's chunks).
 Blocks = int | tuple[int, ...]
@@ -125,8 +125,18 @@ class DaskGrid:
     task_scores: int = 0
 
 
+@dataclass(frozen=True)
+class Paged:
+    """``batch_invariant``: the paged walk, each sequence a request over pages of one slot.
+
+    ``_paths/_paged.py``'s :func:`invariant_attention`: a row's bits are those
+    ``ragged_paged_attention(batch_invariant=True)`` gives its sequence, whatever else
+    the batch holds.
+    """
+
+
 #: The path of one call: exactly one of these.
-Path = Empty | Dense | Tiled | Native | DaskGrid
+Path = Empty | Dense | Tiled | Native | DaskGrid | Paged
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ from ._compat import (
     torch_release,
 )
 from ._cpu import available_workers, can_limit_blas, has_half_arithmetic
-from ._path import Blocks, DaskGrid, Dense, Empty, Native, Path, Route, Tiled
+from ._path import Blocks, DaskGrid, Dense, Empty, Native, Paged, Path, Route, Tiled
 
 if TYPE_CHECKING:
     from ._call import AttentionCall
@@ -724,6 +724,7 @@ def route(
     *,
     return_lse: bool = False,
     row: Library | None = None,
+    batch_invariant: bool = False,
 ) -> Route:
     """Decide how `call` is computed (the rules are in the module docstring).
 
@@ -740,6 +741,9 @@ def route(
         The row of :data:`LIBRARIES` to route by; by default that of `call`'s library
         and device kind (:func:`library`). The decision is data: a test routes a CPU
         call by a GPU row.
+    batch_invariant : bool, default False
+        The caller asked for a row's bits to depend on its own sequence alone: the
+        paged walk (:class:`~._path.Paged`), whatever else could compute the call.
 
     Raises
     ------
@@ -750,6 +754,9 @@ def route(
     v.check_implementation(implementation)
     sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
     lib = library(call.query) if row is None else row
+    if batch_invariant:
+        v.check_invariant_call(call, implementation, sizes, lib.task_graphs)
+        return Route(Empty() if call.is_empty else Paged())
     if implementation == "native":
         explicit = sizes != "auto"  # the caller asked for a portable path
         reason = unsupported_reason(

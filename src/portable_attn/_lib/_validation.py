@@ -742,6 +742,26 @@ def check_native_route(reason: str | None) -> None:
         raise ValueError(msg)
 
 
+def check_invariant_call(call: Any, implementation: Any, sizes: Any, task_graphs: bool) -> None:
+    """Raise for what ``batch_invariant=True`` (the paged walk) cannot take, by name."""
+    terms = call.terms
+    sinks = terms.sinks
+    refused = {
+        "implementation='native'": implementation == "native",
+        f"block_size={sizes!r} (the walk's tiles are fixed)": sizes != "auto",
+        "dropout (`dropout_p` or `dropout_mask`)": terms.dropout_keep is not None,
+        "`sinks` that differ by sequence (give one per head, shape (Hq,))": sinks is not None
+        and math.prod(sinks.shape[:-3]) > 1,
+        "a `block_mask` without its mask_mod": terms.block_states is not None
+        and terms.mask_mod is None,
+        "Dask arrays (the walk takes one device's arrays)": task_graphs,
+    }
+    for what, given in refused.items():
+        if given:
+            msg = f"batch_invariant=True does not take {what}"
+            raise ValueError(msg)
+
+
 def check_keywords(caller: str, given: Any, known: Sequence[str]) -> None:
     """Raise TypeError naming a keyword argument that `caller` does not take."""
     unknown = [name for name in given if name not in known]

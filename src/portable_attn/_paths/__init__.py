@@ -18,6 +18,8 @@
 ``Native``                  torch SDPA / ``jax.nn`` (``_native.py``), whole or per tile;
                             torch's ``flex_attention`` (``_flex.py``), with the lse
 ``DaskGrid``                one task per visible chunk pair (``_dask.py``)
+``Paged``                   ``batch_invariant``: the paged walk, a sequence a request
+                            (``_paged.py``)
 ==========================  ===========================================================
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 
 from .._lib._call import AttentionCall
 from .._lib._dense import dense_attention
-from .._lib._path import DaskGrid, Dense, Empty, Native, Route, Tiled
+from .._lib._path import DaskGrid, Dense, Empty, Native, Paged, Route, Tiled
 from . import _flex
 from ._autodiff import recomputing_attention
 from ._buffered import buffered_forward
@@ -37,6 +39,7 @@ from ._flex import flex_attention
 from ._loop import loop_attention
 from ._native import native_attention, native_tiles
 from ._ops import walk
+from ._paged import invariant_attention
 from ._threads import threaded_attention
 
 __all__ = ["compiled", "run", "tied_to_inputs"]
@@ -130,6 +133,8 @@ def _run(call: AttentionCall, route: Route, *, with_lse: bool = False) -> tuple[
         case DaskGrid():
             result = dask_attention(call, path, with_lse=with_lse)
             out, lse = result if with_lse else (result, None)
+        case Paged():
+            out, lse = invariant_attention(call)
         case _:
             msg = f"not a path: {path!r}"
             raise TypeError(msg)

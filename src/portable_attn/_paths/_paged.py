@@ -24,18 +24,71 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._lib import _paged
 from .._lib._blocks import FULL
-from .._lib._compat import has_concrete_values, numpy_namespace, on_device, to_host
+from .._lib._compat import (
+    default_integer_dtype,
+    device,
+    has_concrete_values,
+    numpy_namespace,
+    on_device,
+    to_host,
+)
+from .._lib._masks import arange
 from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
 from .._lib._route import library, paged_by_engine, tile_rows
+from .._lib._scores import distance, modified_scores
 from .._lib._tiled import RowState
 
-__all__ = ["paged_attention", "plan_walk"]
+if TYPE_CHECKING:
+    from .._lib._call import AttentionCall
+
+__all__ = ["invariant_attention", "paged_attention", "plan_walk", "problem"]
+
+
+def problem(
+    page_table: Any,
+    *,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    is_causal: bool,
+    window: tuple[int | None, int | None] | None,
+    batch_invariant: bool,
+) -> PagedProblem:
+    """Return the geometry of a paged call (its layers' own fields left to the call).
+
+    The tiles' rows (``_route.tile_rows``) and the library's row of the router's table
+    (its chunks, gathers and sums) decide the rest.
+    """
+    row = library(page_table)
+    left, right = (None, None) if window is None else window
+    return PagedProblem(
+        num_tokens=num_tokens,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_pages=page_table.shape[1],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        rows=tile_rows(
+            num_tokens, page_table.shape[0], num_q_heads // num_kv_heads, batch_invariant
+        ),
+        aligned=batch_invariant,
+        is_causal=is_causal,
+        left=left,
+        right=right,
+        device=device(page_table),
+        head_major=row.gathers_strided,
+        sums_by_product=row.sums_by_program,
+        keys_per_chunk=row.chunk_keys,
+    )
 
 
 def plan_walk(
@@ -245,3 +298,185 @@ def _traced_walk(p: PagedProblem, state: RowState, tiles: _paged.Tiles, fold: An
         return jax.lax.cond(seen, lambda c: tuple(fold(j, RowState(*c))[:3]), lambda c: c, carry)
 
     return RowState(*jax.lax.fori_loop(0, p.num_chunks, body, tuple(state[:3])))
+
+
+def invariant_attention(call: AttentionCall) -> tuple[Any, Any]:
+    """Compute a whole call with ``batch_invariant``: the paged walk, a sequence a request.
+
+    Each of the call's ``B`` sequences is a request whose keys are a pool of pages of
+    one slot and whose rows sit where the call aligns them (bottom-right, by the
+    lengths), so a row gets the bits ``ragged_paged_attention(batch_invariant=True)``
+    gives its sequence, whatever else the batch holds. The mask, bias, segment ids,
+    query lengths and the caller's rules become the walk's rules, in the call's own
+    indices. Returns out (..., Hq, Lq, Dv) in the compute dtype and the row
+    statistics (..., Hq, Lq, 1), or 2 columns with the row max.
+    """
+    xp, plan, terms = call.xp, call.plan, call.terms
+    b, hq, hkv, lq, lk = (
+        math.prod(plan.batch),
+        plan.num_q_heads,
+        plan.num_kv_heads,
+        plan.q_len,
+        plan.kv_len,
+    )
+    dv = plan.value_dim
+
+    def packed(x: Any, heads: int, length: int) -> Any:  # (B..., H, L, D) -> (B·L, H, D)
+        x = xp.broadcast_to(x, (*plan.batch, heads, length, x.shape[-1]))
+        x = xp.permute_dims(xp.reshape(x, (b, heads, length, x.shape[-1])), (0, 2, 1, 3))
+        return xp.reshape(x, (b * length, heads, x.shape[-1]))
+
+    query = packed(call.query, hq, lq)
+    pools = [xp.reshape(packed(x, hkv, lk), (b * lk, 1, hkv, -1)) for x in (call.key, call.value)]
+    ints = {"dtype": default_integer_dtype(xp), **on_device(plan.device)}
+    table = (
+        xp.reshape(arange(xp, 0, b, plan.device), (b, 1)) * lk
+        + arange(xp, 0, lk, plan.device)[None, :]
+    )
+    table = xp.astype(table, ints["dtype"])
+    lengths = (
+        xp.full((b,), lk, **ints)
+        if terms.kv_lengths is None
+        else _per_sequence(xp, terms.kv_lengths, plan.batch, ints)
+    )
+    rows = (
+        None if terms.q_lengths is None else _per_sequence(xp, terms.q_lengths, plan.batch, ints)
+    )
+    offset = lengths - (lq if rows is None else rows)  # a row's position: its index + offset
+    positions = xp.reshape(
+        offset[:, None] + xp.astype(arange(xp, 0, lq, plan.device), offset.dtype)[None, :], (-1,)
+    )
+    starts = xp.astype(arange(xp, 0, b + 1, plan.device), offset.dtype) * lq
+    p = problem(
+        table,
+        num_tokens=b * lq,
+        num_pages=b * lk,
+        page_size=1,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        is_causal=plan.is_causal,
+        window=plan.window,
+        batch_invariant=True,
+    )
+    walk = plan_walk(xp, p, table, lengths, starts, positions)
+    walk = dataclasses.replace(walk, faulty=None)  # metadata of the call's own shapes
+    mask_mod, score_mod = _rules(call, offset, rows)
+    out, lse, top = paged_attention(
+        xp,
+        walk,
+        query,
+        (pools[0], pools[1], table, lengths),
+        _per_head(xp, terms.sinks, hq),
+        _per_head(xp, terms.alibi_slopes, hq),
+        plan.compute_dtype,
+        value_dim=dv,
+        scale=plan.scale,
+        softcap=plan.softcap,
+        compute_dtype=plan.compute_dtype,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+    )
+    out = xp.reshape(
+        xp.permute_dims(xp.reshape(out, (b, lq, hq, dv)), (0, 2, 1, 3)), (*plan.batch, hq, lq, dv)
+    )
+    stats = [lse, top] if plan.row_max else [lse]
+    stats = [
+        xp.reshape(
+            xp.permute_dims(xp.reshape(x, (b, lq, hq)), (0, 2, 1)), (*plan.batch, hq, lq, 1)
+        )
+        for x in stats
+    ]
+    return out, stats[0] if len(stats) == 1 else xp.concat(stats, axis=-1)
+
+
+def _per_sequence(xp: Any, x: Any, batch: tuple[int, ...], ints: dict[str, Any]) -> Any:
+    """Lengths (*batch|1, 1, 1, 1) as one per sequence, (B,), in the index dtype."""
+    x = xp.broadcast_to(x, (*batch, 1, 1, 1))
+    return xp.astype(xp.reshape(x, (math.prod(batch),)), ints["dtype"])
+
+
+def per_head(x: Any) -> bool:
+    """Whether a sinks or slopes term (..., Hq|1, 1, 1) holds one value per head alone."""
+    return x is None or math.prod(x.shape[:-3]) == 1
+
+
+def _per_head(xp: Any, x: Any, hq: int) -> Any:
+    """Return a term (1..., Hq|1, 1, 1) of one value per head as (Hq,); None stays None."""
+    if x is None or not per_head(x):  # slopes per sequence: the walk's rules add them
+        return None
+    return xp.broadcast_to(xp.reshape(x, (x.shape[-3],)), (hq,))
+
+
+def _at(xp: Any, values: Any, idx: Any) -> Any:
+    """``values[idx]`` for an index array of any shape (1-D `values`)."""
+    return xp.reshape(xp.take(values, xp.reshape(idx, (-1,))), idx.shape)
+
+
+def _gathered(xp: Any, term: Any, batch: tuple[int, ...], index: tuple[Any, ...]) -> Any:
+    """Read a term broadcastable to (*batch, Hq, Lq, Lk) at ``(sequence, head, q, kv)``.
+
+    The indices broadcast together; a size-one axis of the term is read at 0.
+    """
+    term = xp.reshape(term, (1,) * max(0, 3 - term.ndim) + tuple(term.shape))
+    lead = term.shape[:-3]
+    if math.prod(lead) > 1:
+        term = xp.broadcast_to(term, (*batch, *term.shape[-3:]))
+    dims = (math.prod(term.shape[:-3]), *term.shape[-3:])
+    flat = 0
+    for i, size in enumerate(dims):
+        if size > 1:
+            flat = flat + index[i] * math.prod(dims[i + 1 :])
+    if isinstance(flat, int):  # one value for every index
+        return xp.reshape(term, ())
+    return _at(xp, xp.reshape(term, (-1,)), flat)
+
+
+def _rules(call: AttentionCall, offset: Any, rows: Any | None) -> tuple[Any, Any]:
+    """Return the call's terms as the walk's rules ``(request, head, q_pos, kv_pos)``.
+
+    A row at position ``q_pos`` of sequence ``r`` is its row ``q_pos - offset[r]``; the
+    rules see the call's own indices (the engine's, as its ``mask_mod`` and ``score_mod``
+    do), clipped into the call's shapes (the walk also scores slots that hold no row
+    and keys past a length, which it then drops).
+    """
+    xp, plan, terms, bias = call.xp, call.plan, call.terms, call.bias
+    segments = (terms.q_segments, terms.kv_segments)
+    # the caller's rule, not its check against the engine's blocks (the walk checks it)
+    user_mask = getattr(terms.mask_mod, "rule", terms.mask_mod)
+    slopes = None if per_head(terms.alibi_slopes) else terms.alibi_slopes
+    hides = any(x is not None for x in (terms.mask, rows, segments[0], user_mask))
+    scores = any(x is not None for x in (bias, terms.score_mod, slopes))
+
+    def index(r: Any, h: Any, q_pos: Any, kv_pos: Any) -> tuple[Any, ...]:
+        q_idx = xp.clip(q_pos - _at(xp, offset, r), 0, plan.q_len - 1)
+        return r, h, q_idx, xp.clip(kv_pos, 0, plan.kv_len - 1)
+
+    def masked(*at: Any) -> Any:
+        i = index(*at)
+        parts = []
+        if terms.mask is not None:
+            parts.append(_gathered(xp, terms.mask, plan.batch, i))
+        if rows is not None:  # rows past a sequence's q_lengths see nothing
+            parts.append(i[2] < _at(xp, rows, at[0]))
+        if segments[0] is not None:
+            ids = [_gathered(xp, x, plan.batch, i) for x in segments]
+            parts.append(ids[0] == ids[1])
+        if user_mask is not None:
+            parts.append(user_mask(*i))
+        allowed = parts[0]
+        for part in parts[1:]:
+            allowed = xp.logical_and(allowed, part)
+        return allowed
+
+    def scored(s: Any, *at: Any) -> Any:
+        i = index(*at)
+        if terms.score_mod is not None:
+            s = modified_scores(xp, terms.score_mod, s, i)
+        if bias is not None:
+            s = s + xp.astype(_gathered(xp, bias, plan.batch, i), s.dtype)
+        if slopes is not None:  # ALiBi slopes per sequence, at the rows' positions
+            slope = xp.astype(_gathered(xp, slopes, plan.batch, i), s.dtype)
+            s = s - slope * distance(xp, at[2], at[3], s.dtype)
+        return s
+
+    return (masked if hides else None), (scored if scores else None)
