@@ -42,7 +42,7 @@ from ._lib._compat import (
     to_host,
 )
 from ._lib._masks import Band, arange
-from ._lib._route import library, tile_rows
+from ._lib._route import library
 from ._lib._rules import MaskRule
 from ._lib._scores import distance
 from ._lib._validation import (
@@ -64,7 +64,7 @@ from ._lib._validation import (
     check_window,
     guarded_rule,
 )
-from ._paths._paged import paged_attention, plan_walk
+from ._paths._paged import paged_attention, plan_walk, problem
 
 __all__ = [
     "PagedPlan",
@@ -610,28 +610,18 @@ def _walk_plan(
 
     `metadata`: the page table, lengths, starts and query positions (or None).
     """
-    page_table = metadata[0]
-    t, hq, hkv = shape.num_tokens, shape.num_q_heads, shape.num_kv_heads
-    left, right = (None, None) if window is None else window
-    row = library(page_table)
-    problem = _paged.PagedProblem(
-        num_tokens=t,
+    geometry = problem(
+        metadata[0],
+        num_tokens=shape.num_tokens,
         num_pages=shape.num_pages,
         page_size=shape.page_size,
-        max_pages=shape.max_pages,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        rows=tile_rows(t, page_table.shape[0], hq // hkv, batch_invariant),
-        aligned=batch_invariant,
+        num_q_heads=shape.num_q_heads,
+        num_kv_heads=shape.num_kv_heads,
         is_causal=is_causal,
-        left=left,
-        right=right,
-        device=device(page_table),
-        head_major=row.gathers_strided,
-        sums_by_product=row.sums_by_program,
-        keys_per_chunk=row.chunk_keys,
+        window=window,
+        batch_invariant=batch_invariant,
     )
-    return plan_walk(xp, problem, *metadata)
+    return plan_walk(xp, geometry, *metadata)
 
 
 def _plan_for(
