@@ -268,7 +268,7 @@ def test_a_gpu_route_does_not_synchronise_with_the_host(backend, kw):
 def test_the_paged_walk_takes_the_rows_chunks(backend, monkeypatch):
     """``Library.chunk_keys`` sets the paged walk's chunks; any chunk gives the same result."""
     from portable_attn import ragged_paged_attention
-    from portable_attn._lib import _paged
+    from portable_attn._paths import _paged
 
     rng = np.random.default_rng(1)
     page, pages, hq, hkv, d = 4, 16, 4, 2, 8
