@@ -41,7 +41,7 @@ from ._lib._compat import (
     split_rows,
     to_host,
 )
-from ._lib._masks import Band, arange
+from ._lib._masks import Band, arange, take_at
 from ._lib._route import library
 from ._lib._rules import MaskRule
 from ._lib._scores import distance
@@ -943,9 +943,6 @@ def varlen_attention(
     if n1 == 1:  # no request: every row padding, and no request's index to give yours
         mask_mod = score_mod = None
 
-    def rows(idx: Any, values: Any) -> Any:
-        return xp.reshape(xp.take(values, xp.reshape(idx, (-1,))), idx.shape)
-
     placed = _packed_alignment(q_starts, kv_starts, t, s)  # each request's band: the call's
     if placed:
         options.update(is_causal=is_causal, window=window, alibi_slopes=alibi_slopes)
@@ -953,17 +950,17 @@ def varlen_attention(
     alibi = alibi_slopes is not None and not placed
 
     def masked(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-        qp, kp = rows(qi, pos_q), rows(ki, pos_k)
-        ok = None if mask_mod is None else mask_mod(rows(qi, request), h, qp, kp)
+        qp, kp = take_at(xp, pos_q, qi), take_at(xp, pos_k, ki)
+        ok = None if mask_mod is None else mask_mod(take_at(xp, request, qi), h, qp, kp)
         if band.restricts:
             inside = band.between(qp, kp)
             ok = inside if ok is None else xp.logical_and(ok, inside)
         return ok
 
     def scored(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
-        qp, kp = rows(qi, pos_q), rows(ki, pos_k)
+        qp, kp = take_at(xp, pos_q, qi), take_at(xp, pos_k, ki)
         if score_mod is not None:
-            scores = score_mod(scores, rows(qi, request), h, qp, kp)
+            scores = score_mod(scores, take_at(xp, request, qi), h, qp, kp)
         if alibi:
             slope = xp.reshape(xp.astype(alibi_slopes, scores.dtype), (-1, 1, 1))
             scores = scores - slope * distance(xp, qp, kp, scores.dtype)  # (Hq, bq, bk)

@@ -34,6 +34,11 @@ def arange(xp: Any, start: int, stop: int, device: Any) -> Any:
     return xp.arange(start, stop, **on_device(device))
 
 
+def take_at(xp: Any, values: Any, idx: Any) -> Any:
+    """``values[idx]`` for a 1-D `values` and an index array of any shape."""
+    return xp.reshape(xp.take(values, xp.reshape(idx, (-1,))), idx.shape)
+
+
 def at_rank(xp: Any, x: Any, ndim: int) -> Any:
     """`x` with leading axes of size one up to `ndim` axes: broadcasting without rank promotion.
 

@@ -34,7 +34,7 @@ from array_api_compat import is_numpy_array
 from ._block_states import FULL, HIDDEN, PARTIAL, HostStates
 from ._compat import array_namespace, device, library_name, numpy_namespace, on_device
 from ._masks import Band as Positions  # the band's arithmetic, on positions
-from ._masks import at_rank
+from ._masks import at_rank, take_at
 
 __all__ = [
     "Band",
@@ -203,7 +203,7 @@ def _read(xp: Any, ids: Array, pos: Array) -> tuple[Array, Array]:
     where = xp.clip(pos, 0, length - 1)
     n = where.shape[-2]
     if ids.ndim == 1:  # one row of ids: positions of any shape
-        return xp.reshape(xp.take(ids, xp.reshape(where, (-1,))), where.shape), inside
+        return take_at(xp, ids, where), inside
     if math.prod(where.shape[:-2]) == 1:  # one row of positions for every sequence's ids
         got = xp.take(ids, xp.reshape(where, (-1,)), axis=-1)  # (*batch, n)
         return xp.reshape(got, (*got.shape[:-1], 1, n, 1)), inside
@@ -213,7 +213,7 @@ def _read(xp: Any, ids: Array, pos: Array) -> tuple[Array, Array]:
     count = table.shape[0] // length
     steps = xp.arange(0, count, dtype=where.dtype, **on_device(device(where)))
     start = xp.reshape(steps * length, (*batch, 1, 1, 1))
-    return xp.reshape(xp.take(table, xp.reshape(where + start, (-1,))), where.shape), inside
+    return take_at(xp, table, where + start), inside
 
 
 @dataclass(frozen=True)

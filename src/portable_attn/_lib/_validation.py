@@ -742,16 +742,22 @@ def check_native_route(reason: str | None) -> None:
         raise ValueError(msg)
 
 
+def per_head(x: Any) -> bool:
+    """Whether a sinks or slopes term (..., Hq|1, 1, 1) holds one value per head alone."""
+    return x is None or math.prod(x.shape[:-3]) == 1
+
+
 def check_invariant_call(call: Any, implementation: Any, sizes: Any, task_graphs: bool) -> None:
     """Raise for what ``batch_invariant=True`` (the paged walk) cannot take, by name."""
     terms = call.terms
     sinks = terms.sinks
+    given_sinks = None if sinks is None else tuple(sinks.shape[:-2])  # the caller's shape
     refused = {
         "implementation='native'": implementation == "native",
         f"block_size={sizes!r} (the walk's tiles are fixed)": sizes != "auto",
         "dropout (`dropout_p` or `dropout_mask`)": terms.dropout_keep is not None,
-        "`sinks` that differ by sequence (give one per head, shape (Hq,))": sinks is not None
-        and math.prod(sinks.shape[:-3]) > 1,
+        f"`sinks` that differ by sequence (shape {given_sinks}; give one per head, "
+        f"shape (Hq,) = ({call.plan.num_q_heads},))": not per_head(sinks),
         "a `block_mask` without its mask_mod": terms.block_states is not None
         and terms.mask_mod is None,
         "Dask arrays (the walk takes one device's arrays)": task_graphs,

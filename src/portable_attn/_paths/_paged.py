@@ -39,11 +39,12 @@ from .._lib._compat import (
     on_device,
     to_host,
 )
-from .._lib._masks import arange
+from .._lib._masks import arange, take_at
 from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
 from .._lib._route import library, paged_by_engine, tile_rows
 from .._lib._scores import distance, modified_scores
 from .._lib._tiled import RowState
+from .._lib._validation import per_head
 
 if TYPE_CHECKING:
     from .._lib._call import AttentionCall
@@ -395,21 +396,11 @@ def _per_sequence(xp: Any, x: Any, batch: tuple[int, ...], ints: dict[str, Any])
     return xp.astype(xp.reshape(x, (math.prod(batch),)), ints["dtype"])
 
 
-def per_head(x: Any) -> bool:
-    """Whether a sinks or slopes term (..., Hq|1, 1, 1) holds one value per head alone."""
-    return x is None or math.prod(x.shape[:-3]) == 1
-
-
 def _per_head(xp: Any, x: Any, hq: int) -> Any:
     """Return a term (1..., Hq|1, 1, 1) of one value per head as (Hq,); None stays None."""
     if x is None or not per_head(x):  # slopes per sequence: the walk's rules add them
         return None
     return xp.broadcast_to(xp.reshape(x, (x.shape[-3],)), (hq,))
-
-
-def _at(xp: Any, values: Any, idx: Any) -> Any:
-    """``values[idx]`` for an index array of any shape (1-D `values`)."""
-    return xp.reshape(xp.take(values, xp.reshape(idx, (-1,))), idx.shape)
 
 
 def _gathered(xp: Any, term: Any, batch: tuple[int, ...], index: tuple[Any, ...]) -> Any:
@@ -428,7 +419,7 @@ def _gathered(xp: Any, term: Any, batch: tuple[int, ...], index: tuple[Any, ...]
             flat = flat + index[i] * math.prod(dims[i + 1 :])
     if isinstance(flat, int):  # one value for every index
         return xp.reshape(term, ())
-    return _at(xp, xp.reshape(term, (-1,)), flat)
+    return take_at(xp, xp.reshape(term, (-1,)), flat)
 
 
 def _rules(call: AttentionCall, offset: Any, rows: Any | None) -> tuple[Any, Any]:
@@ -448,7 +439,7 @@ def _rules(call: AttentionCall, offset: Any, rows: Any | None) -> tuple[Any, Any
     scores = any(x is not None for x in (bias, terms.score_mod, slopes))
 
     def index(r: Any, h: Any, q_pos: Any, kv_pos: Any) -> tuple[Any, ...]:
-        q_idx = xp.clip(q_pos - _at(xp, offset, r), 0, plan.q_len - 1)
+        q_idx = xp.clip(q_pos - take_at(xp, offset, r), 0, plan.q_len - 1)
         return r, h, q_idx, xp.clip(kv_pos, 0, plan.kv_len - 1)
 
     def masked(*at: Any) -> Any:
@@ -457,7 +448,7 @@ def _rules(call: AttentionCall, offset: Any, rows: Any | None) -> tuple[Any, Any
         if terms.mask is not None:
             parts.append(_gathered(xp, terms.mask, plan.batch, i))
         if rows is not None:  # rows past a sequence's q_lengths see nothing
-            parts.append(i[2] < _at(xp, rows, at[0]))
+            parts.append(i[2] < take_at(xp, rows, at[0]))
         if segments[0] is not None:
             ids = [_gathered(xp, x, plan.batch, i) for x in segments]
             parts.append(ids[0] == ids[1])
