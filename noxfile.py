@@ -150,6 +150,9 @@ OTHER_TESTS = ("-m", "not bitwise")
 #: OpenBLAS core types the bitwise tests also run under (``OPENBLAS_CORETYPE``): an AVX2
 #: kernel set and an AVX-512 one, whatever CPU the session runs on
 BLAS_CORES = ("Haswell", "SkylakeX")
+#: the one Python whose portable session runs those reruns: the kernels are OpenBLAS's,
+#: the same in every Python's NumPy wheel (each rerun took 9-13 s a session in CI)
+BLAS_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
 #: XLA's CPU code generation without LLVM's optimisations: the JAX suites compile hundreds of
 #: small programs and run each once or twice, so compiling is most of their time.
 #: tests/test_loop.py and tests/test_learned_score_mod.py took 62 s with it and 88 s
@@ -306,7 +309,7 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
             _pytest(session, families, env, only=BITWISE_TESTS)
         else:
             _pytest(session, families, env)
-        for core in spec.blas_cores:
+        for core in spec.blas_cores if session.python == BLAS_PYTHON else ():
             if not blas_core_runs(os.path.join(session.bin, "python"), core):
                 session.warn(f"NumPy's OpenBLAS crashes under OPENBLAS_CORETYPE={core}: skipped")
                 continue
@@ -337,6 +340,7 @@ def tests_integrations(session: nox.Session) -> None:
         "-m",
         "pytest",
         "tests/integrations",
+        *WORKERS,
         *session.posargs,
         # tiny models from configs: nothing is downloaded; every framework must be there
         env={"HF_HUB_OFFLINE": "1", "PORTABLE_ATTN_REQUIRE_FRAMEWORKS": "1", **jax_cache(session)},
@@ -345,28 +349,33 @@ def tests_integrations(session: nox.Session) -> None:
 
 PYPROJECT = Path(__file__).parent / "pyproject.toml"
 # tests-min-deps: the extras whose lower bounds it installs, and the backends it tests.
-# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (7
-# minutes on a 2-core machine with the serving tests: a session of its own, to run or
-# skip alone). torch is
-# left out: its lower bound cannot be installed here as a CPU build (see
-# [tool.portable-attn.min-deps] in pyproject.toml), and the torch suite is the longest.
+# NumPy and array-api-strict (under a minute), and JAX in tests-min-deps-jax (a session
+# of its own, to run or skip alone). torch is left out: its lower bound cannot be
+# installed here as a CPU build (see [tool.portable-attn.min-deps] in pyproject.toml).
 MIN_DEPS_EXTRAS = ("test", "strict")
 MIN_DEPS_BACKENDS = "numpy,array_api_strict"
 MIN_DEPS_JAX_EXTRAS = ("test", "strict", "jax")
-#: what tests-min-deps-jax leaves to tests-jax: files that use no JAX API the rest of the
-#: suite does not (jit, grad, vmap, lax.cond, fori_loop, custom_vjp, shardings, the array
-#: API through array-api-compat) and take much of its time: the paged serving tests (eager
-#: and jit invariance grids, a property test compiling a program per batch), and the grids
-#: of block masks, mask rules, max logits, layouts and rotary embeddings over every route
-#: and dtype (a third of the collected JAX tests). In clean-clone CI runs the session took
-#: 249 s with the serving tests left alone and 206 s with these grids left too.
-MIN_DEPS_JAX_LEAVES = (
-    "tests/test_serving.py",
-    "tests/test_block_mask.py",
-    "tests/test_mask_rules.py",
-    "tests/test_max_logit.py",
-    "tests/test_layout.py",
-    "tests/test_rope.py",
+#: what tests-min-deps-jax runs: the files that exercise JAX's own API (jit, grad, vmap,
+#: lax.cond, fori_loop, custom_vjp, shardings, compiled programs, half precision, the array
+#: API through array-api-compat) and every path against the oracle. The rest of the suite
+#: is the library's own logic over the same calls (grids of options, masks, layouts,
+#: serving), which tests-jax runs at the newest JAX: with it all here the session took
+#: 240 s of pytest in CI, a seventh of the matrix.
+MIN_DEPS_JAX_TESTS = tuple(
+    f"tests/test_{name}.py"
+    for name in (
+        "attention",
+        "gradients",
+        "transforms",
+        "loop",
+        "compiled",
+        "cache",
+        "jax_sharding",
+        "half_precision",
+        "edge_inputs",
+        "learned_scale",
+        "lse",
+    )
 )
 MIN_DEPS_PYTHON = "3.10" if "3.10" in PYTHONS else PYTHONS[0]  # the oldest supported
 
@@ -402,7 +411,7 @@ def lower_bounds(pyproject: dict, extras: tuple[str, ...]) -> list[str]:
 
 
 def _min_deps_session(
-    extras: tuple[str, ...], backends: str, leaves: tuple[str, ...] = ()
+    extras: tuple[str, ...], backends: str, files: tuple[str, ...] = ()
 ) -> Callable[[nox.Session], None]:
     def tests(session: nox.Session) -> None:
         pins = lower_bounds(tomllib.loads(PYPROJECT.read_text()), extras)
@@ -415,7 +424,7 @@ def _min_deps_session(
         session.install("-c", pin, f".[{','.join(extras)}]")
         session.run("python", "-m", "pip", "list")  # the versions tested, in the log
         env = dict([FAST_COMPILE]) if "jax" in backends and not _has_nvidia_gpu() else {}
-        _pytest(session, backends, env, ignore=leaves)
+        _pytest(session, backends, env, only=files)  # no files: the whole suite
 
     return tests
 
@@ -427,11 +436,11 @@ tests_min_deps.__doc__ = (
     "NumPy and array-api-strict at the declared lower bounds of every dependency."
 )
 tests_min_deps_jax = nox.session(name="tests-min-deps-jax", python=MIN_DEPS_PYTHON)(
-    _min_deps_session(MIN_DEPS_JAX_EXTRAS, "jax", MIN_DEPS_JAX_LEAVES)
+    _min_deps_session(MIN_DEPS_JAX_EXTRAS, "jax", MIN_DEPS_JAX_TESTS)
 )
 tests_min_deps_jax.__doc__ = (
-    "JAX with every dependency at its declared lower bound (jax, numpy...), "
-    "the serving tests and the feature grids left to tests-jax (MIN_DEPS_JAX_LEAVES)."
+    "JAX with every dependency at its declared lower bound (jax, numpy...): the tests "
+    "of JAX's API and every path (MIN_DEPS_JAX_TESTS); tests-jax runs the rest."
 )
 
 

@@ -64,6 +64,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 settings.load_profile("default")
+# a run of JAX alone (its nox session): each example's shapes compile programs of their
+# own, a second or more each, so fewer examples (still @settings where a test sets them)
+settings.register_profile("jax", parent=settings.get_profile("default"), max_examples=10)
 
 MARKERS = {
     "backends": "backends(*families, reason=None): run only on these backend families",
@@ -106,6 +109,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if not family_installed(family):
             msg = f"backend {family!r} was requested but is not installed"
             raise pytest.UsageError(msg)
+    if _requested(config) == ["jax"]:
+        settings.load_profile("jax")
 
 
 def pytest_report_header(config: pytest.Config) -> str:

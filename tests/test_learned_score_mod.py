@@ -251,8 +251,15 @@ def test_a_parameter_read_in_some_blocks_only(backend, xp, route):
         return loss
 
     args = [backend.asarray(a) for a in (q, k, v, near, far)]
-    got = backend.grad(loss_of(route.kw), *args)
-    want = backend.grad(loss_of({"block_size": "dense"}), *args)
+    grad = backend.grad
+    if backend.family == "jax":  # eager: the function's condition needs concrete indices
+        import jax
+
+        def grad(fn, *a):
+            return jax.grad(fn, argnums=tuple(range(len(a))))(*a)
+
+    got = grad(loss_of(route.kw), *args)
+    want = grad(loss_of({"block_size": "dense"}), *args)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(w), atol=1e-12)
     assert np.all(np.abs(backend.to_numpy(got[4])) > 1e-3)  # `far` learns

@@ -40,8 +40,11 @@ def noxfile():
 class FakeSession:
     """Records what a session installs and runs; installs can be made to fail."""
 
-    def __init__(self, tmp_path: Path, fail: int = 0, torch_version: str = "2.13.0+cpu"):
+    def __init__(
+        self, tmp_path: Path, fail: int = 0, torch_version: str = "2.13.0+cpu", python="3.11"
+    ):
         self.tmp = tmp_path
+        self.python = python
         self.fail = fail  # the first `fail` installs raise CommandFailed
         self.torch_version = torch_version
         self.installs: list[tuple[str, ...]] = []
@@ -233,8 +236,9 @@ def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, tmp_path):
     assert "jaxlib==" + jax.split("==")[1] in pins
     pytest_run = next(r for r in session.runs if "pytest" in r)
     assert pytest_run[pytest_run.index("--backend") + 1] == "jax"
-    assert "--ignore=tests/test_serving.py" in pytest_run  # left to tests-jax
-    assert (ROOT / "tests" / "test_serving.py").is_file()
+    files = [a for a in pytest_run if a.startswith("tests/test_")]
+    assert files == list(noxfile.MIN_DEPS_JAX_TESTS)  # the rest is left to tests-jax
+    assert all((ROOT / f).is_file() for f in files)
 
 
 def test_the_other_sessions_run_the_serving_tests(noxfile, tmp_path):
@@ -263,6 +267,20 @@ def test_a_core_type_whose_blas_crashes_is_skipped_with_a_warning(noxfile, monke
     bitwise = [r for r in session.runs if r[-len(tail) :] == tail]
     assert len(bitwise) == len(noxfile.BLAS_CORES) - 1
     assert any("OPENBLAS_CORETYPE=Haswell" in w for w in session.warnings)
+
+
+def test_the_blas_reruns_run_in_one_portable_session(noxfile, monkeypatch, tmp_path):
+    monkeypatch.setattr(noxfile, "blas_core_runs", lambda python, core: True)
+    tail = noxfile.BITWISE_TESTS
+    reruns = {}
+    for python in ("3.10", noxfile.BLAS_PYTHON):
+        session = FakeSession(tmp_path, python=python)
+        session.bin = str(tmp_path)
+        noxfile._tests_session("portable", noxfile.BACKENDS["portable"])(session)
+        reruns[python] = [r for r in session.runs if r[-len(tail) :] == tail]
+    assert len(reruns[noxfile.BLAS_PYTHON]) == len(noxfile.BLAS_CORES)
+    if noxfile.BLAS_PYTHON != "3.10":
+        assert reruns["3.10"] == []
 
 
 def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, tmp_path):

@@ -408,7 +408,9 @@ class Backend:
         -------
         tuple of array
             One gradient per argument, shaped like it (zeros where `fn` does not
-            depend on it). Only torch (autograd) and JAX (``jax.grad``).
+            depend on it). Only torch (autograd) and JAX (``jax.jit(jax.grad(fn))``:
+            one program, as a training step runs it; `fn` must trace, and the arrays it
+            closes over stay concrete).
         """
         if self.family == "torch":
             import torch
@@ -422,7 +424,7 @@ class Backend:
         if self.family == "jax":
             import jax
 
-            return jax.grad(fn, argnums=tuple(range(len(args))))(*args)
+            return jax.jit(jax.grad(fn, argnums=tuple(range(len(args)))))(*args)
         msg = f"{self.kind} has no automatic differentiation"
         raise NotImplementedError(msg)
 
