@@ -4,8 +4,9 @@
     nox -s tests-torch       # one backend
     nox -l                   # list the sessions
 
-``tests-portable-<python>`` runs the portable suite (NumPy and array-api-strict,
-which need nothing else) on every Python found, in one virtualenv per Python; the
+``tests-portable-<python>`` runs the portable suite (NumPy, which needs nothing else)
+on every Python found, in one virtualenv per Python, and array-api-strict with it on one
+(``MAIN_PYTHON``; ``tests-min-deps`` runs it on the oldest); the
 backend sessions run their suites once. Test sessions run on every core
 (``pytest -n auto``).
 
@@ -150,9 +151,10 @@ OTHER_TESTS = ("-m", "not bitwise")
 #: OpenBLAS core types the bitwise tests also run under (``OPENBLAS_CORETYPE``): an AVX2
 #: kernel set and an AVX-512 one, whatever CPU the session runs on
 BLAS_CORES = ("Haswell", "SkylakeX")
-#: the one Python whose portable session runs those reruns: the kernels are OpenBLAS's,
-#: the same in every Python's NumPy wheel (each rerun took 9-13 s a session in CI)
-BLAS_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
+#: the one Python whose portable session runs those reruns and array-api-strict: the kernels
+#: are OpenBLAS's and array-api-strict is pure Python, the same for every Python (each
+#: rerun took 9-13 s a session in CI, array-api-strict a third of the suite's time)
+MAIN_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
 #: XLA's CPU code generation without LLVM's optimisations: the JAX suites compile hundreds of
 #: small programs and run each once or twice, so compiling is most of their time.
 #: tests/test_loop.py and tests/test_learned_score_mod.py took 62 s with it and 88 s
@@ -249,6 +251,7 @@ class Backend:
     also: tuple[str, ...] = ()  # installed with ".[test]"
     skip_without_gpu: str | None = None  # skip with this reason when no NVIDIA GPU is found
     families: str | None = None  # the suite's --backend, by default the session's name
+    other_pythons: str | None = None  # the --backend on a Python but MAIN_PYTHON, if another
     blas_cores: tuple[str, ...] = ()  # the bitwise tests again under each OpenBLAS core type
     env: tuple[tuple[str, str], ...] = ()  # the suite's environment variables
     fast_compile: bool = False  # FAST_COMPILE on a CPU but for the bitwise tests
@@ -256,12 +259,13 @@ class Backend:
 
 BACKENDS = {
     "portable": Backend(
-        "NumPy (writable and read-only inputs) and array-api-strict (proof that only the "
-        "standard is used) on every Python 3.10-3.13 found, and doctests.",
+        "NumPy (writable and read-only inputs) on every Python 3.10-3.13 found, "
+        "array-api-strict (proof that only the standard is used) on one, and doctests.",
         PYTHONS,
         doctests=True,
         also=(f"nox=={metadata.version('nox')}",),  # tests/test_noxfile.py tests this file
         families="numpy,array_api_strict",
+        other_pythons="numpy",
         blas_cores=BLAS_CORES,
     ),
     "torch": Backend(
@@ -303,13 +307,15 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
             session.install(spec.first)
         session.install(*pin, ".[test]", *spec.also)
         families = spec.families or backend
+        if spec.other_pythons is not None and session.python != MAIN_PYTHON:
+            families = spec.other_pythons
         env = dict(spec.env)
         if spec.fast_compile and not _has_nvidia_gpu():
             _pytest(session, families, {**env, **dict([FAST_COMPILE])}, only=OTHER_TESTS)
             _pytest(session, families, env, only=BITWISE_TESTS)
         else:
             _pytest(session, families, env)
-        for core in spec.blas_cores if session.python == BLAS_PYTHON else ():
+        for core in spec.blas_cores if session.python == MAIN_PYTHON else ():
             if not blas_core_runs(os.path.join(session.bin, "python"), core):
                 session.warn(f"NumPy's OpenBLAS crashes under OPENBLAS_CORETYPE={core}: skipped")
                 continue
@@ -340,7 +346,6 @@ def tests_integrations(session: nox.Session) -> None:
         "-m",
         "pytest",
         "tests/integrations",
-        *WORKERS,
         *session.posargs,
         # tiny models from configs: nothing is downloaded; every framework must be there
         env={"HF_HUB_OFFLINE": "1", "PORTABLE_ATTN_REQUIRE_FRAMEWORKS": "1", **jax_cache(session)},

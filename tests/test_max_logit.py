@@ -27,6 +27,10 @@ def assert_max(backend, actual, expected, *, rtol=1e-12):
 @pytest.mark.parametrize("case", list(TILE_CASES))
 @pytest.mark.parametrize("sizes", [(11, 7), (7, 11)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_against_oracle(backend, xp, route, case, sizes):
+    if backend.family == "jax" and route.name != "loop" and sizes == (11, 7):
+        # a program compiled per case (2 s each): the shared walk's alignment is checked
+        # at both shapes on the other backends, and JAX's own loop at both here
+        pytest.skip("JAX: one shape but on its traced loop")
     lq, lk = sizes
     q, k, v = qkv(lq=lq, lk=lk)
     kw = TILE_CASES[case](lq, lk)

@@ -269,18 +269,22 @@ def test_a_core_type_whose_blas_crashes_is_skipped_with_a_warning(noxfile, monke
     assert any("OPENBLAS_CORETYPE=Haswell" in w for w in session.warnings)
 
 
-def test_the_blas_reruns_run_in_one_portable_session(noxfile, monkeypatch, tmp_path):
+def test_one_portable_session_runs_strict_and_the_blas_reruns(noxfile, monkeypatch, tmp_path):
     monkeypatch.setattr(noxfile, "blas_core_runs", lambda python, core: True)
     tail = noxfile.BITWISE_TESTS
-    reruns = {}
-    for python in ("3.10", noxfile.BLAS_PYTHON):
+    reruns, families = {}, {}
+    for python in ("3.10", noxfile.MAIN_PYTHON):
         session = FakeSession(tmp_path, python=python)
         session.bin = str(tmp_path)
         noxfile._tests_session("portable", noxfile.BACKENDS["portable"])(session)
         reruns[python] = [r for r in session.runs if r[-len(tail) :] == tail]
-    assert len(reruns[noxfile.BLAS_PYTHON]) == len(noxfile.BLAS_CORES)
-    if noxfile.BLAS_PYTHON != "3.10":
+        suite = next(r for r in session.runs if "pytest" in r)
+        families[python] = suite[suite.index("--backend") + 1]
+    assert len(reruns[noxfile.MAIN_PYTHON]) == len(noxfile.BLAS_CORES)
+    assert families[noxfile.MAIN_PYTHON] == "numpy,array_api_strict"
+    if noxfile.MAIN_PYTHON != "3.10":
         assert reruns["3.10"] == []
+        assert families["3.10"] == "numpy"
 
 
 def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, tmp_path):
