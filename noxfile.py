@@ -153,7 +153,8 @@ OTHER_TESTS = ("-m", "not bitwise")
 BLAS_CORES = ("Haswell", "SkylakeX")
 #: the one Python whose portable session runs those reruns and array-api-strict: the kernels
 #: are OpenBLAS's and array-api-strict is pure Python, the same for every Python (each
-#: rerun took 9-13 s a session in CI, array-api-strict a third of the suite's time)
+#: rerun took 10-13 s a session, array-api-strict's 1,700 tests 5-10 s; both in
+#: benchmarks/results/ci-times-ef23180.json)
 MAIN_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
 #: XLA's CPU code generation without LLVM's optimisations: the JAX suites compile hundreds of
 #: small programs and run each once or twice, so compiling is most of their time.
@@ -364,8 +365,8 @@ MIN_DEPS_JAX_EXTRAS = ("test", "strict", "jax")
 #: lax.cond, fori_loop, custom_vjp, shardings, compiled programs, half precision, the array
 #: API through array-api-compat) and every path against the oracle. The rest of the suite
 #: is the library's own logic over the same calls (grids of options, masks, layouts,
-#: serving), which tests-jax runs at the newest JAX: with it all here the session took
-#: 240 s of pytest in CI, a seventh of the matrix.
+#: serving), which tests-jax runs at the newest JAX: with it all here the session's pytest
+#: took 241 s, with these files 68 s (benchmarks/results/ci-times-ef23180.json).
 MIN_DEPS_JAX_TESTS = tuple(
     f"tests/test_{name}.py"
     for name in (
