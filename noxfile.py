@@ -156,13 +156,16 @@ BLAS_CORES = ("Haswell", "SkylakeX")
 #: rerun took 10-13 s a session, array-api-strict's 1,700 tests 5-10 s; both in
 #: benchmarks/results/ci-times-ef23180.json)
 MAIN_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
-#: XLA's CPU code generation without LLVM's optimisations: the JAX suites compile hundreds of
-#: small programs and run each once or twice, so compiling is most of their time.
-#: tests/test_loop.py and tests/test_learned_score_mod.py took 62 s with it and 88 s
-#: without (2 workers, one run after the other, 2-core AMD EPYC). The graph passes (fusion,
-#: buffer assignment) are XLA's own and run either way; the bitwise tests (BITWISE_TESTS)
-#: run again with the default code generation, as users compile.
-FAST_COMPILE = ("XLA_FLAGS", "--xla_backend_optimization_level=0")
+#: XLA flags that make its CPU compiler fast: the JAX suites compile hundreds of small
+#: programs and run each once or twice, so compiling is most of their time. Without LLVM's
+#: optimisations, tests/test_loop.py and tests/test_learned_score_mod.py took 62 s against
+#: 88 s (2 workers, one run after the other, 2-core AMD EPYC); with XLA's LLVM IR emitters
+#: instead of its newer MLIR fusion emitters too, test_max_logit.py and test_block_mask.py
+#: took 51 s against 96 s (the same, an Intel Xeon). The graph passes (fusion, buffer
+#: assignment) are XLA's own and run either way; the bitwise tests (BITWISE_TESTS) run again
+#: with the default code generation, as users compile. :func:`fast_compile_env` keeps those the
+#: session's jaxlib knows (an unknown flag aborts XLA; jaxlib 0.4 has no emitter flag).
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 #: a float64 and a float32 product large enough to take OpenBLAS's blocked GEMM: run under a
 #: core type before the bitwise tests are, since some OpenBLAS builds crash on a forced one
 #: (NumPy 2.5.5's OpenBLAS 0.3.34 segfaults in any such product under ``Haswell`` on an
@@ -178,6 +181,17 @@ def blas_core_runs(python: str, core: str) -> bool:
     env = {**os.environ, "OPENBLAS_CORETYPE": core}
     probe = subprocess.run([python, "-c", BLAS_PROBE], env=env, capture_output=True, check=False)
     return probe.returncode == 0
+
+
+def fast_compile_env(python: str) -> dict[str, str]:
+    """``XLA_FLAGS`` of the flags of :data:`FAST_COMPILE` that the jaxlib of `python` knows."""
+    known: list[str] = []
+    for flag in FAST_COMPILE:
+        env = {**os.environ, "XLA_FLAGS": " ".join([*known, flag])}
+        probe = [python, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"]
+        if subprocess.run(probe, env=env, capture_output=True, check=False).returncode == 0:
+            known.append(flag)
+    return {"XLA_FLAGS": " ".join(known)}
 
 
 def _has_nvidia_gpu() -> bool:
@@ -312,7 +326,8 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
             families = spec.other_pythons
         env = dict(spec.env)
         if spec.fast_compile and not _has_nvidia_gpu():
-            _pytest(session, families, {**env, **dict([FAST_COMPILE])}, only=OTHER_TESTS)
+            fast = fast_compile_env(os.path.join(session.bin, "python"))
+            _pytest(session, families, {**env, **fast}, only=OTHER_TESTS)
             _pytest(session, families, env, only=BITWISE_TESTS)
         else:
             _pytest(session, families, env)
@@ -429,7 +444,9 @@ def _min_deps_session(
         session.install("--only-binary=:all:", "-c", pin, *(p.split("==")[0] for p in pins))
         session.install("-c", pin, f".[{','.join(extras)}]")
         session.run("python", "-m", "pip", "list")  # the versions tested, in the log
-        env = dict([FAST_COMPILE]) if "jax" in backends and not _has_nvidia_gpu() else {}
+        env = {}
+        if "jax" in backends and not _has_nvidia_gpu():
+            env = fast_compile_env(os.path.join(session.bin, "python"))
         _pytest(session, backends, env, only=files)  # no files: the whole suite
 
     return tests

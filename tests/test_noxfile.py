@@ -53,6 +53,7 @@ class FakeSession:
         self.warnings: list[str] = []
         self.posargs: list[str] = []
         self.env: dict[str, str] = {}
+        self.bin = str(tmp_path)  # the session's virtualenv's bin folder
 
     def install(self, *args: str, **kwargs) -> None:
         self.installs.append(args)
@@ -228,7 +229,8 @@ def test_the_session_list_has_min_deps_in_plain_nox(noxfile):
         assert name in selected
 
 
-def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, tmp_path):
+def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, monkeypatch, tmp_path):
+    monkeypatch.setattr(noxfile, "fast_compile_env", lambda python: {})
     session = FakeSession(tmp_path)
     noxfile.tests_min_deps_jax(session)
     pins = (tmp_path / "min-deps.txt").read_text().splitlines()
@@ -261,7 +263,6 @@ def test_a_core_type_whose_blas_crashes_is_skipped_with_a_warning(noxfile, monke
     # on an AVX-512 AMD EPYC: that rerun is skipped, the others still run
     monkeypatch.setattr(noxfile, "blas_core_runs", lambda python, core: core != "Haswell")
     session = FakeSession(tmp_path)
-    session.bin = str(tmp_path)
     noxfile._tests_session("portable", noxfile.BACKENDS["portable"])(session)
     tail = noxfile.BITWISE_TESTS
     bitwise = [r for r in session.runs if r[-len(tail) :] == tail]
@@ -275,7 +276,6 @@ def test_one_portable_session_runs_strict_and_the_blas_reruns(noxfile, monkeypat
     reruns, families = {}, {}
     for python in ("3.10", noxfile.MAIN_PYTHON):
         session = FakeSession(tmp_path, python=python)
-        session.bin = str(tmp_path)
         noxfile._tests_session("portable", noxfile.BACKENDS["portable"])(session)
         reruns[python] = [r for r in session.runs if r[-len(tail) :] == tail]
         suite = next(r for r in session.runs if "pytest" in r)
@@ -295,18 +295,49 @@ def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, t
     def pytest_(session, families, env=None, ignore=(), only=()):
         seen.append((env, ignore, only))
 
+    fast = {"XLA_FLAGS": "--fast"}
     monkeypatch.setattr(noxfile, "_pytest", pytest_)
     monkeypatch.setattr(noxfile, "_has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(noxfile, "fast_compile_env", lambda python: fast)
     session = FakeSession(tmp_path)
     noxfile._tests_session("jax", noxfile.BACKENDS["jax"])(session)
     rank = {"JAX_NUMPY_RANK_PROMOTION": "raise"}
-    fast = dict([noxfile.FAST_COMPILE])
     bitwise, other = noxfile.BITWISE_TESTS, noxfile.OTHER_TESTS
     assert seen == [({**rank, **fast}, (), other), (rank, (), bitwise)]
 
 
+def _fake_python(tmp_path: Path, refused: str) -> str:
+    """A `python` whose jaxlib aborts on the XLA flag `refused`, as XLA does on an unknown one."""
+    path = tmp_path / "python"
+    path.write_text(f'#!/bin/sh\ncase "$XLA_FLAGS" in *{refused}*) exit 134;; esac\nexit 0\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands for python")
+def test_fast_compile_keeps_the_flags_the_jaxlib_knows(noxfile, tmp_path):
+    level, emitters = noxfile.FAST_COMPILE
+    old = noxfile.fast_compile_env(_fake_python(tmp_path, "fusion_emitters"))
+    assert old == {"XLA_FLAGS": level}  # jaxlib 0.4: no emitter flag
+    assert noxfile.fast_compile_env(_fake_python(tmp_path, "no-such")) == {
+        "XLA_FLAGS": f"{level} {emitters}"
+    }
+
+
+def test_the_min_deps_jax_session_compiles_fast(noxfile, monkeypatch, tmp_path):
+    monkeypatch.setattr(noxfile, "_has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(noxfile, "fast_compile_env", lambda python: {"XLA_FLAGS": python})
+    session = FakeSession(tmp_path)
+    noxfile.tests_min_deps_jax(session)
+    (env,) = [e for r, e in zip(session.runs, session.envs, strict=True) if "pytest" in r]
+    assert env["XLA_FLAGS"] == str(tmp_path / "python")  # the session's own python probed
+
+
 @pytest.mark.parametrize("name", ["tests_min_deps_jax", "tests_integrations"])
-def test_jax_keeps_its_compiled_programs_in_the_session_folder(noxfile, tmp_path, name):
+def test_jax_keeps_its_compiled_programs_in_the_session_folder(
+    noxfile, monkeypatch, tmp_path, name
+):
+    monkeypatch.setattr(noxfile, "fast_compile_env", lambda python: {})
     session = FakeSession(tmp_path)
     getattr(noxfile, name)(session)
     (env,) = [e for r, e in zip(session.runs, session.envs, strict=True) if "pytest" in r]
