@@ -161,7 +161,8 @@ MAIN_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
 #: optimisations, tests/test_loop.py and tests/test_learned_score_mod.py took 62 s against
 #: 88 s (2 workers, one run after the other, 2-core AMD EPYC); with XLA's LLVM IR emitters
 #: instead of its newer MLIR fusion emitters too, test_max_logit.py and test_block_mask.py
-#: took 51 s against 96 s (the same, an Intel Xeon). The graph passes (fusion, buffer
+#: took 51 s against 96 s (the same, an Intel Xeon), tests/integrations 55 s against 103 s
+#: (benchmarks/results/ci-times-8d976b5.json). The graph passes (fusion, buffer
 #: assignment) are XLA's own and run either way; the bitwise tests (BITWISE_TESTS) run again
 #: with the default code generation, as users compile. :func:`fast_compile_env` keeps those the
 #: session's jaxlib knows (an unknown flag aborts XLA; jaxlib 0.4 has no emitter flag).
@@ -192,6 +193,11 @@ def fast_compile_env(python: str) -> dict[str, str]:
         if subprocess.run(probe, env=env, capture_output=True, check=False).returncode == 0:
             known.append(flag)
     return {"XLA_FLAGS": " ".join(known)}
+
+
+def fast_jax(session: nox.Session) -> dict[str, str]:
+    """:func:`fast_compile_env` of the session's python on a CPU; nothing where a GPU is."""
+    return {} if _has_nvidia_gpu() else fast_compile_env(os.path.join(session.bin, "python"))
 
 
 def _has_nvidia_gpu() -> bool:
@@ -326,8 +332,7 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
             families = spec.other_pythons
         env = dict(spec.env)
         if spec.fast_compile and not _has_nvidia_gpu():
-            fast = fast_compile_env(os.path.join(session.bin, "python"))
-            _pytest(session, families, {**env, **fast}, only=OTHER_TESTS)
+            _pytest(session, families, {**env, **fast_jax(session)}, only=OTHER_TESTS)
             _pytest(session, families, env, only=BITWISE_TESTS)
         else:
             _pytest(session, families, env)
@@ -363,8 +368,14 @@ def tests_integrations(session: nox.Session) -> None:
         "pytest",
         "tests/integrations",
         *session.posargs,
-        # tiny models from configs: nothing is downloaded; every framework must be there
-        env={"HF_HUB_OFFLINE": "1", "PORTABLE_ATTN_REQUIRE_FRAMEWORKS": "1", **jax_cache(session)},
+        # tiny models from configs: nothing is downloaded; every framework must be there;
+        # no bitwise test here, so JAX compiles fast throughout
+        env={
+            "HF_HUB_OFFLINE": "1",
+            "PORTABLE_ATTN_REQUIRE_FRAMEWORKS": "1",
+            **jax_cache(session),
+            **fast_jax(session),
+        },
     )
 
 
@@ -444,9 +455,7 @@ def _min_deps_session(
         session.install("--only-binary=:all:", "-c", pin, *(p.split("==")[0] for p in pins))
         session.install("-c", pin, f".[{','.join(extras)}]")
         session.run("python", "-m", "pip", "list")  # the versions tested, in the log
-        env = {}
-        if "jax" in backends and not _has_nvidia_gpu():
-            env = fast_compile_env(os.path.join(session.bin, "python"))
+        env = fast_jax(session) if "jax" in backends else {}
         _pytest(session, backends, env, only=files)  # no files: the whole suite
 
     return tests

@@ -37,6 +37,14 @@ def noxfile():
     return module
 
 
+def _fake_python(tmp_path: Path, refused: str) -> str:
+    """A `python` whose jaxlib aborts on the XLA flag `refused`, as XLA does on an unknown one."""
+    path = tmp_path / "python"
+    path.write_text(f'#!/bin/sh\ncase "$XLA_FLAGS" in *{refused}*) exit 134;; esac\nexit 0\n')
+    path.chmod(0o755)
+    return str(path)
+
+
 class FakeSession:
     """Records what a session installs and runs; installs can be made to fail."""
 
@@ -53,7 +61,8 @@ class FakeSession:
         self.warnings: list[str] = []
         self.posargs: list[str] = []
         self.env: dict[str, str] = {}
-        self.bin = str(tmp_path)  # the session's virtualenv's bin folder
+        self.bin = str(tmp_path)  # the session's virtualenv's bin folder: a python that
+        _fake_python(tmp_path, refused="no-such-flag")  # knows every XLA flag
 
     def install(self, *args: str, **kwargs) -> None:
         self.installs.append(args)
@@ -229,8 +238,7 @@ def test_the_session_list_has_min_deps_in_plain_nox(noxfile):
         assert name in selected
 
 
-def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, monkeypatch, tmp_path):
-    monkeypatch.setattr(noxfile, "fast_compile_env", lambda python: {})
+def test_min_deps_jax_pins_jaxlib_with_jax(noxfile, tmp_path):
     session = FakeSession(tmp_path)
     noxfile.tests_min_deps_jax(session)
     pins = (tmp_path / "min-deps.txt").read_text().splitlines()
@@ -306,15 +314,6 @@ def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, t
     assert seen == [({**rank, **fast}, (), other), (rank, (), bitwise)]
 
 
-def _fake_python(tmp_path: Path, refused: str) -> str:
-    """A `python` whose jaxlib aborts on the XLA flag `refused`, as XLA does on an unknown one."""
-    path = tmp_path / "python"
-    path.write_text(f'#!/bin/sh\ncase "$XLA_FLAGS" in *{refused}*) exit 134;; esac\nexit 0\n')
-    path.chmod(0o755)
-    return str(path)
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands for python")
 def test_fast_compile_keeps_the_flags_the_jaxlib_knows(noxfile, tmp_path):
     level, emitters = noxfile.FAST_COMPILE
     old = noxfile.fast_compile_env(_fake_python(tmp_path, "fusion_emitters"))
@@ -324,20 +323,18 @@ def test_fast_compile_keeps_the_flags_the_jaxlib_knows(noxfile, tmp_path):
     }
 
 
-def test_the_min_deps_jax_session_compiles_fast(noxfile, monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", ["tests_min_deps_jax", "tests_integrations"])
+def test_the_other_jax_sessions_compile_fast(noxfile, monkeypatch, tmp_path, name):
     monkeypatch.setattr(noxfile, "_has_nvidia_gpu", lambda: False)
     monkeypatch.setattr(noxfile, "fast_compile_env", lambda python: {"XLA_FLAGS": python})
     session = FakeSession(tmp_path)
-    noxfile.tests_min_deps_jax(session)
+    getattr(noxfile, name)(session)
     (env,) = [e for r, e in zip(session.runs, session.envs, strict=True) if "pytest" in r]
     assert env["XLA_FLAGS"] == str(tmp_path / "python")  # the session's own python probed
 
 
 @pytest.mark.parametrize("name", ["tests_min_deps_jax", "tests_integrations"])
-def test_jax_keeps_its_compiled_programs_in_the_session_folder(
-    noxfile, monkeypatch, tmp_path, name
-):
-    monkeypatch.setattr(noxfile, "fast_compile_env", lambda python: {})
+def test_jax_keeps_its_compiled_programs_in_the_session_folder(noxfile, tmp_path, name):
     session = FakeSession(tmp_path)
     getattr(noxfile, name)(session)
     (env,) = [e for r, e in zip(session.runs, session.envs, strict=True) if "pytest" in r]
