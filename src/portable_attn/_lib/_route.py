@@ -68,10 +68,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _validation as v
+from ._blocks import SKIP, block_ranges, host_pair_states
 from ._compat import (
+    chunk_library,
     chunk_sizes,
     device_kind,
     library_name,
+    reads_host_values,
     records_grad,
     torch_func_transforms,
     torch_records,
@@ -789,8 +792,6 @@ def reads_values(call: AttentionCall) -> bool:
     Lengths and segment ids read where that is free (rule 0's cut, the pairs the
     native kernel per tile skips); everything else it reads is the call's signature.
     """
-    from ._compat import reads_host_values
-
     terms = call.terms
     return any(
         x is not None and reads_host_values(x)
@@ -1159,8 +1160,6 @@ def skipped_fraction(call: AttentionCall, block_q: int, block_k: int) -> float:
     aligned from shapes, segment ids, a ``mask_mod``. A band aligned by lengths decides
     nothing here (the lengths' own skipping is rule 0's cut, taken every call).
     """
-    from ._blocks import SKIP, block_ranges, host_pair_states
-
     plan, terms = call.plan, call.terms
     band = plan.band.restricts and not plan.has_lengths
     if not (band or terms.q_segments is not None or terms.mask_mod is not None):
@@ -1174,8 +1173,6 @@ def skipped_fraction(call: AttentionCall, block_q: int, block_k: int) -> float:
 
 def _dask_path(call: AttentionCall, sizes: Any) -> DaskGrid:
     """Rule 2: the chunk grid of a Dask call and the path inside each chunk pair."""
-    from ._compat import chunk_library
-
     plan = call.plan
     q_chunks = chunk_sizes(call.query, -2) or (plan.q_len,)
     k_chunks = chunk_sizes(call.key, -2) or (plan.kv_len,)
