@@ -161,8 +161,8 @@ MAIN_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
 #: optimisations, tests/test_loop.py and tests/test_learned_score_mod.py took 62 s against
 #: 88 s (2 workers, one run after the other, 2-core AMD EPYC); with XLA's LLVM IR emitters
 #: instead of its newer MLIR fusion emitters too, test_max_logit.py and test_block_mask.py
-#: took 51 s against 96 s (the same, an Intel Xeon), tests/integrations 55 s against 103 s
-#: (benchmarks/results/ci-times-8d976b5.json). The graph passes (fusion, buffer
+#: took 51 s against 96 s (the same, an Intel Xeon; benchmarks/results/ci-times-8d976b5.json),
+#: tests/integrations 55 s against 103 s (ci-times-d944c0e.json). The graph passes (fusion, buffer
 #: assignment) are XLA's own and run either way; the bitwise tests (BITWISE_TESTS) run again
 #: with the default code generation, as users compile. :func:`fast_compile_env` keeps those the
 #: session's jaxlib knows (an unknown flag aborts XLA; jaxlib 0.4 has no emitter flag).
