@@ -42,6 +42,9 @@ The targets of issue 39 (float32, this machine's CPUs):
   request of 2048 keys (Hq=32, Hkv=8, D=128) with 1 to 64 new rows, computed by the
   engine over its gathered keys and by the walk, side by side, on torch and NumPy: where
   ``_route.PAGED_ENGINE_ROWS`` is set.
+- ``eager`` (``--only eager --out benchmarks/results/serving-eager-jax.json``): the decode
+  step above called eagerly on JAX arrays against the same call under ``jax.jit``, default
+  and ``batch_invariant``: the first call (compiling included) and interleaved medians.
 - ``backward`` (``--only backward --out benchmarks/results/serving-backward.json``): the
   peak extra memory of a ragged prefill of 8 x 2048 tokens on torch (Hq=32, Hkv=8,
   D=128), forward alone and forward with backward, each in a fresh process: the default
@@ -437,6 +440,40 @@ def decode_jax(c, repeats):
         "invariant_vs_default": float(np.median(timed.ratios("ours_invariant", "ours"))),
     }
     print("decode jax", json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def eager_jax(repeats):
+    """The decode step called eagerly on JAX arrays against the same call under jax.jit."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    c = decode_case()
+    j = {k: jnp.asarray(v) for k, v in c.items() if isinstance(v, np.ndarray)}
+    args = (j["q"], j["kp"], j["vp"], j["table"], j["lengths"], j["starts"])
+    jitted = jax.jit(ragged_paged_attention, static_argnames=("batch_invariant",))
+    out = {}
+    for inv in (False, True):
+        calls = {
+            "eager": lambda inv=inv: ragged_paged_attention(*args, batch_invariant=inv),
+            "jit": lambda inv=inv: jitted(*args, batch_invariant=inv),
+        }
+        first = {}
+        for name, call in calls.items():  # the first call: compiling included
+            start = time.perf_counter()
+            call().block_until_ready()
+            first[name] = time.perf_counter() - start
+        timed = interleaved_seconds(
+            calls, repeats=repeats, warmup=1, sync=lambda x: x.block_until_ready()
+        )
+        out["invariant" if inv else "default"] = {
+            "first_call_s": first,
+            "median_s": timed.medians,
+            "eager_vs_jit": float(np.median(timed.ratios("eager", "jit"))),
+        }
+    print("eager jax", json.dumps(out, indent=1), flush=True)
     return out
 
 
@@ -913,6 +950,8 @@ def main() -> None:
         result["engine"] = engine(args.repeats)
     if "backward" in parts:
         result["backward"] = backward_memory()
+    if "eager" in parts:
+        result["eager"] = eager_jax(args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)
 

@@ -20,6 +20,7 @@ Layouts are token-major, as in vLLM and flash-attn: ``(tokens, heads, features)`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from ._lib._compat import (
     array_namespace,
     device,
     has_concrete_values,
+    is_array_api_obj,
     on_device,
     reads_host_values,
     result_type,
@@ -42,7 +44,7 @@ from ._lib._compat import (
     to_host,
 )
 from ._lib._masks import Band, arange, take_at
-from ._lib._route import library
+from ._lib._route import library, runs_compiled
 from ._lib._rules import MaskRule
 from ._lib._scores import distance
 from ._lib._validation import (
@@ -208,9 +210,13 @@ def ragged_paged_attention(
     pool, a copy of its cache (torch's SDPA on a CPU; the prefill step of
     ``benchmarks/serving.py`` took 0.32x the walk's time on torch, 0.68x on NumPy). Pool slots
     that hold no valid key of a request may contain anything, NaN included. With
-    metadata on the host (NumPy, torch, JAX outside ``jit``) the loop bounds are read
-    there once per call; under ``jax.jit`` the metadata stays traced and a chunk no
-    row may see is skipped by value (``T``, ``R``, ``P`` and ``max_pages`` are static).
+    metadata on the host (NumPy, torch) the loop bounds are read there once per call;
+    under ``jax.jit`` the metadata stays traced and a chunk no row may see is skipped
+    by value (``T``, ``R``, ``P`` and ``max_pages`` are static). An eager call on JAX
+    arrays (no `mask_mod` or `score_mod`) runs as that one program, ``jax.jit`` of the
+    call, compiled once per shapes and options: JAX's decode step of
+    ``benchmarks/serving.py`` took 1.0x the time of its call under ``jax.jit``
+    (``results/serving-eager-jax.json``); a `plan` is checked, not used, there.
     Metadata is checked where it has values (a precise :class:`ValueError`: a page
     outside the pool that a request uses, a length below its new rows or above
     ``max_pages * page_size``, `q_starts` not a packing). Where it is traced (``jax.jit``,
@@ -291,9 +297,26 @@ def ragged_paged_attention(
             max_pages,
             q_positions=q_positions,
         )
-        walk = _walk_plan(xp, shape, metadata, *flags)
     else:
         walk = _plan_for(plan, shape, flags, metadata)[0]
+    arrays = {"query": query, "key_pages": key_pages, "value_pages": value_pages}
+    arrays.update(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
+    arrays.update(q_positions=q_positions, sinks=sinks, alibi_slopes=alibi_slopes)
+    arrays.update(scale=scale, softcap=softcap)
+    user_functions = mask_mod is not None or score_mod is not None
+    if runs_compiled(library(query), user_functions) and all(
+        has_concrete_values(x) for x in arrays.values() if is_array_api_obj(x)
+    ):  # one program (its plan traced in it), as an eager JAX call of the single attention
+        statics = {"is_causal": is_causal, "window": _bounds(left, right)}
+        statics.update(return_lse=return_lse, return_max_logit=return_max_logit)
+        statics.update(batch_invariant=batch_invariant, value_dim=dv)
+        numbers = {k: x for k, x in arrays.items() if x is not None and not is_array_api_obj(x)}
+        return _compiled_program()(
+            {k: x for k, x in arrays.items() if k not in numbers},
+            tuple(sorted({**statics, **numbers}.items())),
+        )
+    if plan is None:
+        walk = _walk_plan(xp, shape, metadata, *flags)
     pools = (key_pages,) if value_pages is None else (key_pages, value_pages)
     dtype = result_type(xp, query.dtype, *(x.dtype for x in pools))
     compute = compute_dtype_of(xp, dtype)
@@ -329,6 +352,17 @@ def ragged_paged_attention(
         for x, got, fill, flag in zip(walked, parts, fills, asked, strict=True)
     ]
     return _results(*results)
+
+
+@functools.cache
+def _compiled_program() -> Any:
+    """:func:`ragged_paged_attention` jitted: its arrays traced, its options static."""
+    import jax
+
+    def call(arrays: dict[str, Any], options: tuple[tuple[str, Any], ...]) -> Any:
+        return ragged_paged_attention(**arrays, **dict(options))
+
+    return jax.jit(call, static_argnums=1)
 
 
 def _by_engine(

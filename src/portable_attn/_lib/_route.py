@@ -141,6 +141,7 @@ __all__ = [
     "reads_values",
     "route",
     "row_key",
+    "runs_compiled",
     "rows_of",
     "skipped_fraction",
     "tile_rows",
@@ -757,9 +758,12 @@ def route(
     v.check_implementation(implementation)
     sizes = v.check_block_size(block_size)  # "auto", "dense" or (block_q, block_k)
     lib = library(call.query) if row is None else row
+    user_functions = call.terms.score_mod is not None or call.terms.mask_mod is not None
     if batch_invariant:
         v.check_invariant_call(call, implementation, sizes, lib.task_graphs)
-        return Route(Empty() if call.is_empty else Paged())
+        if call.is_empty:
+            return Route(Empty())
+        return Route(Paged(), compiled=runs_compiled(lib, user_functions))
     if implementation == "native":
         explicit = sizes != "auto"  # the caller asked for a portable path
         reason = unsupported_reason(
@@ -770,7 +774,6 @@ def route(
     if keys is not None:
         call = call.first_keys(keys)
     path = _path(call, lib, sizes, implementation, return_lse)
-    user_functions = call.terms.score_mod is not None or call.terms.mask_mod is not None
     segments = call.terms.q_segments is not None
     if isinstance(path, Native) and path.kernel == "flex" and (user_functions or segments):
         portable = _path(call, replace(lib, kernels=()), sizes, "portable", return_lse)
@@ -778,12 +781,17 @@ def route(
     # eager, and under grad and vmap too (an eager jax.grad of the path would compile each
     # operation of its backward on its own: 378 programs for one gradient in the suite);
     # under jit the program is one call inside the caller's
-    compiled = (
-        lib.compiles_eager
-        and not isinstance(path, Empty)
-        and not user_functions  # a program would keep what they close over
-    )
+    compiled = not isinstance(path, Empty) and runs_compiled(lib, user_functions)
     return Route(path, keys, compiled, _keeps_dtype(path))
+
+
+def runs_compiled(row: Library, user_functions: bool) -> bool:
+    """Whether a call runs its path as one compiled program (rule 7).
+
+    Every JAX call, a paged one too, but one with a ``mask_mod`` or ``score_mod``: a
+    program would keep them, with what they close over.
+    """
+    return row.compiles_eager and not user_functions
 
 
 def reads_values(call: AttentionCall) -> bool:

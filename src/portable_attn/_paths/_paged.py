@@ -3,15 +3,16 @@
 A step's plan (:func:`plan_walk`) is built once from its metadata and serves every
 layer's call (:func:`paged_attention`). Two forms of one walk:
 
-- metadata with values on the host (NumPy, torch, array-api-strict, JAX outside
-  ``jit``): the tiles that hold rows, longest walk first, and a Python loop over the
-  chunks some tile may see; each chunk folds only the tiles that may see it (a
-  contiguous range, as the tiles are sorted), so a decode batch of mixed lengths
-  gathers each request's pages once and skips the chunks past it. The plan holds
-  each fold's range and the chunk's page indices. Requests with many new rows are
-  left to the engine (``_route.paged_by_engine``; ``serving`` calls it over their
-  gathered keys): no tile holds their rows.
-- traced metadata (``jax.jit``): as many tiles as the shapes allow, and a
+- metadata with values on the host (NumPy, torch, array-api-strict): the tiles that
+  hold rows, longest walk first, and a Python loop over the chunks some tile may see;
+  each chunk folds only the tiles that may see it (a contiguous range, as the tiles
+  are sorted), so a decode batch of mixed lengths gathers each request's pages once
+  and skips the chunks past it. The plan holds each fold's range and the chunk's page
+  indices. Requests with many new rows are left to the engine
+  (``_route.paged_by_engine``; ``serving`` calls it over their gathered keys): no
+  tile holds their rows.
+- traced metadata (``jax.jit``; an eager JAX call too, which runs as one compiled
+  program, ``_route.runs_compiled``): as many tiles as the shapes allow, and a
   ``lax.fori_loop`` over every chunk of the page table whose body is a ``lax.cond``
   that skips, by value, a chunk no tile may see. Differentiable (``jax.grad``).
   Metadata that the eager checks would refuse (a page outside the pool, a length
