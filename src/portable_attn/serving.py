@@ -214,9 +214,10 @@ def ragged_paged_attention(
     under ``jax.jit`` the metadata stays traced and a chunk no row may see is skipped
     by value (``T``, ``R``, ``P`` and ``max_pages`` are static). An eager call on JAX
     arrays (no `mask_mod` or `score_mod`) runs as that one program, ``jax.jit`` of the
-    call, compiled once per shapes and options: JAX's decode step of
-    ``benchmarks/serving.py`` took 1.0x the time of its call under ``jax.jit``
-    (``results/serving-eager-jax.json``); a `plan` is checked, not used, there.
+    call, compiled once per shapes and options; a `plan` is checked, not used, there.
+    The decode step of ``benchmarks/serving.py`` called eagerly took 1.03x the time of
+    the call under ``jax.jit``, and 1.9 s for its first call (2.6x and 67 s op by op
+    before; ``results/serving-eager-jax*.json``).
     Metadata is checked where it has values (a precise :class:`ValueError`: a page
     outside the pool that a request uses, a length below its new rows or above
     ``max_pages * page_size``, `q_starts` not a packing). Where it is traced (``jax.jit``,
@@ -307,7 +308,7 @@ def ragged_paged_attention(
     if runs_compiled(library(query), user_functions) and all(
         has_concrete_values(x) for x in arrays.values() if is_array_api_obj(x)
     ):  # one program (its plan traced in it), as an eager JAX call of the single attention
-        statics = {"is_causal": is_causal, "window": _bounds(left, right)}
+        statics: dict[str, Any] = {"is_causal": is_causal, "window": _bounds(left, right)}
         statics.update(return_lse=return_lse, return_max_logit=return_max_logit)
         statics.update(batch_invariant=batch_invariant, value_dim=dv)
         numbers = {k: x for k, x in arrays.items() if x is not None and not is_array_api_obj(x)}
