@@ -201,6 +201,22 @@ def test_the_result_keeps_the_inputs_dtype_under_autocast(backend):
     assert first.dtype == again.dtype == torch.float32
 
 
+@pytest.mark.skip_backends("dask", reason="batch_invariant takes one device's arrays")
+@pytest.mark.parametrize("mask_mod", [None, lambda b, h, q, k: q >= k], ids=["plain", "rule"])
+def test_the_batch_invariant_route_is_compiled_where_the_row_says(backend, derived, mask_mod):
+    # the paged walk of the single call, like every route, runs as one program on a
+    # library that compiles eager calls, but with a user function (the program keeps it)
+    q, k, v = _arrays(backend)
+    out = scaled_dot_product_attention(q, k, v, batch_invariant=True, mask_mod=mask_mod)
+    (entry,) = _cache._ENTRIES.values()
+    expected = _route.runs_compiled(_route.library(q), user_functions=mask_mod is not None)
+    assert entry.route.compiled == expected
+    assert (entry.kept is not None) == expected
+    reference = reference_attention(*(backend.to_numpy(x) for x in (q, k, v)))
+    if mask_mod is None:
+        np.testing.assert_allclose(backend.to_numpy(out), reference, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.backends("jax", reason="eager JAX calls run one compiled program")
 def test_an_eager_jax_call_keeps_its_compiled_program(backend, derived):
     q, k, v = _arrays(backend)
