@@ -146,8 +146,13 @@ def _pytest(
 #: run again under each of :data:`BLAS_CORES` in the portable sessions, since OpenBLAS
 #: rounds a product by the kernel it picks for the CPU (AVX2 and AVX-512 kernels differ)
 BITWISE_TESTS = ("-m", "bitwise")
+#: the tests the JAX session runs with XLA's default code generation, as users compile: the
+#: bitwise ones, and those marked ``default_compile`` (XLA's CPU backend at optimisation
+#: level 0 returns NaN in a forward-over-reverse program that every other level, and the
+#: same operations run one by one, compute finitely)
+DEFAULT_COMPILE_TESTS = ("-m", "bitwise or default_compile")
 #: the rest of the suite, where the JAX session compiles fast (:data:`FAST_COMPILE`)
-OTHER_TESTS = ("-m", "not bitwise")
+OTHER_TESTS = ("-m", "not bitwise and not default_compile")
 #: OpenBLAS core types the bitwise tests also run under (``OPENBLAS_CORETYPE``): an AVX2
 #: kernel set and an AVX-512 one, whatever CPU the session runs on
 BLAS_CORES = ("Haswell", "SkylakeX")
@@ -163,8 +168,8 @@ MAIN_PYTHON = ML_PYTHON if ML_PYTHON in PYTHONS else PYTHONS[-1]
 #: instead of its newer MLIR fusion emitters too, test_max_logit.py and test_block_mask.py
 #: took 51 s against 96 s (the same, an Intel Xeon; benchmarks/results/ci-times-8d976b5.json),
 #: tests/integrations 55 s against 103 s (ci-times-d944c0e.json). The graph passes (fusion, buffer
-#: assignment) are XLA's own and run either way; the bitwise tests (BITWISE_TESTS) run again
-#: with the default code generation, as users compile. :func:`fast_compile_env` keeps those the
+#: assignment) are XLA's own and run either way; DEFAULT_COMPILE_TESTS run with the default
+#: code generation, as users compile. :func:`fast_compile_env` keeps those the
 #: session's jaxlib knows (an unknown flag aborts XLA; jaxlib 0.4 has no emitter flag).
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 #: a float64 and a float32 product large enough to take OpenBLAS's blocked GEMM: run under a
@@ -333,7 +338,7 @@ def _tests_session(backend: str, spec: Backend) -> Callable[[nox.Session], None]
         env = dict(spec.env)
         if spec.fast_compile and not _has_nvidia_gpu():
             _pytest(session, families, {**env, **fast_jax(session)}, only=OTHER_TESTS)
-            _pytest(session, families, env, only=BITWISE_TESTS)
+            _pytest(session, families, env, only=DEFAULT_COMPILE_TESTS)
         else:
             _pytest(session, families, env)
         for core in spec.blas_cores if session.python == MAIN_PYTHON else ():

@@ -77,6 +77,8 @@ MARKERS = {
     "main_kinds": "main_kinds: run on the first kind of each family only",
     "bitwise": "bitwise: compares bits across calls (batch invariance, determinism); the "
     "matrix runs these again under other BLAS kernels and with XLA's default code generation",
+    "default_compile": "default_compile: needs XLA's default code generation; the JAX "
+    "session runs these with the bitwise tests, not under its fast-compile flags",
     "dtypes": "dtypes(*dtypes): parametrize `dtype` with `backend`, only supported pairs",
 }
 

@@ -310,8 +310,8 @@ def test_the_jax_session_refuses_implicit_rank_promotion(noxfile, monkeypatch, t
     session = FakeSession(tmp_path)
     noxfile._tests_session("jax", noxfile.BACKENDS["jax"])(session)
     rank = {"JAX_NUMPY_RANK_PROMOTION": "raise"}
-    bitwise, other = noxfile.BITWISE_TESTS, noxfile.OTHER_TESTS
-    assert seen == [({**rank, **fast}, (), other), (rank, (), bitwise)]
+    as_users, other = noxfile.DEFAULT_COMPILE_TESTS, noxfile.OTHER_TESTS
+    assert seen == [({**rank, **fast}, (), other), (rank, (), as_users)]
 
 
 def test_fast_compile_keeps_the_flags_the_jaxlib_knows(noxfile, tmp_path):

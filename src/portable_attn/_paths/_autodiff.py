@@ -387,24 +387,30 @@ def torch_score_vjp(score_mod: Callable[..., Any], params: tuple[Any, ...]) -> S
     """Return a block's ``score_mod`` and its VJP by ``torch.autograd.grad`` (:data:`ScoreVjp`).
 
     The ``score_mod`` runs under :func:`_watch` (its gathers computed by :func:`_gathered`).
+    Where the backward is itself differentiated (``create_graph=True``: grad mode is on
+    in it), the block's scores keep their graph and the pullback records its own, so a
+    second derivative reaches the queries, keys and parameters through the ``score_mod``.
     """
     import torch
 
     def score_vjp(scores: Any, *index: Any) -> tuple[Any, Any]:
+        graph = torch.is_grad_enabled()
         with torch.enable_grad(), _watch()():
-            leaf = scores.detach().requires_grad_()
+            leaf = scores if graph and scores.requires_grad else scores.detach().requires_grad_()
             modified = score_mod(leaf, *index)
 
         def pullback(d_modified: Any) -> tuple[Any, tuple[Any, ...]]:
             inputs = (leaf, *params)
             grads: tuple[Any, ...] = (None,) * len(inputs)
             if modified.requires_grad:
-                grads = torch.autograd.grad(modified, inputs, d_modified, allow_unused=True)
+                grads = torch.autograd.grad(
+                    modified, inputs, d_modified, allow_unused=True, create_graph=graph
+                )
             pairs = zip(inputs, grads, strict=True)
             full = [torch.zeros_like(x) if g is None else g for x, g in pairs]
             return full[0], tuple(full[1:])
 
-        return modified.detach(), pullback
+        return (modified if graph else modified.detach()), pullback
 
     return score_vjp
 
