@@ -57,41 +57,59 @@ def test_gradients_equal_the_dense_path(backend, xp, route, kw):
     assert np.abs(backend.to_numpy(got[3])).sum() > 0  # the table learns
 
 
-def hessian_vector_product(backend, fn, args, tangents):
-    """``d/dt grad fn(args + t·tangents)`` at t = 0: a gradient of a gradient.
+def hessian_vector_product(backend, fn, args, tangents, order):
+    """``d/dt grad fn(args + t·tangents)`` at t = 0: a gradient differentiated again.
 
-    torch: reverse over reverse (``create_graph=True``, then a second ``grad``); JAX:
-    forward over reverse (``jax.jvp`` of ``jax.grad``, under ``jit``).
+    `order`: "reverse over reverse" (torch: ``create_graph=True``, then a second
+    ``grad``; JAX: ``jax.grad`` of the gradient's dot with the tangents) or "forward
+    over reverse" (``torch.func.jvp`` of ``torch.func.grad``; ``jax.jvp`` of
+    ``jax.grad``). JAX's under ``jit``.
     """
+    argnums = tuple(range(len(args)))
     if backend.family == "torch":
         import torch
 
+        if order == "forward over reverse":
+            grad = torch.func.grad(fn, argnums=argnums)
+            return torch.func.jvp(grad, tuple(args), tuple(tangents))[1]
         leaves = [a.detach().clone().requires_grad_(True) for a in args]
         grads = torch.autograd.grad(fn(*leaves), leaves, create_graph=True)
         dot = sum(torch.sum(g * t) for g, t in zip(grads, tangents, strict=True))
         return torch.autograd.grad(dot, leaves)
     import jax
+    import jax.numpy as jnp
 
-    grad = jax.grad(fn, argnums=tuple(range(len(args))))
-    hvp = jax.jit(lambda a, t: jax.jvp(grad, a, t)[1])
+    grad = jax.grad(fn, argnums=argnums)
+    if order == "forward over reverse":
+        hvp = jax.jit(lambda a, t: jax.jvp(grad, a, t)[1])
+    else:
+
+        def dot(a, t):
+            return sum(jnp.sum(g * x) for g, x in zip(grad(*a), t, strict=True))
+
+        hvp = jax.jit(jax.grad(dot))
     return hvp(tuple(args), tuple(tangents))
 
 
 @pytest.mark.default_compile  # XLA's CPU backend at optimisation level 0 gives NaN here
+@pytest.mark.parametrize("order", ["reverse over reverse", "forward over reverse"])
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True, "softcap": 3.0, "window": (4, 1)}])
-def test_hessian_vector_products_equal_the_dense_path(backend, xp, route, kw):
+def test_hessian_vector_products_equal_the_dense_path(backend, xp, route, kw, order, request):
     """Second derivatives through the ``score_mod`` and the arrays it closes over.
 
     On torch's tiled route the ``score_mod``'s per-block pullback once dropped its
     graph: a double backward returned values 40-130% off, with no error.
     """
+    if route.name == "loop" and order == "reverse over reverse":
+        reason = "JAX refuses reverse mode through the loop's backward (traced loop bounds)"
+        request.applymarker(pytest.mark.xfail(raises=ValueError, strict=True, reason=reason))
     cot = backend.asarray(randn(2, 4, LQ, 3, seed=6))
     args = arrays(backend)
     tangents = [backend.asarray(randn(*np.shape(a), seed=20 + i)) for i, a in enumerate(args)]
     tiled = loss_of(backend, xp, route.kw, cot, **kw)
     dense = loss_of(backend, xp, {"block_size": "dense"}, cot, **kw)
-    got = hessian_vector_product(backend, tiled, args, tangents)
-    want = hessian_vector_product(backend, dense, args, tangents)
+    got = hessian_vector_product(backend, tiled, args, tangents, order)
+    want = hessian_vector_product(backend, dense, args, tangents, order)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(w), atol=1e-11)
     assert np.abs(backend.to_numpy(want[3])).sum() > 0  # the table's second derivative

@@ -309,13 +309,17 @@ def test_sdpa_is_given_rank_4_whatever_the_batch_axes(backend, monkeypatch, name
 
 
 @pytest.mark.backends("torch", reason="torch's forward-mode AD")
+@pytest.mark.parametrize("batch", [(), (2,)])
 @pytest.mark.parametrize("how", ["forward_ad", "torch.func.jvp"])
-def test_forward_mode_keeps_the_call_rank_for_sdpa(backend, how):
-    """A (H, L, D) call keeps its rank under forward-mode AD: the fused kernel has no rule."""
+def test_forward_mode_runs_sdpa_on_its_math_backend(backend, how, batch):
+    """``implementation="native"`` in forward mode: SDPA's math backend, at every rank.
+
+    Its fused CPU kernel has no forward-mode rule (it raises), at rank 4 too.
+    """
     import torch
     import torch.autograd.forward_ad as forward_ad
 
-    q, k, v = qkv(batch=(), lq=6, lk=9)
+    q, k, v = qkv(batch=batch, lq=6, lk=9)
     t = np.random.default_rng(9).standard_normal(q.shape)
     h = 1e-6
     ahead, behind = (reference_attention(q + s * h * t, k, v) for s in (1, -1))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _route
-from ._compat import device, torch_records
+from ._compat import device, forward_mode, torch_records
 from ._path import Route
 from ._scores import AttentionPlan
 
@@ -63,7 +63,8 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
     fourth (a pair's entries keyed with their types: ``(1, 2) == (True, 2)``). None:
     not kept -- an argument that is not an array (the checks will say), a learned
     `scale` or `softcap` (an array in the plan), a call that a torch tracer records
-    (``torch.compile``, ``torch.func``: the router decides differently there). A key
+    (``torch.compile``, ``torch.func``) or differentiates in forward mode: the router
+    decides differently there. A key
     with an unhashable part is never kept either (:func:`entry_for`).
     """
     query = arrays[0]
@@ -71,7 +72,10 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
     if hasattr(scale, "shape") or hasattr(softcap, "shape") or torch_records(query):
         return None
     try:
-        if _route.library(query).pins_devices:  # torch (.device, .layout), CuPy (.device.id)
+        row = _route.library(query)
+        if row.autodiff is not None and forward_mode(arrays):
+            return None
+        if row.pins_devices:  # torch (.device, .layout), CuPy (.device.id)
             parts: list[Any] = [
                 None
                 if x is None
@@ -85,7 +89,7 @@ def signature(arrays: tuple[Any, ...], options: tuple[Any, ...]) -> Any:
             parts = [None if x is None else (type(x), x.shape, x.dtype) for x in arrays]
             parts.append(device(query))
         # each option with its type, and a pair's entries' types: (1, 2) == (True, 2)
-        if _route.library(query).autodiff == "torch":  # a kernel without a backward
+        if row.autodiff == "torch":  # a kernel without a backward
             import torch
 
             parts.append(torch.is_grad_enabled())

@@ -15,7 +15,7 @@ import itertools
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import array_api_compat
@@ -53,6 +53,7 @@ __all__ = [
     "stop_gradient",
     "to_host",
     "records_grad",
+    "forward_mode",
     "torch_func_transforms",
     "torch_records",
     "torch_release",
@@ -199,6 +200,52 @@ def torch_func_transforms(x: Any) -> bool:
     return bool(
         functorch.is_functorch_wrapped_tensor(x) or functorch.peek_interpreter_stack() is not None
     )
+
+
+def forward_mode(arrays: Iterable[Any]) -> bool:
+    """Whether automatic differentiation in forward mode records a call of `arrays`.
+
+    torch: inside ``torch.autograd.forward_ad.dual_level()`` (dual tensors), or under
+    ``torch.func.jvp`` (``jacfwd``, ``hessian``: a JVP transform on functorch's stack),
+    not while ``torch.compile`` traces. JAX: one of `arrays` is traced by ``jax.jvp``
+    (``jacfwd``, ``hessian``'s outer transform): a JVP tracer whose tangent is not
+    ``grad``'s partial evaluation (jax < 0.5 differentiates in reverse that way too);
+    ``grad``, ``vjp`` and ``linearize`` trace with a ``LinearizeTracer``. False for
+    the other libraries, which do not differentiate. None entries are skipped.
+    """
+    given = [x for x in arrays if x is not None]
+    lib = library_name(given[0]) if given else None
+    if lib == "jax":
+        jvp, partial = _jax_tracers()
+        return any(
+            isinstance(x, jvp) and not isinstance(getattr(x, "tangent", None), partial)
+            for x in given
+        )
+    if lib != "torch":
+        return False
+    import torch
+
+    forward_ad = sys.modules["torch.autograd.forward_ad"]
+    # forward_ad's level is -1 outside a dual_level() (no public query of it)
+    dual = getattr(forward_ad, "_current_level", -1) >= 0
+    if not dual and torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    if torch.compiler.is_compiling():  # dynamo cannot trace functorch's queries
+        return False
+    if dual:
+        return True
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+@functools.cache
+def _jax_tracers() -> tuple[type, type]:
+    """JAX's tracer of ``jvp`` and that of ``grad``'s partial evaluation (jax < 0.5)."""
+    from jax.interpreters import ad, partial_eval
+
+    return ad.JVPTracer, partial_eval.JaxprTracer
 
 
 def torch_records(x: Any) -> bool:

@@ -42,7 +42,9 @@ The rules, in the order :func:`route` applies them:
    :data:`NATIVE_TILES_MIN_SKIP` of the tiles (or a ``mask_mod`` is given, on a CPU);
    a call whose structure lets the tiled path skip at least
    :data:`SKIP_FRACTION_FOR_TILED` of its pairs goes on to the next kernel (flex on
-   CUDA) or the tiled path. flex (torch CUDA) and cuDNN (JAX GPU): whole.
+   CUDA) or the tiled path. flex (torch CUDA) and cuDNN (JAX GPU): whole. A call
+   differentiated in forward mode skips the kernels without a forward rule
+   (``Kernel.forward_mode``).
 4. Otherwise dense while the dense scores fit in the library's ``dense_limit``, tiled
    above (:func:`_tiles`): NumPy in reused buffers (:func:`buffered_tiles`), in
    threads above :data:`THREADS_MIN_SCORE_BYTES`; JAX as a traced loop from
@@ -56,7 +58,8 @@ The rules, in the order :func:`route` applies them:
    (:func:`native_upcasts`), the dense path takes FlashAttention's form where
    ``Library.half_flash`` does (:func:`dense_flash_form`).
 7. A JAX call runs its path as one compiled program (``Route.compiled``), eagerly and
-   under ``grad`` and ``vmap`` (under ``jit``, one call inside the caller's program).
+   under ``grad`` and ``vmap`` (under ``jit``, one call inside the caller's program),
+   not under ``jax.jvp`` (:func:`runs_compiled`).
 
 A router setting changed at run time takes effect after :func:`portable_attn._lib._cache.forget`.
 """
@@ -73,6 +76,7 @@ from ._compat import (
     chunk_library,
     chunk_sizes,
     device_kind,
+    forward_mode,
     library_name,
     reads_host_values,
     records_grad,
@@ -299,6 +303,14 @@ class Kernel:
     transforms : bool
         It runs under ``torch.func``'s transforms (``vmap``, ``grad``); flex does not
         (dynamo refuses its batched tensors): such calls go elsewhere.
+    forward_mode : bool
+        It has a forward-mode derivative (``torch.func.jvp``, ``forward_ad``,
+        ``jax.jvp``): XLA's composition of ``jax.nn.dot_product_attention``. torch's
+        fused kernels have none (SDPA's CPU flash kernel raises; only its math backend
+        has one, building the whole scores), nor has cuDNN's ``custom_vjp``: the default
+        route sends a call differentiated in forward mode to the portable path, whose
+        walk differentiates in forward mode at O(L) memory. ``implementation="native"``
+        still runs SDPA there, on its math backend (``_paths/_native.py``).
     even_lengths : bool
         With a mask or a bias it needs even Lq and Lk (cuDNN's backward with a bias,
         jax 0.10's ``check_is_flash_attention``).
@@ -333,6 +345,7 @@ class Kernel:
     per_tile: bool = False
     backward: bool = True
     transforms: bool = True
+    forward_mode: bool = False
     even_lengths: bool = False
     dtypes: frozenset[str] | None = None
     head_dims: frozenset[int] | None = None
@@ -594,7 +607,7 @@ FLEX_CUDA = Kernel(
 #: fused kernel): only ``implementation="native"``; it needs Dv == Dk. Half precision:
 #: bfloat16 as it is; float16 as float32 copies (XLA CPU refuses "The precision
 #: 'F16_F16_F32'", benchmarks/results/half-jax.json).
-JAX_NN_CPU = Kernel("jax_nn", equal_dims=True, own_half=frozenset({"bfloat16"}))
+JAX_NN_CPU = Kernel("jax_nn", equal_dims=True, own_half=frozenset({"bfloat16"}), forward_mode=True)
 #: ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU, by default where
 #: cuDNN takes the call: float16 / bfloat16, Dv == Dk, head dims up to 128 and a
 #: multiple of 8 (jax 0.10's ``check_is_flash_attention``; 256 on Hopper and later).
@@ -614,7 +627,9 @@ JAX_CUDNN = Kernel(
 #: ``jax.nn.dot_product_attention`` with XLA's implementation on a GPU: what
 #: ``implementation="native"`` gets where cuDNN does not take the call (float32, other
 #: head dims); not the default (it builds the whole scores).
-JAX_NN_GPU = Kernel("jax_nn", equal_dims=True, own_half=frozenset({"bfloat16", "float16"}))
+JAX_NN_GPU = Kernel(
+    "jax_nn", equal_dims=True, own_half=frozenset({"bfloat16", "float16"}), forward_mode=True
+)
 
 #: One row per (library, device kind): the library by the name of the module that owns
 #: its arrays, the kind as :func:`~._compat.device_kind` names it. A kind not listed
@@ -781,17 +796,20 @@ def route(
     # eager, and under grad and vmap too (an eager jax.grad of the path would compile each
     # operation of its backward on its own: 378 programs for one gradient in the suite);
     # under jit the program is one call inside the caller's
-    compiled = not isinstance(path, Empty) and runs_compiled(lib, user_functions)
+    forward = forward_mode(call.flatten()[0].values())
+    compiled = not isinstance(path, Empty) and runs_compiled(lib, user_functions, forward)
     return Route(path, keys, compiled, _keeps_dtype(path))
 
 
-def runs_compiled(row: Library, user_functions: bool) -> bool:
+def runs_compiled(row: Library, user_functions: bool, forward: bool = False) -> bool:
     """Whether a call runs its path as one compiled program (rule 7).
 
     Every JAX call, a paged one too, but one with a ``mask_mod`` or ``score_mod``: a
-    program would keep them, with what they close over.
+    program would keep them, with what they close over; nor one `forward` mode
+    differentiates (``jax.jvp``): the program would be traced without its tangents, and
+    the tiled paths' ``custom_vjp`` inside refuses forward mode.
     """
-    return row.compiles_eager and not user_functions
+    return row.compiles_eager and not user_functions and not forward
 
 
 def reads_values(call: AttentionCall) -> bool:
@@ -1120,8 +1138,9 @@ def _score_bytes(call: AttentionCall) -> int:
 
 def _native_route(call: AttentionCall, lib: Library, return_lse: bool) -> Native | None:
     """Rule 3: the row's first default kernel that takes the call, unless tiles win."""
+    forward = forward_mode(call.flatten()[0].values())
     for kernel in lib.kernels:
-        if not kernel.default:
+        if not kernel.default or (forward and not kernel.forward_mode):
             continue
         if kernel_reason(call, kernel, return_lse=return_lse, per_tile=True) is not None:
             continue

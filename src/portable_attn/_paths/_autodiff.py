@@ -47,7 +47,7 @@ from typing import Any
 
 from .._lib._blocks import block_ranges
 from .._lib._call import AttentionCall
-from .._lib._compat import reads_host_values
+from .._lib._compat import forward_mode, reads_host_values
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._scores import score_index
@@ -71,6 +71,11 @@ def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
     so do the gradients of the arrays a ``score_mod`` closes over.
     """
     arrays, skeleton = call.flatten()
+    if forward_mode(arrays.values()):
+        # the function's derivatives are reverse-mode only: forward mode differentiates
+        # the walk itself, which keeps nothing for later (reverse mode beside it records
+        # the walk, as it records the dense path)
+        return walk(call, path, autodiff=True)
     if path.backward == "jax":
         blocks = [
             (qe - qs, ke - ks)
@@ -78,10 +83,11 @@ def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
             for ks, ke in block_ranges(call.plan.kv_len, path.block_k)
         ]
         mod = JaxScoreMod.of(call, blocks)
-        if mod is not None and not mod.traceable:
+        if mod is not None and (not mod.traceable or forward_mode(mod.params)):
             # Python logic on the indices' values: JAX's own autodiff differentiates the
             # eager walk (every block's weights kept, as the dense path does), so what the
-            # score_mod reads in any branch gets its gradient
+            # score_mod reads in any branch gets its gradient; or a tangent reaches only
+            # the arrays the score_mod closes over
             return walk(call, path, autodiff=True)
         return _jax_function(skeleton, path, mod)(arrays, mod.params if mod else ())
     import torch

@@ -43,6 +43,7 @@ from typing import Any
 
 from .._lib._blocks import FULL, PARTIAL, traced_pair_states
 from .._lib._call import AttentionCall
+from .._lib._compat import forward_mode
 from .._lib._fields import Role, axis_of, field
 from .._lib._masks import at_rank
 from .._lib._path import Tiled
@@ -108,6 +109,9 @@ def loop_attention(call: AttentionCall, path: Tiled) -> tuple[Array, Array]:
             valid = jnp.logical_and(mask, at_rank(jnp, valid, mask.ndim))
         arrays["mask"] = valid
     mod = JaxScoreMod.of(call, [(bq, bk)])
+    if forward_mode([*arrays.values(), *(mod.params if mod else ())]):
+        # its VJP is reverse-mode only: jax.jvp differentiates the loop itself
+        return _forward(skeleton, grid, arrays, autodiff=True)
 
     def with_params(params: tuple[Array, ...]) -> AttentionCall:
         return skeleton if mod is None else mod.into(skeleton, params)
@@ -219,16 +223,19 @@ def _unblock(x: Array, length: int) -> Array:
 
 
 def _forward(
-    skeleton: AttentionCall, grid: _Grid, arrays: dict[str, Array]
+    skeleton: AttentionCall, grid: _Grid, arrays: dict[str, Array], autodiff: bool = False
 ) -> tuple[Array, Array]:
+    """Return the loop's (out, lse); `autodiff`: JAX differentiates the loop (the max cut)."""
+    import jax
     import jax.numpy as jnp
     from jax import lax
 
     padded = _padded(arrays, grid)
     states = _states(skeleton, arrays, grid)
+    cut = jax.lax.stop_gradient if autodiff else None
 
     def walk(block: AttentionCall) -> OnlineSoftmax:
-        return OnlineSoftmax(block, Ops(jnp))
+        return OnlineSoftmax(block, Ops(jnp), stop_gradient=cut)
 
     def pair(i: Any, j: Any, carry: Any) -> Any:
         def run(full: bool) -> Any:

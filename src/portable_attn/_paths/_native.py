@@ -30,7 +30,7 @@ import numpy as np
 
 from .._lib._blocks import FULL, block_ranges, host_pair_states
 from .._lib._call import AttentionCall
-from .._lib._compat import to_host, torch_func_transforms
+from .._lib._compat import forward_mode, to_host, torch_func_transforms
 from .._lib._dense import dense_attention
 from .._lib._fields import axis_of, field
 from .._lib._masks import at_rank
@@ -252,11 +252,11 @@ def sdpa(
     result its batch axes back.
     Not under ``torch.func``'s transforms or forward-mode AD: the fused CPU kernel has no
     batching rule (``vmap`` loops over the examples, with a warning) and no forward-mode
-    rule (an error), the math has both. `query`, `key` and `value` have the same batch
+    rule (an error), the math backend has both (asked for by name in forward mode: the
+    fused kernel takes rank 4 there too). `query`, `key` and `value` have the same batch
     shape.
     """
     import torch
-    import torch.autograd.forward_ad as forward_ad
     import torch.nn.functional as F
 
     def kernel(query: Any, key: Any, value: Any, mask: Any) -> Any:
@@ -265,12 +265,13 @@ def sdpa(
             enable_gqa=enable_gqa,
         )  # fmt: skip
 
-    # forward_ad's level is -1 outside a ``dual_level()`` (no public query of it); dynamo
-    # cannot trace functorch's queries, and a compiled graph takes rank 4
-    transformed = not torch.compiler.is_compiling() and (
-        torch_func_transforms(query) or getattr(forward_ad, "_current_level", -1) >= 0
-    )
-    if transformed:
+    if forward_mode([query]):  # only the math backend has a forward-mode rule, at any rank
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return kernel(query, key, value, mask)
+    # dynamo cannot trace functorch's queries, and a compiled graph takes rank 4
+    if not torch.compiler.is_compiling() and torch_func_transforms(query):
         return kernel(query, key, value, mask)
     batch = tuple(query.shape[:-3])
     n = math.prod(batch)
