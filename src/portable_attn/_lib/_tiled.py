@@ -360,10 +360,12 @@ def online_step(
     """
     xp = ops.xp
     m, l_sum, acc, rows_seen = state
-    m_blk = ops.row_max(s)  # (..., rows, 1)
+    if stop_gradient is not None:  # autodiff differentiates the walk: forward mode copies
+        owned = False  # an array before writing in place, reverse mode may refuse to
+    # (..., rows, 1); its derivative is zero: cut before the max, which autodiff (forward
+    # mode too) then does not differentiate
+    m_blk = ops.row_max(s if stop_gradient is None else stop_gradient(s))
     m_new = m_blk if m is None else ops.maximum(m, m_blk)
-    if stop_gradient is not None:
-        m_new = stop_gradient(m_new)
     if rows_seen:  # m_new is finite in every row already
         m_safe = m_new
     else:  # a row hidden in every block so far: exp(-inf - finite) = 0

@@ -33,9 +33,13 @@ class Exp2Ops(Ops):
         return self.xp.exp2(x)
 
 
-def walk_ops(path: Tiled, xp: Any) -> Ops:
-    """Return the operations of `path`'s Python walk over arrays of namespace `xp`."""
-    return Exp2Ops(xp) if path.exp2 else Ops(xp)
+def walk_ops(path: Tiled, xp: Any, autodiff: bool = False) -> Ops:
+    """Return the operations of `path`'s Python walk over arrays of namespace `xp`.
+
+    `autodiff`: the library's autodiff differentiates the walk; ``exp`` then, whose
+    derivative is one product (``exp2`` scales in place, which forward mode copies).
+    """
+    return Exp2Ops(xp) if path.exp2 and not autodiff else Ops(xp)
 
 
 def walk(call: AttentionCall, path: Tiled, *, autodiff: bool = False) -> tuple[Any, Any]:
@@ -51,5 +55,5 @@ def walk(call: AttentionCall, path: Tiled, *, autodiff: bool = False) -> tuple[A
         path.block_k,
         fold=path.fold,
         stop_gradient=stop_gradient if autodiff else None,
-        ops=walk_ops(path, call.xp),
+        ops=walk_ops(path, call.xp, autodiff),
     )
