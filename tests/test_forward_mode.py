@@ -109,6 +109,26 @@ def test_jax_vmap_of_jvp(backend, route):
     np.testing.assert_allclose(np.asarray(got[1]), -2.0 * np.asarray(got[0]), atol=1e-12)
 
 
+def test_jacfwd_equals_jacrev(backend, route):
+    """``torch.func.jacfwd`` / ``jax.jacfwd`` (a JVP per input entry, batched) against the
+    reverse-mode Jacobian through the route's own backward."""
+    q, k, v = (backend.asarray(x) for x in qkv(batch=(1,), hq=2, hkv=1, lq=3, lk=5, dk=2, dv=2))
+
+    def f(q):
+        return scaled_dot_product_attention(q, k, v, is_causal=True, softcap=3.0, **route.kw)
+
+    if backend.family == "torch":
+        import torch
+
+        forward, reverse = torch.func.jacfwd(f)(q), torch.func.jacrev(f)(q)
+    else:
+        import jax
+
+        forward, reverse = jax.jit(jax.jacfwd(f))(q), jax.jit(jax.jacrev(f))(q)
+    np.testing.assert_allclose(backend.to_numpy(forward), backend.to_numpy(reverse), atol=1e-12)
+    assert np.abs(backend.to_numpy(forward)).max() > 0.01
+
+
 def test_jvp_against_central_differences(backend):
     """The default call's JVP against ``(f(x + εt) - f(x - εt)) / 2ε``, every array at once."""
     primals = arrays(backend)
@@ -217,3 +237,43 @@ def test_forward_mode_keeps_no_block_of_scores(backend, route):
         torch.func.jvp(f, (q, k, v), tangents)
     assert largest
     assert max(largest) < lq * lk
+
+
+def test_jvp_of_the_batched_calls(backend):
+    """``ragged_paged_attention`` (a decode row walked, 20 rows to the engine) and
+    ``varlen_attention``, against central differences along the tangents."""
+    from portable_attn.serving import ragged_paged_attention, varlen_attention
+
+    rng = np.random.default_rng(7)
+    pools = [rng.standard_normal((8, 16, 2, 8)) for _ in range(2)]
+    meta = [
+        backend.asarray(np.array(x)) for x in ([[3, 5, 0, 0], [1, 2, 7, 4]], [20, 50], [0, 1, 21])
+    ]
+    packed = [rng.standard_normal(shape) for shape in ((12, 4, 8), (20, 2, 8), (20, 2, 8))]
+    starts = [backend.asarray(np.array(x)) for x in ([0, 5, 12], [0, 9, 20])]
+
+    def paged(q, keys):
+        return ragged_paged_attention(q, keys, backend.asarray(pools[1]), *meta)
+
+    def varlen(q, k, v):
+        return varlen_attention(q, k, v, *starts, is_causal=True)
+
+    cases = [
+        (paged, [rng.standard_normal((21, 4, 8)), pools[0]]),
+        (varlen, packed),
+    ]
+    for f, point in cases:
+        direction = [rng.standard_normal(np.shape(x)) for x in point]
+        got = jvp(
+            backend,
+            f,
+            [backend.asarray(x) for x in point],
+            [backend.asarray(t) for t in direction],
+        )
+        eps = 1e-6
+        ahead, behind = (
+            backend.to_numpy(f(*(backend.asarray(x + sign * eps * t) for x, t in pairs)))
+            for sign in (1.0, -1.0)
+            for pairs in [zip(point, direction, strict=True)]
+        )
+        np.testing.assert_allclose(backend.to_numpy(got), (ahead - behind) / (2 * eps), atol=1e-7)
