@@ -203,7 +203,9 @@ def largest_jax(jaxpr) -> int:
 def test_forward_mode_keeps_no_block_of_scores(backend, route):
     """On a tiled route, no array of a forward-mode call holds all Lq x Lk scores of a head.
 
-    torch: every tensor a dispatch mode sees; JAX: every value of the program's jaxpr.
+    torch: every tensor a dispatch mode sees; JAX: every value of the program's jaxpr,
+    of the JVP and of forward over reverse. (torch's forward over reverse records the
+    walk, whose blocks together hold them.)
     """
     if route.name == "dense":
         pytest.skip("the dense path holds the scores")
@@ -216,8 +218,14 @@ def test_forward_mode_keeps_no_block_of_scores(backend, route):
 
     if backend.family == "jax":
         import jax
+        import jax.numpy as jnp
 
         program = jax.make_jaxpr(lambda p, t: jax.jvp(f, p, t))((q, k, v), tangents)
+        assert largest_jax(program.jaxpr) < lq * lk
+        # forward over reverse (a Hessian-vector product): forward mode through the
+        # recomputing backward keeps no block of scores either
+        grad = jax.grad(lambda *x: jnp.sum(f(*x)), argnums=(0, 1, 2))
+        program = jax.make_jaxpr(lambda p, t: jax.jvp(grad, p, t))((q, k, v), tangents)
         assert largest_jax(program.jaxpr) < lq * lk
         return
     import torch
