@@ -70,6 +70,28 @@ def test_jvp_equals_the_dense_path(backend, route, case):
     assert np.abs(backend.to_numpy(want)).max() > 0.1
 
 
+def test_jvp_of_the_lse(backend, route):
+    """The lse's tangent too; the largest logit has none (it has no gradient either)."""
+    primals = arrays(backend)[:3]
+    tangents = tangents_of(backend, primals)
+
+    def f(kw):
+        def attend(q, k, v):
+            out = scaled_dot_product_attention(
+                q, k, v, is_causal=True, return_lse=True, return_max_logit=True, **kw
+            )
+            return out
+
+        return attend
+
+    got = jvp(backend, f(route.kw), primals, tangents)
+    want = jvp(backend, f({"block_size": "dense"}), primals, tangents)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(w), atol=1e-12)
+    assert np.abs(backend.to_numpy(want[1])).max() > 0.1  # the lse's
+    assert not np.abs(backend.to_numpy(want[2])).any()  # the largest logit's
+
+
 def test_jvp_of_a_learned_scale_softcap_and_slopes(backend, route):
     """The 0-d scale and softcap and the ALiBi slopes as arrays with tangents of their own."""
     q, k, v = (backend.asarray(x) for x in qkv(lq=LQ, lk=LK, dk=5, dv=3))
