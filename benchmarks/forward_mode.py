@@ -6,6 +6,10 @@
   in forward mode (``torch.func.jvp``; ``jax.jit`` of ``jax.jvp``), each in a fresh
   process: the default call against ``block_size="dense"``, and the default call's
   forward alone; float32, B=1, H=1, D=64, L = 4096 and 16384.
+- ``hvp``: the same for a Hessian-vector product, forward over reverse (``jax.jvp`` of
+  ``jax.grad`` under ``jit``; ``torch.func.jvp`` of ``torch.func.grad``), the default
+  call against the dense path: JAX at L = 4096, 8192 and 16384 (the dense path at 16384
+  is not run), torch at L = 4096.
 - ``time``: interleaved medians at L = 4096 (B=1, H=8, D=64, float32, causal): the
   default call's JVP against its forward alone and against the dense path's JVP, torch
   eager and JAX under ``jit``.
@@ -39,15 +43,23 @@ if library == "torch":
     import torch
     q, k, v, t = (torch.from_numpy(x) for x in host)
     f = lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-    run = (lambda: f(q, k, v)) if what == "forward" else (
-        lambda: torch.func.jvp(f, (q, k, v), (t, t, t))[1])
+    grad = torch.func.grad(lambda *x: f(*x).sum(), argnums=(0, 1, 2))
+    run = {
+        "forward": lambda: f(q, k, v),
+        "jvp": lambda: torch.func.jvp(f, (q, k, v), (t, t, t))[1],
+        "hvp": lambda: torch.func.jvp(grad, (q, k, v), (t, t, t))[1],
+    }[what]
     f(q[..., :8, :], k[..., :8, :], v[..., :8, :])
 else:
     import jax, jax.numpy as jnp
     q, k, v, t = (jnp.asarray(x) for x in host)
     f = lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-    g = jax.jit(f if what == "forward" else (
-        lambda q, k, v, t: jax.jvp(f, (q, k, v), (t, t, t))[1]))
+    grad = jax.grad(lambda *x: jnp.sum(f(*x)), argnums=(0, 1, 2))
+    g = jax.jit({
+        "forward": f,
+        "jvp": lambda q, k, v, t: jax.jvp(f, (q, k, v), (t, t, t))[1],
+        "hvp": lambda q, k, v, t: jax.jvp(grad, (q, k, v), (t, t, t))[1],
+    }[what])
     args = (q, k, v) if what == "forward" else (q, k, v, t)
     compiled = g.lower(*args).compile()
     run = lambda: jax.block_until_ready(compiled(*args))
@@ -57,19 +69,37 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 """
 
 
+def _probe(library: str, what: str, block: str, length: int) -> float:
+    probe = [sys.executable, "-c", PROBE, library, what, block, str(length)]
+    done = subprocess.run(probe, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
 def memory() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for library in ("torch", "jax"):
         for length in (4096, 16384):
             row = {}
             for what, block in (("forward", "default"), ("jvp", "default"), ("jvp", "dense")):
-                probe = [sys.executable, "-c", PROBE, library, what, block, str(length)]
-                done = subprocess.run(probe, capture_output=True, text=True, check=True)
-                row[f"{what}_{block}_mib"] = float(done.stdout.split()[-1])
+                row[f"{what}_{block}_mib"] = _probe(library, what, block, length)
             row["jvp_over_forward"] = row["jvp_default_mib"] / row["forward_default_mib"]
             row["dense_jvp_over_jvp"] = row["jvp_dense_mib"] / row["jvp_default_mib"]
             out[f"{library} L={length}"] = row
             print("memory", library, length, json.dumps(row), flush=True)
+    return out
+
+
+def hvp_memory() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for library, length, blocks in (
+        ("jax", 4096, ("default", "dense")),
+        ("jax", 8192, ("default", "dense")),
+        ("jax", 16384, ("default",)),
+        ("torch", 4096, ("default", "dense")),
+    ):
+        row = {f"hvp_{block}_mib": _probe(library, "hvp", block, length) for block in blocks}
+        out[f"{library} L={length}"] = row
+        print("hvp", library, length, json.dumps(row), flush=True)
     return out
 
 
@@ -130,7 +160,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default=str(HERE / "results" / "forward-mode.json"))
     args = parser.parse_args()
-    result = {"git": git_state(), "memory": memory(), "time": timing(args.repeats)}
+    result = {"git": git_state(), "memory": memory(), "hvp": hvp_memory()}
+    result["time"] = timing(args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)
 
