@@ -360,8 +360,8 @@ def online_step(
     """
     xp = ops.xp
     m, l_sum, acc, rows_seen = state
-    if stop_gradient is not None:  # autodiff differentiates the walk: forward mode copies
-        owned = False  # an array before writing in place, reverse mode may refuse to
+    if stop_gradient is not None:  # autodiff differentiates the walk: no writes in place
+        owned = False  # (forward mode copies the array first; reverse mode may refuse)
     # (..., rows, 1); its derivative is zero: cut before the max, which autodiff (forward
     # mode too) then does not differentiate
     m_blk = ops.row_max(s if stop_gradient is None else stop_gradient(s))
