@@ -438,3 +438,37 @@ def set_kernels(monkeypatch, name=None, **fields):
         if name is None or name in (key, key[0]):
             kernels = tuple(dataclasses.replace(k, **fields) for k in row.kernels)
             monkeypatch.setitem(_route.LIBRARIES, key, dataclasses.replace(row, kernels=kernels))
+
+
+def hessian_vector_product(backend, fn, args, tangents, order):
+    """``d/dt grad fn(args + t·tangents)`` at t = 0: a gradient differentiated again.
+
+    `order`: "reverse over reverse" (torch: ``create_graph=True``, then a second
+    ``grad``; JAX: ``jax.grad`` of the gradient's dot with the tangents) or "forward
+    over reverse" (``torch.func.jvp`` of ``torch.func.grad``; ``jax.jvp`` of
+    ``jax.grad``). JAX's under ``jit``.
+    """
+    argnums = tuple(range(len(args)))
+    if backend.family == "torch":
+        import torch
+
+        if order == "forward over reverse":
+            grad = torch.func.grad(fn, argnums=argnums)
+            return torch.func.jvp(grad, tuple(args), tuple(tangents))[1]
+        leaves = [a.detach().clone().requires_grad_(True) for a in args]
+        grads = torch.autograd.grad(fn(*leaves), leaves, create_graph=True)
+        dot = sum(torch.sum(g * t) for g, t in zip(grads, tangents, strict=True))
+        return torch.autograd.grad(dot, leaves)
+    import jax
+    import jax.numpy as jnp
+
+    grad = jax.grad(fn, argnums=argnums)
+    if order == "forward over reverse":
+        hvp = jax.jit(lambda a, t: jax.jvp(grad, a, t)[1])
+    else:
+
+        def dot(a, t):
+            return sum(jnp.sum(g * x) for g, x in zip(grad(*a), t, strict=True))
+
+        hvp = jax.jit(jax.grad(dot))
+    return hvp(tuple(args), tuple(tangents))

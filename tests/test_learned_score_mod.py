@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _helpers import qkv, randn
+from _helpers import hessian_vector_product, qkv, randn
 from portable_attn import scaled_dot_product_attention
 from portable_attn.testing import central_differences
 
@@ -55,40 +55,6 @@ def test_gradients_equal_the_dense_path(backend, xp, route, kw):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(backend.to_numpy(g), backend.to_numpy(w), atol=1e-12)
     assert np.abs(backend.to_numpy(got[3])).sum() > 0  # the table learns
-
-
-def hessian_vector_product(backend, fn, args, tangents, order):
-    """``d/dt grad fn(args + t·tangents)`` at t = 0: a gradient differentiated again.
-
-    `order`: "reverse over reverse" (torch: ``create_graph=True``, then a second
-    ``grad``; JAX: ``jax.grad`` of the gradient's dot with the tangents) or "forward
-    over reverse" (``torch.func.jvp`` of ``torch.func.grad``; ``jax.jvp`` of
-    ``jax.grad``). JAX's under ``jit``.
-    """
-    argnums = tuple(range(len(args)))
-    if backend.family == "torch":
-        import torch
-
-        if order == "forward over reverse":
-            grad = torch.func.grad(fn, argnums=argnums)
-            return torch.func.jvp(grad, tuple(args), tuple(tangents))[1]
-        leaves = [a.detach().clone().requires_grad_(True) for a in args]
-        grads = torch.autograd.grad(fn(*leaves), leaves, create_graph=True)
-        dot = sum(torch.sum(g * t) for g, t in zip(grads, tangents, strict=True))
-        return torch.autograd.grad(dot, leaves)
-    import jax
-    import jax.numpy as jnp
-
-    grad = jax.grad(fn, argnums=argnums)
-    if order == "forward over reverse":
-        hvp = jax.jit(lambda a, t: jax.jvp(grad, a, t)[1])
-    else:
-
-        def dot(a, t):
-            return sum(jnp.sum(g * x) for g, x in zip(grad(*a), t, strict=True))
-
-        hvp = jax.jit(jax.grad(dot))
-    return hvp(tuple(args), tuple(tangents))
 
 
 @pytest.mark.default_compile  # XLA's CPU backend at optimisation level 0 gives NaN here

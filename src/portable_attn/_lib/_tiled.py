@@ -98,6 +98,9 @@ class Ops:
     (:class:`OnlineSoftmax`) is written once against these.
     """
 
+    #: runs a query block of a backward that the library's autodiff records (:meth:`recomputed`)
+    recorder: Callable[[Callable[..., Any], tuple[Any, ...], tuple[Any, ...]], Any] | None = None
+
     def __init__(self, xp: Any) -> None:
         self.xp = xp
 
@@ -181,6 +184,20 @@ class Ops:
 
     def release(self) -> None:
         """Hand back what the walk held (a workspace's thread arena)."""
+
+    def recomputed(
+        self, block: Callable[..., Any], args: tuple[Any, ...], reads: tuple[Any, ...]
+    ) -> Any:
+        """``block(*args, *reads)``: a pair of blocks of the backward; `reads` its arrays.
+
+        A library whose autodiff records the backward (a second derivative) may keep
+        only `reads` and run the block again for its own backward, so the record holds
+        no block's scores, and its backward one block's at a time: `recorder`, where
+        set, runs it.
+        """
+        if self.recorder is not None:
+            return self.recorder(block, args, reads)
+        return block(*args, *reads)
 
 
 class RowState(NamedTuple):
@@ -681,81 +698,112 @@ def tiled_backward(
     q_blocks = block_ranges(plan.q_len, block_q)
     if states is None:
         states = host_pair_states(call, q_blocks, k_blocks)
-    for i, q_range in enumerate(q_blocks):
-        qs, qe = q_range
-        q_blk = q[..., qs:qe, :]
+
+    arrays, skeleton = call.flatten()
+    others = tuple(n for n in arrays if n not in ("query", "key", "value"))
+    # each block sliced once: a library that records the backward sums a block's
+    # gradients from its pairs before the slice's own backward
+    rows = [tuple(x[..., qs:qe, :] for x in (q, dout, lse, delta)) for qs, qe in q_blocks]
+    columns = [(k[..., ks:ke, :], v[..., ks:ke, :]) for ks, ke in k_blocks]
+
+    def pair(i: int, j: int, *reads: Any) -> tuple[Any, ...]:
+        """Return the gradient parts of query block i and key block j.
+
+        `reads`: the arrays the pair reads: its blocks of Q, K, V, the output's
+        cotangent, the lse and ``delta``, then the call's other arrays (by `others`).
+        The parts: dq (as rows), dk, dv, the scores' gradient for the bias, and the
+        slopes', softcap's and ``score_mod`` parameters' (None where not wanted).
+        """
+        q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, *given = reads
+        part = call  # the call's own arrays, or others in their place (a recomputation's)
+        if any(x is not y for x, y in zip(given, rest, strict=True)):
+            part = skeleton.unflatten(dict(zip(others, given, strict=True)))
+        bias, terms, plan = part.bias, part.terms, part.plan
+        q_range, k_range = q_blocks[i], k_blocks[j]
         q_rows = scaled_query_rows(xp, q_blk, plan)  # (..., Hkv, G*bq, Dk)
-        do_rows = heads_to_rows(xp, dout[..., qs:qe, :], hkv)  # (..., Hkv, G*bq, Dv)
-        lse_blk, delta_blk = lse[..., qs:qe, :], delta[..., qs:qe, :]
+        do_rows = heads_to_rows(xp, do_blk, hkv)  # (..., Hkv, G*bq, Dv)
+        dslopes = dsoftcap = d_params = None
+        full = states[i][j] == FULL
+        some_rows = not full and terms.q_segments is not None  # keys hidden from some rows
+        if not full:  # keys no row of the block sees: zero, whatever they hold
+            hidden = keys_hidden_from_rows(xp, terms, plan, q_range, k_range)
+            k_blk = hidden_rows_zeroed(xp, k_blk, hidden)
+            v_blk = hidden_rows_zeroed(xp, v_blk, hidden)
+        raw, capped, s, pullback, allowed, owned = _block_scores(
+            xp,
+            q_rows,
+            k_blk,
+            bias,
+            terms,
+            plan,
+            q_range,
+            k_range,
+            full,
+            score_vjp,
+            some_rows,
+        )
+        # in place but with sinks: lse varies along them and s does not (torch.func.vmap
+        # over the sinks refuses to write such an lse into an unbatched s)
+        owned = owned and terms.sinks is None
+        p = ops.exp_shifted(s, lse_blk, owned)  # (..., Hq, bq, bk): exact probabilities
+        p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)
+        p_rows = heads_to_rows(xp, p_kept, hkv)  # (..., Hkv, G*bq, bk)
+        dv_blk = xp.matmul(xp.matrix_transpose(p_rows), do_rows)  # (..., Hkv, bk, Dv)
+        if terms.dropout_keep is not None:
+            dv_blk = dv_blk * terms.dropout_scale
+        dp = rows_to_heads(xp, xp.matmul(do_rows, xp.matrix_transpose(v_blk)), hq)
+        if terms.dropout_keep is not None:
+            dp = _keep(xp, dp, terms, q_range, k_range) * terms.dropout_scale
+        ds = dp - delta_blk  # d loss / d (logits + bias), (..., Hq, bq, bk)
+        ds *= p  # ours: one block fewer (a new array where xp's are immutable)
+        if some_rows and allowed is not None:  # a hidden entry's dp: another's value
+            ds = xp.where(allowed, ds, 0.0)
+        ds_bias = ds if need_bias_grad else None
+        if need_slope_grad:  # scores -= slope * |i' - j|
+            slopes = terms.alibi_slopes
+            distance = alibi_distance(xp, terms, plan, q_range, k_range)
+            dslopes = sum_to_shape(xp, -ds * at_rank(xp, distance, ds.ndim), tuple(slopes.shape))
+        if pullback is not None:  # through score_mod: to its input and its parameters
+            ds, d_params = pullback(sum_to_shape(xp, ds, tuple(capped.shape)))
+        if plan.softcap is not None:  # through c·tanh(x/c): d/dx = 1 - t², t = tanh(x/c)
+            t = capped / plan.softcap
+            if need_softcap_grad:  # d/dc = t - (x/c)(1 - t²)
+                dsoftcap = xp.sum(ds * (t - (raw / plan.softcap) * (1.0 - t * t)))
+            ds = ds * (1.0 - t * t)
+        ds_rows = heads_to_rows(xp, ds, hkv)  # (..., Hkv, G*bq, bk)
+        # (..., Hkv, G*bq, Dk): the keys some rows do not see never reach those rows
+        dq_blk = visible_product(
+            xp, xp.matmul, ds_rows, k_blk, None, some_rows=some_rows, signed=True
+        )
+        dk_blk = xp.matmul(xp.matrix_transpose(ds_rows), q_rows)  # (..., Hkv, bk, Dk)
+        return dq_blk, dk_blk, dv_blk, ds_bias, dslopes, dsoftcap, d_params
+
+    rest = tuple(arrays[n] for n in others)
+    for i, q_range in enumerate(q_blocks):
         dq_rows = None
         dbias_cols: list[Any] = []
-        for j, k_range in enumerate(k_blocks):
-            ks, ke = k_range
+        for j in range(len(k_blocks)):
             if not states[i][j]:
                 if need_bias_grad:
                     dbias_cols.append(None)
                 continue
-            k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
-            full = states[i][j] == FULL
-            some_rows = not full and terms.q_segments is not None  # keys hidden from some rows
-            if not full:  # keys no row of the block sees: zero, whatever they hold
-                hidden = keys_hidden_from_rows(xp, terms, plan, q_range, k_range)
-                k_blk = hidden_rows_zeroed(xp, k_blk, hidden)
-                v_blk = hidden_rows_zeroed(xp, v_blk, hidden)
-            raw, capped, s, pullback, allowed, owned = _block_scores(
-                xp,
-                q_rows,
-                k_blk,
-                bias,
-                terms,
-                plan,
-                q_range,
-                k_range,
-                full,
-                score_vjp,
-                some_rows,
-            )
-            # in place but with sinks: lse varies along them and s does not (torch.func.vmap
-            # over the sinks refuses to write such an lse into an unbatched s)
-            owned = owned and terms.sinks is None
-            p = ops.exp_shifted(s, lse_blk, owned)  # (..., Hq, bq, bk): exact probabilities
-            p_kept = _keep(xp, p, terms, q_range, k_range)  # dropout, before 1/(1-p)
-            p_rows = heads_to_rows(xp, p_kept, hkv)  # (..., Hkv, G*bq, bk)
-            dv_blk = xp.matmul(xp.matrix_transpose(p_rows), do_rows)  # (..., Hkv, bk, Dv)
-            if terms.dropout_keep is not None:
-                dv_blk = dv_blk * terms.dropout_scale
-            dv_sums[j] = dv_blk if dv_sums[j] is None else dv_sums[j] + dv_blk
-            dp = rows_to_heads(xp, xp.matmul(do_rows, xp.matrix_transpose(v_blk)), hq)
-            if terms.dropout_keep is not None:
-                dp = _keep(xp, dp, terms, q_range, k_range) * terms.dropout_scale
-            ds = dp - delta_blk  # d loss / d (logits + bias), (..., Hq, bq, bk)
-            ds *= p  # ours: one block fewer (a new array where xp's are immutable)
-            if some_rows and allowed is not None:  # a hidden entry's dp: another's value
-                ds = xp.where(allowed, ds, 0.0)
-            if need_bias_grad:
-                dbias_cols.append(ds)
-            if need_slope_grad:  # scores -= slope * |i' - j|
-                slopes = terms.alibi_slopes
-                distance = alibi_distance(xp, terms, plan, q_range, k_range)
-                d = sum_to_shape(xp, -ds * at_rank(xp, distance, ds.ndim), tuple(slopes.shape))
-                dslopes = d if dslopes is None else dslopes + d
-            if pullback is not None:  # through score_mod: to its input and its parameters
-                ds, d_params = pullback(sum_to_shape(xp, ds, tuple(capped.shape)))
-                dparams = list(d_params) if dparams is None else _sums(dparams, d_params)
-            if plan.softcap is not None:  # through c·tanh(x/c): d/dx = 1 - t², t = tanh(x/c)
-                t = capped / plan.softcap
-                if need_softcap_grad:  # d/dc = t - (x/c)(1 - t²)
-                    d = xp.sum(ds * (t - (raw / plan.softcap) * (1.0 - t * t)))
-                    dsoftcap = d if dsoftcap is None else dsoftcap + d
-                ds = ds * (1.0 - t * t)
-            ds_rows = heads_to_rows(xp, ds, hkv)  # (..., Hkv, G*bq, bk)
-            # (..., Hkv, G*bq, Dk): the keys some rows do not see never reach those rows
-            dq_blk = visible_product(
-                xp, xp.matmul, ds_rows, k_blk, None, some_rows=some_rows, signed=True
+            # a library that records this backward (it is differentiated again) may keep
+            # only what the pair reads, and compute the pair again for its own backward
+            q_blk, do_blk, lse_blk, delta_blk = rows[i]
+            reads = (q_blk, *columns[j], do_blk, lse_blk, delta_blk, *rest)
+            dq_blk, dk_blk, dv_blk, ds, d_slopes, d_softcap, d_params = ops.recomputed(
+                pair, (i, j), reads
             )
             dq_rows = dq_blk if dq_rows is None else dq_rows + dq_blk
-            dk_blk = xp.matmul(xp.matrix_transpose(ds_rows), q_rows)  # (..., Hkv, bk, Dk)
             dk_sums[j] = dk_blk if dk_sums[j] is None else dk_sums[j] + dk_blk
+            dv_sums[j] = dv_blk if dv_sums[j] is None else dv_sums[j] + dv_blk
+            if need_bias_grad:
+                dbias_cols.append(ds)
+            dslopes = _plus(dslopes, d_slopes)
+            dsoftcap = _plus(dsoftcap, d_softcap)
+            if d_params is not None:
+                dparams = list(d_params) if dparams is None else _sums(dparams, d_params)
+        qs, qe = q_range
         if dq_rows is None:  # no key visible from this query block
             dq_parts.append(_zeros(xp, (*plan.batch, hq, qe - qs, q.shape[-1]), plan))
         else:
@@ -785,6 +833,13 @@ def tiled_backward(
 
 def _sums(totals: list[Any], parts: Any) -> list[Any]:
     return [t + p for t, p in zip(totals, parts, strict=True)]
+
+
+def _plus(total: Any | None, part: Any | None) -> Any | None:
+    """``total + part``, where None is nothing yet."""
+    if part is None:
+        return total
+    return part if total is None else total + part
 
 
 def _kv_grad(xp: Any, sums: list[Any], x: Any, k_blocks: list[Range], plan: AttentionPlan) -> Any:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -139,8 +140,11 @@ def _backward(
     grads: tuple[Any, Any],
     need: tuple[str, ...],
     score_vjp: ScoreVjp | None = None,
+    params: tuple[Any, ...] = (),
 ) -> dict[str, Any]:
     """Run the portable backward; `grads` are the cotangents of (out, row statistics).
+
+    `params`: the arrays the ``score_mod`` closes over (`score_vjp`'s).
 
     Only the lse column of the statistics has a gradient (the row max has none).
     """
@@ -160,8 +164,105 @@ def _backward(
         need=need,
         dlse=dlse,
         score_vjp=score_vjp,
-        ops=walk_ops(path, call.xp),
+        ops=_backward_ops(path, call.xp, params),
     )
+
+
+def _backward_ops(path: Tiled, xp: Any, params: tuple[Any, ...]) -> Any:
+    """Return the operations of the backward walk: the forward's, recorded at O(L) by torch.
+
+    Where torch records the backward (grad mode on in it: ``create_graph=True``, to be
+    differentiated again), each query block is one node of the record
+    (:func:`_recomputed_function`) that keeps the arrays the block reads and runs the
+    block again in its own backward: the record holds no block's scores, where
+    recording the walk's operations would hold every block's (O(Lq·Lk)). `params`:
+    the arrays the ``score_mod`` closes over, read by the blocks too.
+    """
+    ops = walk_ops(path, xp)
+    if path.backward != "torch":
+        return ops
+    import torch
+
+    if torch.is_grad_enabled():
+        ops.recorder = functools.partial(_recorded, params=params)
+    return ops
+
+
+def _recorded(
+    block: Callable[..., Any],
+    args: tuple[Any, ...],
+    reads: tuple[Any, ...],
+    params: tuple[Any, ...],
+) -> Any:
+    """Run ``block(*args, *reads)`` as one recorded node (:func:`_recomputed_function`)."""
+    if not any(map(torch_requires_grad, (*reads, *params))):
+        return block(*args, *reads)
+    from torch.utils._pytree import tree_unflatten
+
+    spec = types.SimpleNamespace()  # not a list, which torch.func would take apart
+    leaves = _recomputed_function().apply(block, args, spec, len(reads), *reads, *params)
+    return tree_unflatten(list(leaves), spec.structure)
+
+
+@functools.cache
+def _recomputed_function() -> Any:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    class Recomputed(torch.autograd.Function):
+        """``block(*args, *reads)``, differentiated by running it again.
+
+        Inputs: the block, its arguments, a namespace that receives the structure of
+        its result, the number of `reads`, the `reads`, then the arrays the ``score_mod``
+        closes over (read from the block's closure); outputs: the tensors of its result.
+        The backward runs the block on detached `reads` and takes the gradients of those
+        and of the closure's arrays by ``torch.autograd.grad``.
+        """
+
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(block: Any, args: Any, spec: Any, n: int, *tensors: Any) -> Any:
+            leaves, spec.structure = tree_flatten(block(*args, *tensors[:n]))
+            return tuple(leaves)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            block, args, _, n, *tensors = inputs
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(*tensors)
+            ctx.block, ctx.args, ctx.n = block, args, n
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            tensors = ctx.saved_tensors
+            reads = [
+                x.detach().requires_grad_() if torch_requires_grad(x) else x
+                for x in tensors[: ctx.n]
+            ]
+            with torch.enable_grad():
+                leaves, _ = tree_flatten(ctx.block(*ctx.args, *reads))
+            pairs = [
+                (x, g)
+                for x, g in zip(leaves, grads, strict=True)
+                if g is not None and x is not None and x.requires_grad
+            ]
+            inputs = (*reads, *tensors[ctx.n :])
+            wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
+            d: list[Any] = [None] * len(inputs)
+            if pairs and wanted:
+                found = torch.autograd.grad(
+                    [x for x, _ in pairs],
+                    [inputs[i] for i in wanted],
+                    [g for _, g in pairs],
+                    allow_unused=True,
+                    create_graph=torch.is_grad_enabled(),
+                )
+                for i, g in zip(wanted, found, strict=True):
+                    d[i] = g
+            return (None, None, None, None, *d)
+
+    return Recomputed
 
 
 def _differentiable(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -570,7 +671,7 @@ def _torch_function() -> Any:
             score_vjp = None
             if call.terms.score_mod is not None:
                 score_vjp = torch_score_vjp(call.terms.score_mod, params)
-            g = _backward(call, ctx.path, (out, lse), (dout, dlse), need, score_vjp)
+            g = _backward(call, ctx.path, (out, lse), (dout, dlse), need, score_vjp, params)
             d_params = g.get("score_params", (None,) * len(params))
             return (None, None, None, None, *(g.get(n) for n in names), *d_params)
 

@@ -34,7 +34,7 @@ from .._lib._compat import forward_mode, to_host, torch_func_transforms
 from .._lib._dense import dense_attention
 from .._lib._fields import axis_of, field
 from .._lib._masks import at_rank
-from .._lib._path import Native
+from .._lib._path import Native, Tiled
 from .._lib._scores import (
     AttentionPlan,
     ScoreTerms,
@@ -282,7 +282,64 @@ def sdpa(
         if len(batch) > 1:
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(n, *mask.shape[-3:])
     out = kernel(query, key, value, mask)
+    if out.grad_fn is not None and type(out.grad_fn).__name__ in ONCE_DIFFERENTIABLE:
+        out.grad_fn.register_hook(_second_order(query, key, value, mask, is_causal, scale))
     return out if len(batch) == 1 else out.reshape(*batch, *out.shape[-3:])
+
+
+#: torch's nodes of SDPA's fused kernels, whose backward has no derivative of its own
+ONCE_DIFFERENTIABLE = frozenset(
+    {
+        "ScaledDotProductFlashAttentionForCpuBackward0",
+        "ScaledDotProductFlashAttentionBackward0",
+        "ScaledDotProductEfficientAttentionBackward0",
+        "ScaledDotProductCudnnAttentionBackward0",
+    }
+)
+
+
+def _second_order(query: Any, key: Any, value: Any, mask: Any, causal: bool, scale: float) -> Any:
+    """Return a hook for a fused SDPA node: where its backward is recorded, the portable one's.
+
+    The fused kernels' backward has no derivative (torch raises in the second
+    backward). Where the backward runs with grad mode on (``create_graph=True``: it
+    will be differentiated), the gradients of Q, K and V it passes on are replaced
+    by those of the portable path on the same arrays: the tiled walk's recomputing
+    backward, recorded at O(L) memory (:func:`~._autodiff.recomputing_attention` on the
+    router's tiles). A first-order backward is the kernel's alone.
+    The hook holds the node's own inputs (the node keeps them anyway), not the node.
+    """
+    import torch
+
+    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> Any:
+        if not torch.is_grad_enabled() or grad_outputs[0] is None:
+            return None
+        from .._lib import _route as router
+        from .._lib._call import prepare
+        from ._autodiff import recomputing_attention
+
+        masks = {}
+        if mask is not None:
+            masks["mask" if mask.dtype == torch.bool else "bias"] = mask
+        qkv = (query, key, value)
+        call = prepare(*qkv, is_causal=causal, scale=scale, **masks)
+        tiles = router.library(query).tiles  # the tiled walk: O(L) where recorded
+        route = router.route(call, tiles, "portable")
+        if not isinstance(route.path, Tiled) or route.path.backward != "torch":
+            return None  # nothing the walk computes here (the kernel's error stands)
+        with torch.enable_grad():
+            out, _ = recomputing_attention(call.in_compute_dtype(), route.path)
+            out = call.finish(out)
+        wanted = [i for i in range(3) if grad_inputs[i] is not None]
+        grads = torch.autograd.grad(
+            out, [qkv[i] for i in wanted], grad_outputs[0], create_graph=True
+        )
+        replaced = list(grad_inputs)
+        for i, g in zip(wanted, grads, strict=True):
+            replaced[i] = g
+        return tuple(replaced)
+
+    return hook
 
 
 def direct_kernel(
