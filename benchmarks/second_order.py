@@ -2,7 +2,8 @@
 
     python benchmarks/second_order.py   # writes benchmarks/results/second-order.json
 
-- ``memory``: the peak extra resident memory (MiB) of one causal call, each in a fresh
+- ``memory``: the peak extra resident memory (MiB) of one causal call (the resident
+  set's peak, reset just before it, less the resident set then), each in a fresh
   process, B=1, H=8, D=64, float32: a training step (forward, backward) and a
   Hessian-vector product of the same loss -- torch: a double backward
   (``torch.autograd.grad(..., create_graph=True)``, then ``grad`` of the gradient's dot
@@ -34,7 +35,7 @@ from report import git_state  # noqa: E402
 
 #: run in a fresh process: library, what, block_size, L -> extra MiB on stdout
 PROBE = """
-import resource, sys
+import sys
 import numpy as np
 library, what, block, L = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 from portable_attn import scaled_dot_product_attention
@@ -66,9 +67,15 @@ else:
     }[what])
     compiled = g.lower(q, k, v, t).compile()
     run = lambda: jax.block_until_ready(compiled(q, k, v, t))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status(field):  # kB
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here
+    f.write("5")
 run()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+print((status("VmHWM") - before) / 1024)
 """
 
 #: (library, L, what, block_size) of each memory probe
