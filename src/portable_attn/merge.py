@@ -10,6 +10,7 @@ which ``jax_parallel`` and the Dask path use too).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,9 @@ __all__ = ["merge_attention"]
 Array = Any
 
 
-def merge_attention(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Array, Array]:
+def merge_attention(
+    outs: Sequence[Array], lses: Sequence[Array], *, lse_base: float = math.e
+) -> tuple[Array, Array]:
     r"""Combine attention results over disjoint key sets into the attention over all of them.
 
     For parts ``p`` with outputs ``out_p`` and log-sum-exps ``lse_p`` (from
@@ -47,6 +50,10 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Array
         float32 and cast back).
     lses : sequence of arrays, each shape (B..., Hq, Lq)
         Each part's row log-sum-exp, in the same order.
+    lse_base : float, default e
+        The base of the logarithms in `lses` and in the returned lse: ``2`` for
+        states kept as ``log2 Σ 2^(s · log2 e)`` (FlashInfer's, FlashAttention's
+        exp2 kernels), which are the natural ones divided by ``ln 2``.
 
     Returns
     -------
@@ -58,10 +65,12 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Array
     Raises
     ------
     TypeError
-        Not sequences of arrays, arrays of different libraries, non-floating dtypes.
+        Not sequences of arrays, arrays of different libraries, non-floating dtypes,
+        an `lse_base` that is not a number.
     ValueError
-        No part, different numbers of outputs and lses, or shapes that do not agree
-        (the message names the part, the arguments and both shapes).
+        No part, different numbers of outputs and lses, shapes that do not agree
+        (the message names the part, the arguments and both shapes), or an
+        `lse_base` that is not a finite number above 0 other than 1.
 
     Examples
     --------
@@ -77,6 +86,7 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Array
     True
     """
     outs, lses = v.check_merge_parts(outs, lses)
+    unit = v.check_lse_base(lse_base)  # ln(base): natural lse = lse · unit
     named = {f"outs[{i}]": o for i, o in enumerate(outs)}
     named.update({f"lses[{i}]": x for i, x in enumerate(lses)})
     xp = array_namespace(**named)
@@ -87,6 +97,8 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Array
     compute = result_type(xp, result_dtype, *(x.dtype for x in lses), xp.float32)
     out = xp.stack([xp.astype(o, compute) for o in outs])  # (P, ..., Lq, Dv)
     lse = xp.stack([xp.astype(x, compute)[..., None] for x in lses])  # (P, ..., Lq, 1)
+    if unit != 1.0:
+        lse = lse * unit
     merged, merged_lse = merge_partials(
         xp,
         out,
@@ -94,4 +106,5 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Array
         max_over=lambda x: xp.max(x, axis=0),
         sum_over=lambda x: xp.sum(x, axis=0),
     )
-    return xp.astype(merged, result_dtype), merged_lse[..., 0]
+    merged_lse = merged_lse[..., 0] if unit == 1.0 else merged_lse[..., 0] / unit
+    return xp.astype(merged, result_dtype), merged_lse

@@ -67,11 +67,13 @@ from ._lib._validation import (
     guarded_rule,
 )
 from ._paths._paged import paged_attention, plan_walk, problem
+from .merge import merge_attention
 
 __all__ = [
     "PagedPlan",
     "paged_kv_write",
     "plan_ragged",
+    "cascade_attention",
     "ragged_paged_attention",
     "varlen_attention",
 ]
@@ -982,30 +984,235 @@ def varlen_attention(
     if placed:
         options.update(is_causal=is_causal, window=window, alibi_slopes=alibi_slopes)
     band = Band() if placed else Band.of(is_causal, (left, right))
-    alibi = alibi_slopes is not None and not placed
+    rules = _Rules(band, None if placed else alibi_slopes, mask_mod, score_mod)
+    positions = (pos_q, pos_k, request)
+    return _varlen_call(xp, query, key, value, seg_q, seg_k, rules.into(xp, positions, options))
 
-    def masked(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-        qp, kp = take_at(xp, pos_q, qi), take_at(xp, pos_k, ki)
-        ok = None if mask_mod is None else mask_mod(take_at(xp, request, qi), h, qp, kp)
-        if band.restricts:
-            inside = band.between(qp, kp)
-            ok = inside if ok is None else xp.logical_and(ok, inside)
-        return ok
 
-    def scored(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
-        qp, kp = take_at(xp, pos_q, qi), take_at(xp, pos_k, ki)
-        if score_mod is not None:
-            scores = score_mod(scores, take_at(xp, request, qi), h, qp, kp)
-        if alibi:
-            slope = xp.reshape(xp.astype(alibi_slopes, scores.dtype), (-1, 1, 1))
-            scores = scores - slope * distance(xp, qp, kp, scores.dtype)  # (Hq, bq, bk)
-        return scores
+def cascade_attention(
+    query: Array,
+    prefix_key: Array,
+    prefix_value: Array | None,
+    key_pages: Array,
+    value_pages: Array | None,
+    page_table: Array,
+    kv_lengths: Array,
+    q_starts: Array,
+    group_starts: Array,
+    *,
+    is_causal: bool = True,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | Array | None = None,
+    scale: float | Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    return_lse: bool = False,
+    return_max_logit: bool = False,
+    plan: PagedPlan | None = None,
+    value_dim: int | None = None,
+) -> Array | tuple[Array, ...]:
+    """Attention of a ragged batch whose requests share prompts, each prompt's keys read once.
 
-    options.update(
-        mask_mod=masked if band.restricts or mask_mod is not None else None,
-        score_mod=scored if alibi or score_mod is not None else None,
+    Consecutive requests form ``G`` groups; each request's keys are its group's prefix
+    (``Lp`` keys, positions ``0 .. Lp - 1``) followed by its own keys in the pool
+    (positions ``Lp ..``). The prefix is attended once for all rows of its group (one
+    engine call over the packed rows, each group's rows seeing its own prefix), each
+    request's own keys as :func:`ragged_paged_attention` attends them, and the two
+    parts merged by their log-sum-exps (:func:`~portable_attn.merge_attention`):
+    FlashInfer's ``MultiLevelCascadeAttentionWrapper``, vLLM's cascade attention.
+
+    Parameters
+    ----------
+    query : array, shape (T, Hq, Dk)
+        The new tokens of every request, packed as in :func:`ragged_paged_attention`.
+    prefix_key : array, shape (G, Lp, Hkv, Dk)
+        Each group's shared prefix.
+    prefix_value : array, shape (G, Lp, Hkv, Dv), or None
+        None with ``value_pages=None``: the first `value_dim` features of the keys.
+    key_pages, value_pages, page_table, q_starts, plan, value_dim
+        Each request's own keys, as :func:`ragged_paged_attention` takes them.
+    kv_lengths : integer array, shape (R,)
+        Each request's own keys (its new tokens included), the prefix not counted.
+    group_starts : integer array, shape (G + 1,)
+        Group ``g`` holds requests ``group_starts[g] : group_starts[g+1]``: from 0,
+        nondecreasing, ending at ``R`` (a group may be empty).
+    is_causal, window, softcap, scale, alibi_slopes
+        As in :func:`ragged_paged_attention`, at each row's position among all its keys:
+        row ``i`` of a request with ``n`` rows sits at ``Lp + kv_lengths[r] - n + i``.
+    sinks : array, shape (Hq,), optional
+        Counted once per row (with the prefix).
+    mask_mod, score_mod : callable, optional
+        As in :func:`ragged_paged_attention`; `q_pos` and `kv_pos` are positions among
+        all of a request's keys, the prefix's first.
+    return_lse, return_max_logit : bool, default False
+        As in :func:`ragged_paged_attention`, over all of a row's keys.
+
+    Returns
+    -------
+    out : array, shape (T, Hq, Dv)
+    lse : array, shape (T, Hq)
+        Only with `return_lse`.
+    max_logit : array, shape (T, Hq)
+        Only with `return_max_logit`.
+
+    Notes
+    -----
+    Exact: the result of :func:`ragged_paged_attention` over pages holding each
+    request's prefix and own keys. Padding rows come out as zeros (lse ``-inf``).
+    Differentiable as both parts are, the prefixes included. With metadata on the host
+    the prefix call visits only the blocks of each group's rows and prefix (segment
+    ids); under ``jax.jit`` they are masked. :func:`paged_kv_write` must never target a
+    page that requests share (a prefix kept in the pool and named by several tables):
+    give each request its own pages for the keys it writes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attn.serving import cascade_attention
+    >>> rng = np.random.default_rng(0)
+    >>> prefix_k, prefix_v = rng.standard_normal((2, 2, 100, 2, 16))  # 2 prompts
+    >>> pool_k, pool_v = rng.standard_normal((2, 8, 16, 2, 16))
+    >>> table = np.array([[0, 1], [2, 3], [4, 5]])  # 3 requests, their own pages
+    >>> lengths, starts = np.array([5, 9, 3]), np.array([0, 1, 2, 3])  # decoding
+    >>> groups = np.array([0, 2, 3])  # requests 0 and 1 share prompt 0; 2 has prompt 1
+    >>> q = rng.standard_normal((3, 4, 16))
+    >>> cascade_attention(q, prefix_k, prefix_v, pool_k, pool_v, table, lengths, starts,
+    ...                   groups).shape
+    (3, 4, 16)
+    """
+    xp = _namespace(
+        query,
+        prefix_key,
+        prefix_value,
+        group_starts,
+        sinks,
+        alibi_slopes,
+        names=("query", "prefix_key", "prefix_value", "group_starts", "sinks", "alibi_slopes"),
     )
-    return _varlen_call(xp, query, key, value, seg_q, seg_k, options)
+    t = check_exact_rank(xp, "query", query, 3, "(T, Hq, Dk)")[0]
+    g, lp = check_exact_rank(xp, "prefix_key", prefix_key, 4, "(G, Lp, Hkv, Dk)")[:2]
+    for axis, what in ((2, "Hkv"), (3, "Dk")):
+        check_same_axis("prefix_key", prefix_key, axis, "key_pages", key_pages, axis, what)
+    if value_pages is None:
+        if prefix_value is not None:
+            msg = "`prefix_value` must be None where `value_pages` is None (K = V pools)"
+            raise ValueError(msg)
+        prefix_value = prefix_key[..., : prefix_key.shape[-1] if value_dim is None else value_dim]
+    else:
+        if prefix_value is None:
+            msg = "`prefix_value` must be given where `value_pages` is (None only for K = V)"
+            raise ValueError(msg)
+        check_exact_rank(xp, "prefix_value", prefix_value, 4, "(G, Lp, Hkv, Dv)")
+        for axis, what in ((0, "G"), (1, "Lp"), (2, "Hkv")):
+            check_same_axis(
+                "prefix_value", prefix_value, axis, "prefix_key", prefix_key, axis, what
+            )
+        check_same_axis("prefix_value", prefix_value, 3, "value_pages", value_pages, 3, "Dv")
+    r = int(page_table.shape[0])
+    check_integer_array(xp, "group_starts", group_starts, 1, "(G + 1,)")
+    if group_starts.shape[0] != g + 1:
+        msg = (
+            f"`group_starts` must have shape (G + 1,) = ({g + 1},) (G = {g}, axis 0 of "
+            f"`prefix_key`), but got shape {tuple(group_starts.shape)}"
+        )
+        raise ValueError(msg)
+    host = check_starts("group_starts", group_starts, r)
+    if host is not None and int(host[-1]) != r:
+        msg = (
+            f"`group_starts` must end at R = {r} (axis 0 of `page_table`): every request in "
+            f"a group, but got {host.tolist()}"
+        )
+        raise ValueError(msg)
+    check_one_device(query=query, prefix_key=prefix_key, prefix_value=prefix_value,
+                     group_starts=group_starts, key_pages=key_pages)  # fmt: skip
+
+    def shifted(rule: Any) -> Any:  # the own part's positions, after the prefix
+        if rule is None:
+            return None
+        return lambda *a: rule(*a[:-2], a[-2] + lp, a[-1] + lp)
+
+    stats = {"return_lse": True, "return_max_logit": return_max_logit}
+    own = ragged_paged_attention(
+        query, key_pages, value_pages, page_table, kv_lengths, q_starts, is_causal=is_causal,
+        window=window, softcap=softcap, scale=scale, alibi_slopes=alibi_slopes,
+        mask_mod=shifted(mask_mod), score_mod=shifted(score_mod), plan=plan,
+        value_dim=value_dim, **stats,
+    )  # fmt: skip
+    # the prefix part: one packed call, a group's rows seeing its prefix (segment ids)
+    seg_r, index = _segments(xp, q_starts, t, -1)  # each row's request, its row in it
+    request = xp.where(seg_r < 0, 0, seg_r)
+    n_q = q_starts[1:] - q_starts[:-1]
+    pos_q = lp + take_at(xp, xp.astype(kv_lengths, n_q.dtype) - n_q, request) + index
+    group = _segments(xp, group_starts, r, -1)[0]  # (R,)
+    seg_q = xp.where(seg_r < 0, -1, take_at(xp, group, request))
+    shape = (g * lp, *prefix_key.shape[2:])
+    keys = xp.reshape(prefix_key, shape)
+    values = xp.reshape(prefix_value, (g * lp, *prefix_value.shape[2:]))
+    at = device(group_starts)
+    seg_k = xp.reshape(xp.broadcast_to(arange(xp, 0, g, at)[:, None], (g, lp)), (-1,))
+    pos_k = xp.reshape(xp.broadcast_to(arange(xp, 0, lp, at)[None, :], (g, lp)), (-1,))
+    band = Band.of(check_is_flag("is_causal", is_causal), window and check_window(window))
+    rules = _Rules(band, alibi_slopes, mask_mod, score_mod)
+    options = rules.into(xp, (pos_q, pos_k, request), {**stats, "softcap": softcap})
+    options.update(scale=scale, sinks=sinks)
+    prefix = _varlen_call(xp, query, keys, values, seg_q, seg_k, options)
+    out, lse = merge_attention([prefix[0], own[0]], [prefix[1], own[1]])
+    results = [(out, True), (lse, return_lse)]
+    if return_max_logit:
+        results.append((xp.maximum(prefix[2], own[2]), True))
+    return _results(*results)
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """What a packed call (segment ids on both axes) computes from each entry's positions.
+
+    The band, ALiBi and the caller's rules, which see a row's request and positions.
+    """
+
+    band: Band
+    alibi_slopes: Any
+    mask_mod: Any
+    score_mod: Any
+
+    def into(self, xp: Any, positions: tuple[Any, Any, Any], options: dict[str, Any]) -> Any:
+        """`options` with the engine's ``mask_mod`` and ``score_mod`` of these rules.
+
+        `positions`: each row's position and each key's (among its request's keys), and
+        each row's request, (T,), (S,) and (T,), read by the rules' index arrays.
+        """
+        pos_q, pos_k, request = positions
+        mask_mod, score_mod, band, slopes = (
+            self.mask_mod,
+            self.score_mod,
+            self.band,
+            self.alibi_slopes,
+        )
+
+        def masked(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+            qp, kp = take_at(xp, pos_q, qi), take_at(xp, pos_k, ki)
+            ok = None if mask_mod is None else mask_mod(take_at(xp, request, qi), h, qp, kp)
+            if band.restricts:
+                inside = band.between(qp, kp)
+                ok = inside if ok is None else xp.logical_and(ok, inside)
+            return ok
+
+        def scored(scores: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
+            qp, kp = take_at(xp, pos_q, qi), take_at(xp, pos_k, ki)
+            if score_mod is not None:
+                scores = score_mod(scores, take_at(xp, request, qi), h, qp, kp)
+            if slopes is not None:
+                slope = xp.reshape(xp.astype(slopes, scores.dtype), (-1, 1, 1))
+                scores = scores - slope * distance(xp, qp, kp, scores.dtype)  # (Hq, bq, bk)
+            return scores
+
+        return {
+            **options,
+            "mask_mod": masked if band.restricts or mask_mod is not None else None,
+            "score_mod": scored if slopes is not None or score_mod is not None else None,
+        }
 
 
 def _on_positions(mask_mod: Any) -> Any:

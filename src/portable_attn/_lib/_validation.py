@@ -1002,6 +1002,17 @@ def check_one_device(**named: Any) -> None:
         check_same_device(named, placed[0], device(named[placed[0]]), device)
 
 
+def check_lse_base(base: Any) -> float:
+    """Check `lse_base` (a finite number above 0 other than 1); return ``ln(base)``."""
+    if not isinstance(base, (int, float)) or isinstance(base, bool):
+        msg = f"`lse_base` must be a Python number (e, 2), but got {type(base).__name__}"
+        raise TypeError(msg)
+    if not math.isfinite(base) or base <= 0 or base == 1:
+        msg = f"`lse_base` must be a finite number above 0 other than 1 (e, 2), but got {base!r}"
+        raise ValueError(msg)
+    return 1.0 if base == math.e else math.log(base)
+
+
 def check_starts(name: str, starts: Any, limit: int) -> Any:
     """Check `starts` on the host (when it has values): 0 first, nondecreasing, <= limit."""
     if not has_concrete_values(starts):
