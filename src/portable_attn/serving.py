@@ -1153,7 +1153,9 @@ def cascade_attention(
     at = device(group_starts)
     seg_k = xp.reshape(xp.broadcast_to(arange(xp, 0, g, at)[:, None], (g, lp)), (-1,))
     pos_k = xp.reshape(xp.broadcast_to(arange(xp, 0, lp, at)[None, :], (g, lp)), (-1,))
-    band = Band.of(check_is_flag("is_causal", is_causal), window and check_window(window))
+    # every prefix key comes before every row: only a window's left side can hide one
+    left = None if window is None else check_window(window)[0]
+    band = Band.of(False, (left, None))
     rules = _Rules(band, alibi_slopes, mask_mod, score_mod)
     options = rules.into(xp, (pos_q, pos_k, request), {**stats, "softcap": softcap})
     options.update(scale=scale, sinks=sinks)
