@@ -75,6 +75,7 @@ __all__ = [
     "plan_ragged",
     "cascade_attention",
     "ragged_paged_attention",
+    "topk_indices",
     "varlen_attention",
 ]
 
@@ -1165,6 +1166,81 @@ def cascade_attention(
     if return_max_logit:
         results.append((xp.maximum(prefix[2], own[2]), True))
     return _results(*results)
+
+
+def topk_indices(scores: Array, k: int, kv_lengths: Array | None = None) -> Array:
+    """Return the positions of each row's `k` largest valid scores (a sparse layer's keys).
+
+    What an indexer (DeepSeek V3.2's lightning indexer, NSA's selection) hands a sparse
+    attention: for each query row and KV head, the keys it attends to. The array API has
+    no top-k; this is a stable descending sort, on every backend.
+
+    Parameters
+    ----------
+    scores : array, shape (T, Hkv, L)
+        Each row's score of each key position (floating).
+    k : int
+        How many positions per row and head, ``k >= 0`` (may exceed ``L``).
+    kv_lengths : integer array, shape (T,), optional
+        Row ``t`` may select positions ``< kv_lengths[t]`` only (its request's keys);
+        by default every position. A NaN score is never selected.
+
+    Returns
+    -------
+    array, shape (T, Hkv, k)
+        Positions in the default integer dtype, by descending score, ties to the lower
+        position; ``-1`` past a row's valid positions when it has fewer than `k`.
+
+    Raises
+    ------
+    TypeError
+        `scores` not floating, `kv_lengths` not integers, `k` not an integer.
+    ValueError
+        `scores` not of rank 3, `kv_lengths` not of shape (T,), `k` negative.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attn.serving import topk_indices
+    >>> scores = np.array([[[0.1, 0.9, 0.5, 0.9]], [[3.0, 1.0, 2.0, 0.0]]])
+    >>> topk_indices(scores, 3, kv_lengths=np.array([4, 2])).tolist()
+    [[[1, 3, 2]], [[0, 1, -1]]]
+    """
+    xp = array_namespace(scores=scores, kv_lengths=kv_lengths)
+    length = check_exact_rank(xp, "scores", scores, 3, "(T, Hkv, L)")[2]
+    k = check_count("k", k, minimum=0)
+    valid = xp.logical_not(xp.isnan(scores))
+    if kv_lengths is not None:
+        check_integer_array(xp, "kv_lengths", kv_lengths, 1, "(T,)")
+        check_same_axis("scores", scores, 0, "kv_lengths", kv_lengths, 0, "T")
+        check_one_device(scores=scores, kv_lengths=kv_lengths)
+        positions = arange(xp, 0, length, device(scores))
+        inside = positions[None, None, :] < xp.astype(kv_lengths, positions.dtype)[:, None, None]
+        valid = xp.logical_and(valid, inside)
+    keyed = xp.where(valid, scores, -xp.inf)
+    order = xp.argsort(keyed, axis=-1, descending=True, stable=True)  # ties: lower first
+    # the valid positions first, in that order (a valid -inf ties with the invalid ones)
+    first = xp.argsort(
+        xp.astype(xp.logical_not(_take_along(xp, valid, order)), xp.int8), axis=-1, stable=True
+    )
+    order = _take_along(xp, order, first)[..., : min(k, length)]
+    if k > length:  # more than there are: -1 below
+        shape = (*order.shape[:-1], k - length)
+        fill = xp.full(shape, -1, dtype=order.dtype, **on_device(device(order)))
+        order = xp.concat([order, fill], axis=-1)
+    count = xp.sum(xp.astype(valid, order.dtype), axis=-1, keepdims=True)
+    slots = arange(xp, 0, k, device(scores))
+    return xp.where(xp.astype(slots, order.dtype)[None, None, :] < count, order, -1)
+
+
+def _take_along(xp: Any, x: Any, indices: Any) -> Any:
+    """``x`` gathered along its last axis at `indices` (same leading shape)."""
+    if hasattr(xp, "take_along_axis"):
+        return xp.take_along_axis(x, indices, axis=-1)
+    flat = xp.reshape(x, (-1,))
+    rows = xp.reshape(arange(xp, 0, math.prod(x.shape[:-1]), device(x)), (*x.shape[:-1], 1))
+    where = rows * x.shape[-1] + xp.astype(indices, rows.dtype)
+    return xp.reshape(xp.take(flat, xp.reshape(where, (-1,))), indices.shape)
 
 
 @dataclass(frozen=True)
