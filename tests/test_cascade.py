@@ -238,3 +238,12 @@ def test_bad_input_is_named(backend, change, match):
         setattr(case, name, np.asarray(value, dtype=np.int64) if name == "groups" else value)
     with pytest.raises(ValueError, match=match):
         cascade_attention(*case.args(backend))
+
+
+def test_values_given_for_one_part_only_are_named(backend):
+    case = Cascade()
+    q, pk, pv, kp, vp, *rest = case.args(backend)
+    with pytest.raises(TypeError, match="`value_pages` and `prefix_value` must both be"):
+        cascade_attention(q, pk, None, kp, vp, *rest)
+    with pytest.raises(ValueError, match=r"`sinks` must have shape \(Hq,\) = \(4,\)"):
+        cascade_attention(q, pk, pv, kp, vp, *rest, sinks=backend.asarray(np.zeros(3)))

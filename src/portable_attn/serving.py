@@ -1096,15 +1096,19 @@ def cascade_attention(
     g, lp = check_exact_rank(xp, "prefix_key", prefix_key, 4, "(G, Lp, Hkv, Dk)")[:2]
     for axis, what in ((2, "Hkv"), (3, "Dk")):
         check_same_axis("prefix_key", prefix_key, axis, "key_pages", key_pages, axis, what)
-    if value_pages is None:
-        if prefix_value is not None:
-            msg = "`prefix_value` must be None where `value_pages` is None (K = V pools)"
-            raise ValueError(msg)
+    if (value_pages is None) != (prefix_value is None):
+        msg = (
+            "`value_pages` and `prefix_value` must both be arrays or both None (K = V pools), "
+            f"but got {type(value_pages).__name__} and {type(prefix_value).__name__}"
+        )
+        raise TypeError(msg)
+    check_head_vector(xp, sinks, "sinks", int(query.shape[1]))
+    check_mask_mod(mask_mod, signature="mask_mod(request, head, q_pos, kv_pos)")
+    check_score_mod(score_mod)
+    mask_mod = _on_positions(mask_mod)
+    if prefix_value is None:
         prefix_value = prefix_key[..., : prefix_key.shape[-1] if value_dim is None else value_dim]
     else:
-        if prefix_value is None:
-            msg = "`prefix_value` must be given where `value_pages` is (None only for K = V)"
-            raise ValueError(msg)
         check_exact_rank(xp, "prefix_value", prefix_value, 4, "(G, Lp, Hkv, Dv)")
         for axis, what in ((0, "G"), (1, "Lp"), (2, "Hkv")):
             check_same_axis(

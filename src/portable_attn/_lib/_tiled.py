@@ -98,7 +98,7 @@ class Ops:
     (:class:`OnlineSoftmax`) is written once against these.
     """
 
-    #: runs a query block of a backward that the library's autodiff records (:meth:`recomputed`)
+    #: runs a pair of blocks of a backward that the library's autodiff records (:meth:`recomputed`)
     recorder: Callable[[Callable[..., Any], tuple[Any, ...], tuple[Any, ...]], Any] | None = None
 
     def __init__(self, xp: Any) -> None:

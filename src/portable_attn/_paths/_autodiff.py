@@ -172,9 +172,9 @@ def _backward_ops(path: Tiled, xp: Any, params: tuple[Any, ...]) -> Any:
     """Return the operations of the backward walk: the forward's, recorded at O(L) by torch.
 
     Where torch records the backward (grad mode on in it: ``create_graph=True``, to be
-    differentiated again), each query block is one node of the record
-    (:func:`_recomputed_function`) that keeps the arrays the block reads and runs the
-    block again in its own backward: the record holds no block's scores, where
+    differentiated again), each pair of blocks is one node of the record
+    (:func:`_recomputed_function`) that keeps the arrays the pair reads and runs the
+    pair again in its own backward: the record holds no block's scores, where
     recording the walk's operations would hold every block's (O(Lq·Lk)). `params`:
     the arrays the ``score_mod`` closes over, read by the blocks too.
     """
