@@ -20,6 +20,7 @@ Layouts are token-major, as in vLLM and flash-attn: ``(tokens, heads, features)`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -66,7 +67,7 @@ from ._lib._validation import (
     check_window,
     guarded_rule,
 )
-from ._paths._paged import paged_attention, plan_walk, problem
+from ._paths._paged import index_attention, paged_attention, plan_walk, problem
 from .merge import merge_attention
 
 __all__ = [
@@ -104,6 +105,8 @@ def ragged_paged_attention(
     batch_invariant: bool = False,
     plan: PagedPlan | None = None,
     value_dim: int | None = None,
+    kv_indices: Array | None = None,
+    window_union: bool = False,
 ) -> Array | tuple[Array, ...]:
     """Attention of a ragged batch of new tokens over their requests' pages in a pool.
 
@@ -191,6 +194,21 @@ def ragged_paged_attention(
     value_dim : int, optional
         With ``value_pages=None``: ``Dv``, the key features that are the values (the
         first ones), ``1 <= value_dim <= Dk``; by default all of them.
+    kv_indices : integer array, shape (T, Hkv, k), optional
+        Sparse attention (DeepSeek V3.2's selected tokens): for each row and KV head,
+        the positions among its request's keys (``0 <= p < kv_lengths[r]``) of the keys
+        it sees, ``-1`` padding; the ``Hq / Hkv`` query heads of a group share their
+        head's list, a position listed twice counts once, and `is_causal`, `window` and
+        `mask_mod` still hide what they hide. Each key is gathered from the pool by its
+        position (``O(T · Hkv · k)`` keys, a chunk at a time; never a mask over all the
+        keys). Under ``jax.jit`` the indices may be traced; a row whose list holds a
+        position outside its request's keys then comes out NaN (an eager call raises).
+    window_union : bool, default False
+        With `kv_indices`: each row also sees every key of its `window` band (``left``
+        keys before it, and ``right`` after it when not causal), listed or not, each
+        once (DeepSeek V4's sliding window beside its selected entries); listed keys
+        outside the band are seen where `is_causal` shows them. Needs a `window` whose
+        band is bounded on both sides.
 
     Returns
     -------
@@ -258,6 +276,7 @@ def ragged_paged_attention(
         q_positions,
         sinks,
         alibi_slopes,
+        kv_indices,
     )
     t, hq, dk = check_exact_rank(xp, "query", query, 3, "(T, Hq, Dk)")
     check_same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
@@ -276,6 +295,8 @@ def ragged_paged_attention(
     return_max_logit = check_is_flag("return_max_logit", return_max_logit)
     batch_invariant = check_is_flag("batch_invariant", batch_invariant)
     left, right = (None, None) if window is None else check_window(window)
+    window_union = check_is_flag("window_union", window_union)
+    _check_listing(xp, kv_indices, window_union, (t, hkv), is_causal, (left, right))
     check_one_device(
         query=query,
         key_pages=key_pages,
@@ -286,6 +307,7 @@ def ragged_paged_attention(
         q_positions=q_positions,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        kv_indices=kv_indices,
     )
     shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
     flags = (is_causal, _bounds(left, right), batch_invariant)
@@ -301,49 +323,49 @@ def ragged_paged_attention(
             max_pages,
             q_positions=q_positions,
         )
+        _check_listed_values(kv_indices, q_starts, kv_lengths)
     else:
         walk = _plan_for(plan, shape, flags, metadata)[0]
     arrays = {"query": query, "key_pages": key_pages, "value_pages": value_pages}
     arrays.update(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
     arrays.update(q_positions=q_positions, sinks=sinks, alibi_slopes=alibi_slopes)
-    arrays.update(scale=scale, softcap=softcap)
+    arrays.update(scale=scale, softcap=softcap, kv_indices=kv_indices)
     user_functions = mask_mod is not None or score_mod is not None
     if runs_compiled(library(query), user_functions) and all(
         has_concrete_values(x) for x in arrays.values() if is_array_api_obj(x)
     ):  # one program (its plan traced in it), as an eager JAX call of the single attention
         statics: dict[str, Any] = {"is_causal": is_causal, "window": _bounds(left, right)}
         statics.update(return_lse=return_lse, return_max_logit=return_max_logit)
-        statics.update(batch_invariant=batch_invariant, value_dim=dv)
+        statics.update(batch_invariant=batch_invariant, value_dim=dv, window_union=window_union)
         numbers = {k: x for k, x in arrays.items() if x is not None and not is_array_api_obj(x)}
         return _compiled_program()(
             {k: x for k, x in arrays.items() if k not in numbers},
             tuple(sorted({**statics, **numbers}.items())),
         )
-    if plan is None:
-        walk = _walk_plan(xp, shape, metadata, *flags)
     pools = (key_pages,) if value_pages is None else (key_pages, value_pages)
     dtype = result_type(xp, query.dtype, *(x.dtype for x in pools))
     compute = compute_dtype_of(xp, dtype)
     asked = (True, return_lse, return_max_logit)
+    layer = {
+        "value_dim": dv,
+        "scale": 1.0 / math.sqrt(dk)
+        if scale is None
+        else scalar_option(xp, "scale", scale, compute),
+        "softcap": None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
+        "compute_dtype": compute,
+        "mask_mod": None if mask_mod is None else guarded_rule("mask_mod", mask_mod),
+        "score_mod": None if score_mod is None else guarded_rule("score_mod", score_mod),
+    }
+    kv = (key_pages, value_pages, page_table, kv_lengths)
+    if kv_indices is not None:
+        geometry = dataclasses.replace(_geometry(shape, page_table, *flags), **layer)
+        listed = _listed_attention(xp, geometry, query, kv, metadata, (kv_indices, window_union))
+        return _results(*zip(listed(sinks, alibi_slopes, dtype), asked, strict=True))
+    if plan is None:
+        walk = _walk_plan(xp, shape, metadata, *flags)
     walked: tuple[Any, ...] = (None, None, None)
     if walk.walks:
-        walked = paged_attention(
-            xp,
-            walk,
-            query,
-            (key_pages, value_pages, page_table, kv_lengths),
-            sinks,
-            alibi_slopes,
-            dtype,
-            value_dim=dv,
-            scale=1.0 / math.sqrt(dk)
-            if scale is None
-            else scalar_option(xp, "scale", scale, compute),
-            softcap=None if softcap is None else scalar_option(xp, "softcap", softcap, compute),
-            compute_dtype=compute,
-            mask_mod=None if mask_mod is None else guarded_rule("mask_mod", mask_mod),
-            score_mod=None if score_mod is None else guarded_rule("score_mod", score_mod),
-        )
+        walked = paged_attention(xp, walk, query, kv, sinks, alibi_slopes, dtype, **layer)
     if not walk.engine:
         return _results(*zip(walked, asked, strict=True))
     options = {"is_causal": is_causal, "window": _bounds(left, right), "softcap": softcap}
@@ -648,8 +670,20 @@ def _walk_plan(
 
     `metadata`: the page table, lengths, starts and query positions (or None).
     """
-    geometry = problem(
-        metadata[0],
+    geometry = _geometry(shape, metadata[0], is_causal, window, batch_invariant)
+    return plan_walk(xp, geometry, *metadata)
+
+
+def _geometry(
+    shape: _StepShape,
+    page_table: Any,
+    is_causal: bool,
+    window: tuple[int | None, int | None] | None,
+    batch_invariant: bool,
+) -> _paged.PagedProblem:
+    """Return the problem of a step's shapes and options (:func:`~._paths._paged.problem`)."""
+    return problem(
+        page_table,
         num_tokens=shape.num_tokens,
         num_pages=shape.num_pages,
         page_size=shape.page_size,
@@ -659,7 +693,101 @@ def _walk_plan(
         window=window,
         batch_invariant=batch_invariant,
     )
-    return plan_walk(xp, geometry, *metadata)
+
+
+def _listed_attention(
+    xp: Any,
+    p: _paged.PagedProblem,
+    query: Any,
+    kv: tuple[Any, Any, Any, Any],
+    metadata: tuple[Any, Any, Any, Any],
+    listing: tuple[Any, bool],
+) -> Callable[..., tuple[Any, Any, Any]]:
+    """Return the index walk of a call (:func:`~._paths._paged.index_attention`), ready to run.
+
+    The rows' positions (given, or each request's last), and where the metadata or the
+    lists have no values (``jax.jit``), the rows they make wrong (NaN).
+    """
+    page_table, kv_lengths, q_starts, q_positions = metadata
+    t = p.num_tokens
+    positions = q_positions
+    if positions is None:
+        positions = _paged.bottom_right(xp, q_starts, kv_lengths, t, p.device)
+    positions = xp.astype(positions, q_starts.dtype)
+    faulty = None
+    arrays = (*metadata[:3], listing[0]) if q_positions is None else (*metadata, listing[0])
+    if not all(has_concrete_values(x) for x in arrays):
+        faulty = _paged.faulty_rows(
+            xp,
+            q_starts,
+            kv_lengths,
+            page_table,
+            t,
+            p.num_pages,
+            p.page_size,
+            p.device,
+            q_positions,
+        )
+        request, inside, _ = _paged.owners(xp, q_starts[1:], t, p.device)
+        limit = xp.astype(xp.take(kv_lengths, request), listing[0].dtype)[:, None, None]
+        outside = (listing[0] < -1) | (listing[0] >= limit)  # padding rows: any value
+        faulty = faulty | (inside & xp.any(xp.reshape(outside, (t, -1)), axis=1))
+    rows = (q_starts, positions, kv_lengths)
+    return functools.partial(index_attention, xp, p, query, kv, rows, listing, faulty=faulty)
+
+
+def _check_listing(
+    xp: Any,
+    kv_indices: Any,
+    window_union: bool,
+    rows: tuple[int, int],
+    is_causal: bool,
+    window: tuple[int | None, int | None],
+) -> None:
+    """Check `kv_indices` (T, Hkv, k) against the call's rows and heads, and `window_union`."""
+    if kv_indices is None:
+        if window_union:
+            msg = "`window_union=True` needs `kv_indices`: it joins a window to listed keys"
+            raise ValueError(msg)
+        return
+    shape = check_integer_array(xp, "kv_indices", kv_indices, 3, "(T, Hkv, k)")
+    for axis, (name, n) in enumerate(zip(("T", "Hkv"), rows, strict=True)):
+        if shape[axis] != n:
+            source = "axis 0 of `query`" if axis == 0 else "axis 2 of `key_pages`"
+            msg = (
+                f"`kv_indices` axis {axis} ({name}) is {shape[axis]}, but {source} is {n}: "
+                f"kv_indices has shape {shape}, (T, Hkv, k)"
+            )
+            raise ValueError(msg)
+    left, right = window
+    if window_union and (left is None or (right is None and not is_causal)):
+        msg = (
+            f"`window_union=True` needs a `window` bounded on both sides (a left bound, and a "
+            f"right one or `is_causal`), but got window={window}, is_causal={is_causal}"
+        )
+        raise ValueError(msg)
+
+
+def _check_listed_values(kv_indices: Any, q_starts: Any, kv_lengths: Any) -> None:
+    """Refuse listed positions outside their request's keys, where they have values."""
+    if kv_indices is None or not all(
+        has_concrete_values(x) for x in (kv_indices, q_starts, kv_lengths)
+    ):
+        return
+    starts = np.asarray(to_host(q_starts), dtype=np.int64)
+    lengths = np.asarray(to_host(kv_lengths), dtype=np.int64)
+    listed = np.asarray(to_host(kv_indices), dtype=np.int64)[: starts[-1]]
+    limit = np.repeat(lengths, np.diff(starts))[:, None, None]
+    bad = np.argwhere((listed < -1) | (listed >= limit))
+    if len(bad):
+        t, h, i = (int(x) for x in bad[0])
+        r = int(np.searchsorted(starts, t, side="right")) - 1
+        msg = (
+            f"`kv_indices`[{t}, {h}, {i}] = {listed[t, h, i]} must be -1 (padding) or a "
+            f"position among the keys of row {t}'s request {r}: 0 <= position < "
+            f"`kv_lengths`[{r}] = {lengths[r]}"
+        )
+        raise ValueError(msg)
 
 
 def _plan_for(
@@ -1482,6 +1610,7 @@ def _namespace(
         "q_positions",
         "sinks",
         "alibi_slopes",
+        "kv_indices",
     ),
 ) -> Any:
     named = dict(zip(names, arrays, strict=True))

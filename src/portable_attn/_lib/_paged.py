@@ -64,6 +64,10 @@ __all__ = [
     "faulty_rows",
     "head_rows",
     "host_tiles",
+    "index_step",
+    "index_tiles",
+    "listed_keys",
+    "fold_keys",
     "owners",
     "query_slots",
     "row_positions",
@@ -608,7 +612,6 @@ def step(
     Either False only where the caller knows there is nothing to zero or hide in any
     of these tiles (:meth:`HostWalk.runs`).
     """
-    dt = p.compute_dtype
     key_pages, value_pages = pools
     pages, key_ok, kpos = index
     n = q.shape[0]
@@ -616,8 +619,42 @@ def step(
     c2 = p.chunk_keys // b
     k = _gathered(xp, p, key_pages, pages, n)
     v = None if value_pages is None else _gathered(xp, p, value_pages, pages, n)
-    if sanitize:  # slots past a length: zero, whatever they hold (NaN in values or gradients)
-        keep = xp.reshape(key_ok, (n, c2, 1, b, 1))
+    ok = xp.reshape(key_ok, (n, c2, 1, 1, b))
+    kp = xp.reshape(kpos, (1, c2, 1, 1, b))
+    allowed = None
+    if masked:
+        allowed = ok
+        if p.band.restricts:
+            allowed = xp.logical_and(allowed, p.band.between(pos[:, None, ...], kp))
+    keys = (k, v, kp, ok if sanitize else None, allowed)
+    return fold_keys(xp, p, state, q, pos, keys, alibi, request)
+
+
+def fold_keys(
+    xp: Any,
+    p: PagedProblem,
+    state: RowState,
+    q: Any,
+    pos: Any,
+    keys: tuple[Any, Any, Any, Any, Any],
+    alibi: Any | None,
+    request: Any,
+) -> RowState:
+    """Fold gathered keys into the tiles' state: the one score pipeline of every key source.
+
+    `keys` is ``(k, v, kp, keep, allowed)``: keys (N, c', Hkv|1, b, Dk) and values (the
+    same, Dv; None: the keys' first ``value_dim`` features) as a source gathered them
+    (the pages of a chunk, :func:`step`; a row's listed positions, :func:`index_step`),
+    their positions `kp` and which slots hold a key to keep (zeroed elsewhere, whatever
+    they hold) and which each row may see, each broadcastable to (N, c', Hkv, 1, b), or
+    None: keep / show every slot. Scores ``softcap(scale · Q Kᵀ)``, then `score_mod`,
+    ALiBi and the masks (`mask_mod` AND-ed with `allowed`), then the online softmax.
+    """
+    dt = p.compute_dtype
+    k, v, kp, keep, allowed = keys
+    n = q.shape[0]
+    if keep is not None:  # slots that hold no key: zero (NaN in values or gradients)
+        keep = xp.matrix_transpose(keep)
         k = xp.where(keep, k, 0.0)
         v = None if v is None else xp.where(keep, v, 0.0)
     if v is None:  # one pool: the values are the keys' first value_dim features
@@ -625,14 +662,13 @@ def step(
     s = q[:, None, ...] @ xp.matrix_transpose(k)  # (N, c', Hkv, rows·G, b)
     if p.softcap is not None:
         s = p.softcap * xp.tanh(s / p.softcap)
-    kp = xp.reshape(kpos, (1, c2, 1, 1, b))
     pos = pos[:, None, ...]  # (N, 1, 1, rows·G, 1)
     at: tuple[Any, ...] = ()
     if p.score_mod is not None or p.mask_mod is not None:
         # the rules' indices: request (N, 1, 1, 1, 1), query head (1, 1, Hkv, rows·G, 1),
         # the row's and the key's positions among the request's keys
         heads = arange(xp, 0, p.num_q_heads, p.device)
-        heads = head_rows(xp, p, xp.astype(heads, kpos.dtype))
+        heads = head_rows(xp, p, xp.astype(heads, kp.dtype))
         at = (xp.reshape(request, (n, 1, 1, 1, 1)), heads[:, None, ...], pos, kp)
     if p.score_mod is not None:
         modified = p.score_mod(s, *at)
@@ -640,11 +676,6 @@ def step(
         s = xp.astype(modified, dt, copy=False)
     if alibi is not None:
         s = s - alibi[:, None, ...] * distance(xp, pos, kp, dt)
-    allowed = None
-    if masked:
-        allowed = xp.reshape(key_ok, (n, c2, 1, 1, b))
-        if p.band.restricts:
-            allowed = xp.logical_and(allowed, p.band.between(pos, kp))
     if p.mask_mod is not None:
         ruled = p.mask_mod(*at)
         _validation.check_mask_mod_result(xp, ruled, s.shape)
@@ -657,6 +688,122 @@ def step(
     return online_step(
         ops, state, s, lambda e, first: ops.over_pages(e @ v), stop_gradient=stop_gradient
     )
+
+
+def index_tiles(xp: Any, p: PagedProblem, q_starts: Any) -> Tiles:
+    """Return one tile per packed row, in packed order: the tiles of an index walk.
+
+    With :func:`index_step` each row sees its own listed keys, so a tile holds one row
+    (``p.rows == 1``); padding rows' tiles hold none.
+    """
+    request, valid, row = owners(xp, q_starts[1:], p.num_tokens, p.device)
+    end = xp.where(valid, row + 1, row)
+    none = xp.zeros_like(row)
+    return Tiles(request, row, row, end, none, none - 1, row, valid)
+
+
+def listed_keys(
+    xp: Any,
+    p: PagedProblem,
+    kv_indices: Any,
+    positions: Any,
+    request: Any,
+    kv_lengths: Any,
+    *,
+    window_union: bool,
+    chunk: int,
+) -> tuple[Any, Any]:
+    """Return the keys each row sees by its list, in chunks: positions and whether kept.
+
+    `kv_indices` (T, Hkv, k) the rows' listed positions (``-1`` padding), `positions`
+    and `request` (T,) the rows'. A listed position counts once (the list is sorted and
+    a repeat dropped) and only where it is one of the request's keys and inside the
+    band (causal, window). With `window_union` the band's keys are seen whatever the
+    list says: they are appended to every list (``left + right + 1`` positions around
+    the row's), and a listed key inside the band is dropped (seen once), one outside it
+    kept where the causal rule shows it. Returns two (n, T, Hkv, chunk) arrays, `n`
+    chunks of `chunk` listed keys: the positions (clipped to the request's keys) and
+    whether each is kept.
+    """
+    idx = xp.sort(xp.astype(kv_indices, request.dtype), axis=-1)
+    t, hkv, k = idx.shape
+    length = xp.take(kv_lengths, request)[:, None, None]
+    pos = positions[:, None, None]
+    repeat = xp.concat(
+        [
+            xp.zeros((t, hkv, min(k, 1)), dtype=xp.bool, **on_device(p.device)),
+            idx[..., 1:] == idx[..., :-1],
+        ],
+        axis=-1,
+    )
+    kept = (idx >= 0) & (idx < length) & ~repeat
+    band = p.band
+    if window_union:
+        causal = Band.of(p.is_causal, None)
+        if causal.restricts:
+            kept = kept & causal.between(pos, idx)
+        kept = kept & ~band.between(pos, idx)
+        left, right = band.left or 0, band.right or 0  # bounded both ways (the call checks)
+        offsets = arange(xp, -left, right + 1, p.device)
+        near = pos + xp.astype(offsets, idx.dtype)[None, None, :]  # (T, 1, w)
+        near = xp.broadcast_to(near, (t, hkv, near.shape[-1]))
+        near_kept = (near >= 0) & (near < length) & band.between(pos, near)
+        idx, kept = xp.concat([idx, near], axis=-1), xp.concat([kept, near_kept], axis=-1)
+    elif band.restricts:
+        kept = kept & band.between(pos, idx)
+    width = idx.shape[-1]
+    n = max(1, -(-width // chunk))
+    pad = n * chunk - width
+    if pad:
+        kw = on_device(p.device)
+        idx = xp.concat([idx, xp.zeros((t, hkv, pad), dtype=idx.dtype, **kw)], axis=-1)
+        kept = xp.concat([kept, xp.zeros((t, hkv, pad), dtype=xp.bool, **kw)], axis=-1)
+    idx = xp.where(kept, idx, 0)
+    per_chunk = (t, hkv, n, chunk)
+    idx = xp.permute_dims(xp.reshape(idx, per_chunk), (2, 0, 1, 3))
+    return idx, xp.permute_dims(xp.reshape(kept, per_chunk), (2, 0, 1, 3))
+
+
+def index_step(
+    xp: Any,
+    p: PagedProblem,
+    state: RowState,
+    listed: tuple[Any, Any],
+    q: Any,
+    pos: Any,
+    pools: tuple[Any, Any, Any],
+    alibi: Any | None,
+    request: Any,
+) -> RowState:
+    """Fold one chunk of the rows' listed keys (:func:`listed_keys`) into their state.
+
+    `listed` the chunk's positions and kept flags (N, Hkv, c) of rows (tiles of one
+    row, :func:`index_tiles`); `pools` ``(keys, values, page_table)``, the pools as
+    (P·page_size·Hkv, D) rows (values None: the keys' first ``value_dim`` features).
+    Each key is one ``take`` of its row of the pool: ``O(N · Hkv · c)`` gathered keys.
+    """
+    kpos, kept = listed
+    key_rows, value_rows, page_table = pools
+    n, hkv, c = kpos.shape
+    ps = p.page_size
+    page = xp.take(
+        xp.reshape(page_table, (-1,)),
+        xp.reshape(request[:, None, None] * p.max_pages + kpos // ps, (-1,)),
+    )
+    page = xp.clip(xp.astype(page, kpos.dtype), 0, p.num_pages - 1)
+    head = xp.astype(arange(xp, 0, hkv, p.device), kpos.dtype)[None, :, None]
+    flat = (xp.reshape(page, kpos.shape) * ps + kpos % ps) * hkv + head  # (N, Hkv, c)
+    flat = xp.reshape(flat, (-1,))
+
+    def gathered(rows: Any) -> Any:
+        x = xp.astype(xp.take(rows, flat, axis=0), p.compute_dtype, copy=False)
+        return xp.reshape(x, (n, 1, hkv, c, -1))
+
+    k = gathered(key_rows)
+    v = None if value_rows is None else gathered(value_rows)
+    ok = xp.reshape(kept, (n, 1, hkv, 1, c))
+    kp = xp.reshape(kpos, (n, 1, hkv, 1, c))
+    return fold_keys(xp, p, state, q, pos, (k, v, kp, ok, ok), alibi, request)
 
 
 def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:

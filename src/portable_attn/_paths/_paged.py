@@ -42,7 +42,7 @@ from .._lib._compat import (
 )
 from .._lib._masks import arange, take_at
 from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
-from .._lib._route import library, paged_by_engine, tile_rows
+from .._lib._route import index_rows, library, paged_by_engine, tile_rows
 from .._lib._scores import distance, modified_scores
 from .._lib._tiled import RowState
 from .._lib._validation import per_head
@@ -50,7 +50,13 @@ from .._lib._validation import per_head
 if TYPE_CHECKING:
     from .._lib._call import AttentionCall
 
-__all__ = ["invariant_attention", "paged_attention", "plan_walk", "problem"]
+__all__ = [
+    "index_attention",
+    "invariant_attention",
+    "paged_attention",
+    "plan_walk",
+    "problem",
+]
 
 
 def problem(
@@ -253,6 +259,92 @@ def paged_attention(
             for j in range(p.num_chunks):
                 state = fold(j, state)
     return _paged.finish(xp, p, state, tiles, sinks, dtype, plan.faulty)
+
+
+def index_attention(
+    xp: Any,
+    p: PagedProblem,
+    query: Any,
+    pools: tuple[Any, Any, Any, Any],
+    metadata: tuple[Any, Any, Any],
+    listing: tuple[Any, bool],
+    sinks: Any | None,
+    alibi_slopes: Any | None,
+    dtype: Any,
+    faulty: Any | None,
+) -> tuple[Any, Any, Any]:
+    """Return out (T, Hq, Dv), lse and max logit (T, Hq) of rows that list their keys.
+
+    `p` the call's problem, whatever its tiles; `metadata` the query starts, the rows'
+    positions (T,) and their requests' lengths; `listing` ``(kv_indices, window_union)``
+    (:func:`~._paged.listed_keys`). Each row is a tile of its own; rows are folded
+    ``_route.index_rows`` at a time, each over every chunk of its listed keys (a Python
+    loop; a traced ``fori_loop`` on JAX), then normalised together.
+    """
+    q_starts, positions, kv_lengths = metadata
+    key_pages, value_pages, page_table, _ = pools
+    p = dataclasses.replace(p, rows=1, aligned=False, head_major=False)
+    chunk = p.keys_per_chunk
+    tiles = _paged.index_tiles(xp, p, q_starts)
+    kpos, kept = _paged.listed_keys(
+        xp,
+        p,
+        listing[0],
+        positions,
+        tiles.request,
+        kv_lengths,
+        window_union=listing[1],
+        chunk=chunk,
+    )
+    slots, held = _paged.query_slots(xp, p, tiles)
+    q = _paged.tile_queries(xp, p, query, slots, held)
+    pos = _paged.row_positions(xp, p, slots, positions)
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
+
+    def rows_of(x: Any) -> Any:  # a pool as (P·page_size·Hkv, D): a key's row is one take
+        return None if x is None else xp.reshape(x, (-1, x.shape[-1]))
+
+    kv = (rows_of(key_pages), rows_of(value_pages), page_table)
+    traced = library(query).walk == "traced"
+    states = []
+    t = p.num_tokens
+    block = index_rows(t, p.num_kv_heads, chunk)
+    for a in range(0, t, block):
+        rows = slice(a, min(a + block, t))
+        listed = (kpos[:, rows, ...], kept[:, rows, ...])
+        fixed = (q[rows, ...], pos[rows, ...], kv, alibi, tiles.request[rows])
+        states.append(_index_walk(xp, p, listed, fixed, traced=traced))
+    state = states[0]
+    if len(states) > 1:
+        state = RowState(*(xp.concat([s[i] for s in states], axis=0) for i in range(3)))
+    return _paged.finish(xp, p, state, tiles, sinks, dtype, faulty)
+
+
+def _index_walk(
+    xp: Any, p: PagedProblem, listed: tuple[Any, Any], fixed: tuple[Any, ...], *, traced: bool
+) -> RowState:
+    """Fold every chunk of some rows' listed keys into their state, from nothing seen.
+
+    `listed` the chunks' positions and kept flags (n, N, Hkv, c); `fixed` the rows'
+    queries, positions, the pools, ALiBi rows and requests (:func:`~._paged.index_step`).
+    A Python loop, or (`traced`, JAX) a ``fori_loop`` carrying ``(m, l_sum, acc)``.
+    """
+    state = _paged.start(xp, p, fixed[0].shape[0])
+    chunks = listed[0].shape[0]
+    if not traced:
+        for j in range(chunks):
+            at = (listed[0][j, ...], listed[1][j, ...])
+            state = _paged.index_step(xp, p, state, at, *fixed)
+        return state
+    import jax
+
+    def loop(j: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        at = tuple(xp.take(x, xp.reshape(j, (1,)), axis=0)[0, ...] for x in listed)
+        return tuple(_paged.index_step(xp, p, RowState(*carry), at, *fixed)[:3])
+
+    return RowState(*jax.lax.fori_loop(0, chunks, loop, tuple(state[:3])))
 
 
 def _fold(
