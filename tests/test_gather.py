@@ -250,8 +250,13 @@ def test_gradients_match_central_differences(backend, xp):
 
 
 @pytest.mark.autodiff
-def test_gradients_stay_finite_over_nan_slots(backend, xp):
-    pool = Pool([6, 11], [3, 1], page_size=4, num_pages=8)  # NaN in every free slot
+@pytest.mark.parametrize("pad", [0, 2], ids=["no-padding", "padding"])
+def test_gradients_stay_finite_over_nan_slots(backend, xp, pad):
+    # NaN in every free slot, page 0 among them; without padding rows no gathered key is
+    # zeroed (each is one of its request's), with them the padding rows' are: they belong
+    # to the last request, which has no key, and its table names page 0
+    order = [*range(1, 8), 0]
+    pool = Pool([6, 11, 0], [3, 1, 0], page_size=4, num_pages=8, pad=pad, order=order)
     q, kp, vp, *meta = pool.args(backend)
     idx = backend.asarray(_lists(pool, 5))
 

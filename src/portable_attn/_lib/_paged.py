@@ -780,7 +780,11 @@ def index_step(
     `listed` the chunk's positions and kept flags (N, Hkv, c) of rows (tiles of one
     row, :func:`index_tiles`); `pools` ``(keys, values, page_table)``, the pools as
     (P·page_size·Hkv, D) rows (values None: the keys' first ``value_dim`` features).
-    Each key is one ``take`` of its row of the pool: ``O(N · Hkv · c)`` gathered keys.
+    Each key is one ``take`` of its row of the pool: ``O(N · Hkv · c)`` gathered keys,
+    none zeroed: a listed key not kept is its request's first, a key like any other, and
+    a row with no key of its own (padding; a request whose metadata is wrong, NaN) sees
+    none, so whatever its slots hold is hidden from its scores and, through their mask,
+    from every gradient.
     """
     kpos, kept = listed
     key_rows, value_rows, page_table = pools
@@ -803,7 +807,7 @@ def index_step(
     v = None if value_rows is None else gathered(value_rows)
     ok = xp.reshape(kept, (n, 1, hkv, 1, c))
     kp = xp.reshape(kpos, (n, 1, hkv, 1, c))
-    return fold_keys(xp, p, state, q, pos, (k, v, kp, ok, ok), alibi, request)
+    return fold_keys(xp, p, state, q, pos, (k, v, kp, None, ok), alibi, request)
 
 
 def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:

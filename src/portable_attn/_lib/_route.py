@@ -419,14 +419,18 @@ def paged_by_engine(row: Library, rows: int, keys: int, batch_invariant: bool) -
 
 INDEX_GATHER_KEYS = 1 << 15
 """An index walk (``ragged_paged_attention(kv_indices=...)``) gathers at most this many keys
-per fold: rows ``32768 // (Hkv · chunk)`` at a time, each with one chunk
-(``Library.chunk_keys``) of its listed keys (64 MiB at D = 512 in float32), so its
-extra memory does not grow with the rows."""
+per fold: rows ``32768 // (Hkv · INDEX_CHUNK_KEYS)`` at a time, each with one chunk of its
+listed keys (64 MiB at D = 512 in float32), so its extra memory does not grow with the
+rows."""
+
+INDEX_CHUNK_KEYS = 256
+"""Listed keys per chunk of an index walk, fixed (a row's bits do not depend on the batch):
+products of ``G`` rows by 256 keys."""
 
 
-def index_rows(num_tokens: int, num_kv_heads: int, chunk: int) -> int:
+def index_rows(num_tokens: int, num_kv_heads: int) -> int:
     """Return the rows an index walk folds at a time (:data:`INDEX_GATHER_KEYS`)."""
-    return max(1, min(num_tokens, INDEX_GATHER_KEYS // (num_kv_heads * chunk)))
+    return max(1, min(num_tokens, INDEX_GATHER_KEYS // (num_kv_heads * INDEX_CHUNK_KEYS)))
 
 
 def tile_rows(num_tokens: int, num_requests: int, groups: int, batch_invariant: bool) -> int:

@@ -42,7 +42,7 @@ from .._lib._compat import (
 )
 from .._lib._masks import arange, take_at
 from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
-from .._lib._route import index_rows, library, paged_by_engine, tile_rows
+from .._lib._route import INDEX_CHUNK_KEYS, index_rows, library, paged_by_engine, tile_rows
 from .._lib._scores import distance, modified_scores
 from .._lib._tiled import RowState
 from .._lib._validation import per_head
@@ -284,7 +284,7 @@ def index_attention(
     q_starts, positions, kv_lengths = metadata
     key_pages, value_pages, page_table, _ = pools
     p = dataclasses.replace(p, rows=1, aligned=False, head_major=False)
-    chunk = p.keys_per_chunk
+    chunk = INDEX_CHUNK_KEYS
     tiles = _paged.index_tiles(xp, p, q_starts)
     kpos, kept = _paged.listed_keys(
         xp,
@@ -310,7 +310,7 @@ def index_attention(
     traced = library(query).walk == "traced"
     states = []
     t = p.num_tokens
-    block = index_rows(t, p.num_kv_heads, chunk)
+    block = index_rows(t, p.num_kv_heads)
     for a in range(0, t, block):
         rows = slice(a, min(a + block, t))
         listed = (kpos[:, rows, ...], kept[:, rows, ...])
@@ -323,7 +323,12 @@ def index_attention(
 
 
 def _index_walk(
-    xp: Any, p: PagedProblem, listed: tuple[Any, Any], fixed: tuple[Any, ...], *, traced: bool
+    xp: Any,
+    p: PagedProblem,
+    listed: tuple[Any, Any],
+    fixed: tuple[Any, ...],
+    *,
+    traced: bool,
 ) -> RowState:
     """Fold every chunk of some rows' listed keys into their state, from nothing seen.
 
