@@ -31,6 +31,77 @@ def test_check_fails_when_a_backend_is_wrong(backend, capsys, monkeypatch):
     assert "FAIL numpy: float32" in capsys.readouterr().err
 
 
+@pytest.mark.kinds("numpy", reason="one timed run is enough")
+def test_check_times_a_median_of_calls_and_says_it_is_indicative(backend, capsys, monkeypatch):
+    from portable_attn import _check
+
+    timed = []
+    median_seconds = _check.median_seconds
+
+    def spy(fn, **kw):
+        timed.append(kw)
+        return median_seconds(fn, **kw)
+
+    monkeypatch.setattr(_check, "median_seconds", spy)
+    assert main(["check", "--backend", "numpy"]) == 0
+    out = capsys.readouterr().out
+    assert _check.TIMED_CALLS >= 3  # a median, of several calls
+    assert [(kw["repeats"], kw["warmup"]) for kw in timed] == [
+        (_check.TIMED_CALLS, _check.WARMUP_CALLS)
+    ]
+    assert (
+        f"ms/call: median of {_check.TIMED_CALLS} calls after {_check.WARMUP_CALLS} warm-up "
+        "calls, float32 causal attention, B=1 H=8 L=256 D=64\n"
+        "ms/call is indicative only: other work on the machine changes it\n"
+    ) in out
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """`check` with one made-up numpy result: nothing is run, nothing takes time."""
+    from portable_attn import _check
+
+    result = _check.CheckResult("numpy", "2.0", "cpu", time_ms=1.0)
+    monkeypatch.setattr(_check, "run_checks", lambda only, **kw: ([result], []))
+
+
+@pytest.mark.parametrize(
+    ("load", "cpus", "warned"),
+    [(9.5, 4, True), (4.01, 4, True), (4.0, 4, False), (0.3, 4, False), (3.0, None, False)],
+)
+def test_check_says_when_the_machine_is_loaded(load, cpus, warned, checked, monkeypatch, capsys):
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 1.0, 1.0), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert main(["check", "--backend", "numpy", "--repeats", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ms/call: median of 3 calls after" in out
+    line = (
+        f"machine loaded: 1-minute load average {load:.2f} on {cpus} CPUs; "
+        "the timings are unreliable"
+    )
+    assert (line in out.splitlines()) is warned
+    assert ("machine loaded" in out) is warned
+
+
+@pytest.mark.parametrize("how", ["missing", "unobtainable"])
+def test_check_without_a_load_average_says_nothing_of_it(how, checked, monkeypatch, capsys):
+    import os
+
+    def unobtainable():
+        raise OSError("Load averages are unobtainable")
+
+    if how == "missing":  # Windows
+        monkeypatch.delattr(os, "getloadavg", raising=False)
+    else:
+        monkeypatch.setattr(os, "getloadavg", unobtainable, raising=False)
+    assert main(["check", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ms/call: one call after" in out
+    assert "machine loaded" not in out
+
+
 def test_python_dash_m_prints_version():
     proc = subprocess.run(
         [sys.executable, "-m", "portable_attn", "--version"],
@@ -433,6 +504,14 @@ def good(query, key, value, **options):
 
 def no_sinks(query, key, value, *, sinks=None, **options):
     return scaled_dot_product_attention(query, key, value, **options)
+
+
+def two_bugs(query, key, value, *, sinks=None, window=None, **options):
+    if sinks is not None:  # one cause, whatever the shapes: the count in the message varies
+        raise TypeError(f"sinks of {sinks.shape[0]} heads are not supported")
+    if window is not None:  # the other: wrong values, the right bound dropped
+        window = (window[0], None)
+    return scaled_dot_product_attention(query, key, value, window=window, **options)
 """
 
 
@@ -459,6 +538,74 @@ def test_conformance_fails_with_a_repro(wrappers, capsys):
     assert re.search(r"^sinks\s+3\s+3$", out, re.M)
     assert "FAIL 1/3: case" in out
     assert "out = fn(query, key, value, sinks=np.array([" in out
+
+
+def _conformance_of_two_bugs(wrappers, capsys, *extra: str) -> tuple[str, int]:
+    """The output of conformance of `two_bugs` (two causes) and its number of failures."""
+    args = ["conformance", f"{wrappers}:two_bugs", "--features", "window,sinks", "--n", "30"]
+    assert main([*args, *extra]) == 1
+    out = capsys.readouterr().out
+    failed = int(re.search(r"alignment: (\d+) FAILED$", out.splitlines()[0])[1])
+    return out, failed
+
+
+def test_conformance_prints_a_summary_grouped_by_cause_first(wrappers, capsys):
+    from portable_attn._cli import MAX_REPROS
+
+    out, failed = _conformance_of_two_bugs(wrappers, capsys)
+    lines = out.splitlines()
+    first_repro = next(i for i, ln in enumerate(lines) if ln.startswith("FAIL "))
+    summary = "\n".join(lines[:first_repro])
+    assert re.search(r"^sinks\s+\d+\s+\d+$", summary, re.M)  # per feature: run, failed
+    assert f"2 causes of the {failed} failing cases:" in summary
+    # every TypeError is one entry, its varying number written #, with its count
+    typed = re.search(
+        r"^\s+(\d+) x raised TypeError: sinks of # heads are not supported$", summary, re.M
+    )
+    wrong = re.search(r"^\s+(\d+) x wrong values: error above tolerance$", summary, re.M)
+    assert typed
+    assert wrong
+    sinks_failed = int(re.search(r"^sinks\s+\d+\s+(\d+)$", summary, re.M)[1])
+    assert int(typed[1]) == sinks_failed
+    assert int(typed[1]) + int(wrong[1]) == failed
+    assert re.search(r"^\s+in every one: sinks; smallest repro: FAIL 1/", summary, re.M)
+    assert re.search(r"^\s+in every one: window; smallest repro: FAIL \d+/", summary, re.M)
+    # then one repro per cause, at most MAX_REPROS, and how many were left out
+    repros = [ln for ln in lines if ln.startswith("FAIL ")]
+    assert len(repros) == 2 <= MAX_REPROS
+    after = "\n".join(lines[first_repro:])
+    assert after.count("raised TypeError: sinks of ") == 1  # the cause's one repro
+    assert lines[-1] == (
+        f"{failed - 2} of {failed} repros left out (one per cause is printed, at most "
+        f"--max-repros {MAX_REPROS}); --all prints every one"
+    )
+
+
+def test_conformance_max_repros_caps_and_all_prints_every_one(wrappers, capsys):
+    out, failed = _conformance_of_two_bugs(wrappers, capsys, "--max-repros", "1")
+    assert [ln for ln in out.splitlines() if ln.startswith("FAIL ")] == [
+        next(ln for ln in out.splitlines() if ln.startswith(f"FAIL 1/{failed}: case"))
+    ]
+    assert f"{failed - 1} of {failed} repros left out" in out
+    out, failed = _conformance_of_two_bugs(wrappers, capsys, "--all")
+    numbers = re.findall(rf"^FAIL (\d+)/{failed}: case", out, re.M)
+    assert numbers == [str(i) for i in range(1, failed + 1)]
+    assert "left out" not in out
+
+
+def test_conformance_help_lists_the_feature_names(capsys):
+    from portable_attn.testing import FEATURES
+
+    with pytest.raises(SystemExit) as exc:
+        main(["conformance", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert (
+        "--features NAMES comma-separated features FUNCTION supports, from: " + ", ".join(FEATURES)
+        in out
+    )
+    assert "--max-repros N" in out
+    assert "--all" in out
 
 
 @pytest.mark.backends("torch", reason="the torch namespace")
@@ -494,6 +641,14 @@ def test_conformance_on_torch_with_top_left_alignment(wrappers, capsys):
         (
             ["portable_attn:scaled_dot_product_attention", "--causal-alignment", "left"],
             "invalid choice",
+        ),
+        (
+            ["portable_attn:scaled_dot_product_attention", "--max-repros", "-1"],
+            "argument --max-repros: expected an integer >= 0, got '-1'",
+        ),
+        (
+            ["portable_attn:scaled_dot_product_attention", "--all", "--max-repros", "2"],
+            "not allowed with argument --all",
         ),
     ],
 )

@@ -160,6 +160,67 @@ def test_a_repro_prints_as_code(broken_reports):
     assert "actual   [" in text
 
 
+def test_a_wrong_value_is_its_own_cause(broken_reports):
+    """Values above tolerance and NaN where zeros are due: one cause each, with the
+    features every failing case shares."""
+    sinks = broken_reports["sinks"]
+    assert list(sinks.causes) == ["wrong values: error above tolerance"]
+    empty = broken_reports["empty_rows"]
+    assert "wrong values: NaN or inf in the output" in empty.causes
+    summary = sinks.summary()
+    assert f"1 cause of the {sinks.failed} failing cases:" in summary
+    assert re.search(rf"^\s+{sinks.failed} x wrong values: error above tolerance$", summary, re.M)
+    shared = re.search(r"^\s+in every one: (.*); smallest repro: FAIL 1/", summary, re.M)
+    assert "sinks" in shared[1].split(", ")
+
+
+def test_failures_are_grouped_by_cause_with_one_repro_each():
+    def two_causes(query, key, value, *, window=None, **options):
+        if window is not None:  # the message varies in its numbers and after its first line
+            raise ValueError(f"window of {len(window)} at 0x{id(query):x} of {query.shape}\nmore")
+        if query.shape[-2] > 2:
+            raise NotImplementedError("Lq > 2 in float32")
+        return scaled_dot_product_attention(query, key, value, **options)
+
+    report = conformance(two_causes, xp=np, features=["window", "mask"], n=30)
+    causes = report.causes
+    assert set(causes) == {
+        "raised ValueError: window of # at # of (#, #, #, #)",  # one cause: numbers as #
+        "raised NotImplementedError: Lq > # in float32",  # float32 is a name, not a number
+    }
+    assert sum(len(group) for group in causes.values()) == report.failed
+    sizes = [len(group) for group in causes.values()]
+    assert sizes == sorted(sizes, reverse=True)  # the most frequent first
+    for cause, group in causes.items():
+        assert all(f.cause == cause for f in group)
+        assert group[0] is next(f for f in report.failures if f.cause == cause)  # smallest
+    # the summary first, then the repros: one per cause at most `limit`, or every one
+    text = str(report)
+    assert text.startswith(report.summary() + "\nFAIL 1/")
+    assert "FAIL " not in report.summary().replace("smallest repro: FAIL", "")
+    assert len(report.repros()) == report.failed
+    assert len(report.repros(10)) == len(causes)
+    assert len(report.repros(1)) == 1
+    assert report.repros(0) == []
+    numbers = [int(r.split("/")[0].removeprefix("FAIL ")) for r in report.repros(10)]
+    position = {id(f): i for i, f in enumerate(report.failures, 1)}
+    assert numbers == [position[id(g[0])] for g in causes.values()]
+
+
+def test_a_cause_is_one_line_of_bounded_length():
+    from portable_attn.testing._conformance import MAX_CAUSE_CHARS
+
+    def verbose(query, key, value, **options):
+        raise RuntimeError("x" * 1000 + "\nsecond line")
+
+    report = conformance(verbose, xp=np, features=["mask"], n=3)
+    (cause,) = report.causes
+    assert len(cause) == MAX_CAUSE_CHARS
+    assert cause.startswith("raised RuntimeError: xxx")
+    assert cause.endswith("...")
+    assert "second line" not in report.summary()
+
+
 def test_the_library_itself_conforms_on_every_feature():
     report = conformance(scaled_dot_product_attention, xp=np, n=100, seed=1)
     assert report.ok, str(report)

@@ -53,6 +53,13 @@ __all__ = [
     "survey",
 ]
 
+#: timed calls of the float32 call of each backend: its ms/call is their median
+TIMED_CALLS = 5
+#: untimed calls first (library loading, JIT compilation, caches)
+WARMUP_CALLS = 2
+#: what the timed call is, as the output names it
+TIMED_CASE = "float32 causal attention, B=1 H=8 L=256 D=64"
+
 # Max abs error allowed against the float64 oracle on unit-scale data, per dtype.
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
@@ -461,7 +468,7 @@ def _time_call(t: Target, res: CheckResult, rng: np.random.Generator, repeats: i
     seconds = median_seconds(
         lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
         repeats=repeats,
-        warmup=2,
+        warmup=WARMUP_CALLS,
         sync=b.sync,
     )
     res.time_ms = seconds * 1e3
@@ -470,7 +477,7 @@ def _time_call(t: Target, res: CheckResult, rng: np.random.Generator, repeats: i
 def run_checks(
     only: list[str] | None = None,
     *,
-    repeats: int = 10,
+    repeats: int = TIMED_CALLS,
     on_start: Callable[[list[CheckResult]], None] | None = None,
     on_target: Callable[[int, int, str], None] | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
@@ -481,8 +488,9 @@ def run_checks(
     ----------
     only : list of str, optional
         Families to check (default: all installed).
-    repeats : int, default 10
-        Timed calls per backend (after two warm-up calls); at least 1.
+    repeats : int, default :data:`TIMED_CALLS`
+        Timed calls per backend, after :data:`WARMUP_CALLS` warm-up calls; at
+        least 1. The time reported is their median.
     on_start : callable, optional
         Called once, before anything is checked, with one :class:`CheckResult`
         per row to come (nothing measured yet: names, versions and devices), so

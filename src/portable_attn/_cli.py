@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 _BACKENDS = ", ".join(FAMILIES)
 _DTYPE_COLUMNS = ("float64", "float32", "float16", "bfloat16")
 MAX_D_K = 65536
+#: repros ``conformance`` prints by default, one per cause at most (``--all``: every one)
+MAX_REPROS = 5
 
 
 def _backend_names(text: str) -> list[str]:
@@ -162,9 +164,19 @@ class _Table:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from ._check import NEEDS_NVIDIA_GPU, TOLERANCE, has_nvidia_gpu, install_hint, run_checks
+    from ._check import (
+        NEEDS_NVIDIA_GPU,
+        TIMED_CASE,
+        TOLERANCE,
+        WARMUP_CALLS,
+        has_nvidia_gpu,
+        install_hint,
+        run_checks,
+    )
+    from ._timing import load_warning
 
     only = args.backend or None
+    loaded = load_warning()  # before the checks, whose own load is not the machine's
     print(f"portable_attn {__version__}: max abs error against a float64 NumPy oracle")
     print("cases: plain, mask+bias, causal Lq<Lk and Lq>Lk, GQA+window+softcap, fully masked row")
     print("tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()), flush=True)
@@ -176,8 +188,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
         on_target=table.progress,
         on_result=table.row,
     )
-    if results:
-        print("ms/call: median, float32 causal attention, B=1 H=8 L=256 D=64")
+    if any(r.unavailable is None for r in results):
+        calls = "one call" if args.repeats == 1 else f"median of {args.repeats} calls"
+        print(f"ms/call: {calls} after {WARMUP_CALLS} warm-up calls, {TIMED_CASE}")
+        print("ms/call is indicative only: other work on the machine changes it")
+        if loaded is not None:
+            print(loaded)
     gpu = has_nvidia_gpu() if missing else False
     for name in missing:
         if name in NEEDS_NVIDIA_GPU and not gpu and not only:
@@ -223,12 +239,24 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as exc:  # a backend that cannot run, features that clash
         print(f"portable-attn conformance: error: {exc}", file=sys.stderr)
         return 2
-    print(report)
+    print(report.summary())
+    shown = report.repros(None if args.all else args.max_repros)
+    for text in shown:
+        print(text)
+    left = report.failed - len(shown)
+    if left:
+        print(
+            f"{left} of {report.failed} repros left out (one per cause is printed, at most "
+            f"--max-repros {args.max_repros}); --all prints every one"
+        )
     return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``portable-attn``."""
+    from ._check import TIMED_CALLS, WARMUP_CALLS
+    from .testing._conformance import FEATURES
+
     parser = argparse.ArgumentParser(
         prog="portable-attn",
         description="Scaled dot-product attention for every array-API library.",
@@ -254,9 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--repeats",
         type=_int_in(1),
-        default=10,
+        default=TIMED_CALLS,
         metavar="N",
-        help="timed calls per backend, at least 1 (default 10)",
+        help=f"timed calls per backend, at least 1, after {WARMUP_CALLS} warm-up calls; "
+        f"ms/call is their median (default {TIMED_CALLS})",
     )
     check.set_defaults(func=_cmd_check)
     explain = sub.add_parser(
@@ -286,9 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="check your attention function against the float64 oracle, feature by feature",
         description="Call MODULE:FUNCTION as fn(query, key, value, **options) on random small "
         "cases that use the named features, in portable_attn's keyword names, and compare "
-        "each output with the float64 NumPy oracle. Prints cases run and failed per feature "
-        "and a small repro of each failing case. Exits 1 if any case failed, 2 on bad "
-        "arguments.",
+        "each output with the float64 NumPy oracle. Prints a summary first (cases run and "
+        "failed per feature, then the failures grouped by cause, each with its count), then "
+        "the smallest repro of each cause, at most --max-repros of them (--all: every "
+        "failing case). Exits 1 if any case failed, 2 on bad arguments.",
     )
     conf.add_argument("function", type=_function, metavar="MODULE:FUNCTION")
     conf.add_argument(
@@ -303,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_feature_names,
         default=None,
         metavar="NAMES",
-        help="comma-separated features FUNCTION supports (default: every one)",
+        help=f"comma-separated features FUNCTION supports, from: {', '.join(FEATURES)} "
+        "(default: every one)",
     )
     conf.add_argument(
         "--n", type=_int_in(1), default=200, metavar="N", help="cases, at least 1 (default 200)"
@@ -316,6 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how FUNCTION aligns is_causal and window: portable_attn's bottom-right "
         "(default), or top-left as torch's and jax.nn's",
     )
+    shown = conf.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--max-repros",
+        type=_int_in(0),
+        default=MAX_REPROS,
+        metavar="N",
+        help=f"repros printed, one per cause, at most N (default {MAX_REPROS})",
+    )
+    shown.add_argument("--all", action="store_true", help="print the repro of every failing case")
     conf.set_defaults(func=_cmd_conformance)
     return parser
 

@@ -12,6 +12,7 @@ JAX's are) says so with ``causal_alignment="top-left"``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,6 +62,10 @@ _EMPTY_ROW_MAKERS = ("mask", "bias", "kv_lengths")
 _MAX_L = 48
 _MAX_SHRINK_CALLS = 400
 _DRAWS = 500
+#: the longest cause a report prints: a longer first line of a message is cut with "..."
+MAX_CAUSE_CHARS = 160
+# a number in a message: a hex address, or a decimal not inside a name (float32 stays)
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|(?<![\w.])[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
 
 
 # ---------------------------------------------------------------------------
@@ -130,6 +135,21 @@ class ConformanceFailure:
     def shapes(self) -> dict[str, int]:
         """``B, Hq, Hkv, Lq, Lk, Dk, Dv`` of the repro."""
         return _shapes(self.query, self.key, self.value)
+
+    @property
+    def cause(self) -> str:
+        """What went wrong, in words shared by every failure of the same cause.
+
+        The first line of :attr:`error` with every number written ``#`` (so that
+        shapes and indices do not split one cause in many), at most
+        :data:`MAX_CAUSE_CHARS` long; for a value-only failure, ``"wrong values:
+        NaN or inf in the output"`` or ``"wrong values: error above tolerance"``.
+        """
+        if self.error is not None:
+            return _cause_of(self.error)
+        if self.actual is not None and not np.isfinite(self.actual).all():
+            return "wrong values: NaN or inf in the output"
+        return "wrong values: error above tolerance"
 
     def __str__(self) -> str:
         s = self.shapes
@@ -203,7 +223,30 @@ class ConformanceReport:
         """Whether every case agreed with the oracle."""
         return not self.failures
 
-    def __str__(self) -> str:
+    @property
+    def causes(self) -> dict[str, list[ConformanceFailure]]:
+        """The failures grouped by :attr:`ConformanceFailure.cause`, most frequent first.
+
+        Each group keeps the order of :attr:`failures` (smallest first), so its first
+        failure is its smallest repro; groups of equal size keep the order of those.
+        """
+        groups: dict[str, list[ConformanceFailure]] = {}
+        for f in self.failures:
+            groups.setdefault(f.cause, []).append(f)
+        return dict(sorted(groups.items(), key=lambda item: -len(item[1])))
+
+    def summary(self) -> str:
+        """Return the summary: the status, cases run and failed per feature, the causes.
+
+        Each cause is one entry: how many failing cases it has, the features every
+        one of them uses, and the number of its smallest repro (``FAIL i/n`` of
+        :meth:`repros`).
+
+        Returns
+        -------
+        str
+            Lines of text, without the repros.
+        """
         status = "ok" if self.ok else f"{self.failed} FAILED"
         lines = [
             f"conformance of {self.target}: {self.n} cases, seed {self.seed}, "
@@ -211,9 +254,50 @@ class ConformanceReport:
             f"{'feature':<12}{'cases':>7}{'failed':>8}",
         ]
         lines += [f"{name:<12}{run:>7}{bad:>8}" for name, (run, bad) in self.features.items()]
-        for i, f in enumerate(self.failures, 1):
-            lines.append(f"FAIL {i}/{self.failed}: {f}")
+        if self.failures:
+            causes = self.causes
+            number = self._numbers()
+            plural = "s" if len(causes) > 1 else ""
+            lines.append(f"{len(causes)} cause{plural} of the {self.failed} failing cases:")
+            width = len(str(self.failed))
+            for cause, group in causes.items():
+                shared = [f for f in FEATURES if all(f in g.features for g in group)]
+                common = ", ".join(shared) if shared else "no feature in all of them"
+                lines.append(f"  {len(group):>{width}} x {cause}")
+                lines.append(
+                    f"  {'':>{width}}   in every one: {common}; "
+                    f"smallest repro: FAIL {number[id(group[0])]}/{self.failed}"
+                )
         return "\n".join(lines)
+
+    def repros(self, limit: int | None = None) -> list[str]:
+        """Return repros as text, each ``FAIL i/n: `` and the failure printed as code.
+
+        Parameters
+        ----------
+        limit : int, optional
+            None (the default): every failure, smallest first. Otherwise the
+            smallest repro of each cause, in the order of :attr:`causes`, at most
+            `limit` of them.
+
+        Returns
+        -------
+        list of str
+            One text (of several lines) per repro.
+        """
+        number = self._numbers()
+        if limit is None:
+            chosen = self.failures
+        else:
+            chosen = [group[0] for group in self.causes.values()][: max(limit, 0)]
+        return [f"FAIL {number[id(f)]}/{self.failed}: {f}" for f in chosen]
+
+    def _numbers(self) -> dict[int, int]:
+        """``id(failure)`` to its number from 1 in :attr:`failures`."""
+        return {id(f): i for i, f in enumerate(self.failures, 1)}
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary(), *self.repros()])
 
 
 # ---------------------------------------------------------------------------
@@ -256,6 +340,15 @@ class _Case:
             "sinks": self.sinks,
         }
         return {k: v for k, v in found.items() if v is not None}
+
+
+def _cause_of(error: str) -> str:
+    """Return the cause of an error message: its first line, numbers as ``#``, cut to length."""
+    lines = error.strip().splitlines()
+    text = _NUMBER.sub("#", lines[0] if lines else "")
+    if len(text) > MAX_CAUSE_CHARS:
+        text = text[: MAX_CAUSE_CHARS - 3] + "..."
+    return text
 
 
 def _shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, int]:
@@ -844,8 +937,10 @@ def conformance(
     Returns
     -------
     ConformanceReport
-        ``.ok``, ``.features`` (``{name: (run, failed)}``) and ``.failures``;
-        ``str(report)`` prints a table and each repro as code.
+        ``.ok``, ``.features`` (``{name: (run, failed)}``), ``.failures`` and
+        ``.causes`` (the failures grouped by cause); ``str(report)`` prints the
+        summary (a table, then each cause with its count) and each repro as code,
+        ``report.summary()`` and ``report.repros(limit)`` a part of it.
 
     Raises
     ------
