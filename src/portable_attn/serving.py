@@ -45,6 +45,7 @@ from ._lib._compat import (
     to_host,
 )
 from ._lib._masks import Band, arange, take_at
+from ._lib._quant import Quantized, quantized, taken
 from ._lib._route import library, runs_compiled
 from ._lib._rules import MaskRule
 from ._lib._scores import distance
@@ -107,6 +108,11 @@ def ragged_paged_attention(
     value_dim: int | None = None,
     kv_indices: Array | None = None,
     window_union: bool = False,
+    key_scales: Array | None = None,
+    value_scales: Array | None = None,
+    key_zero_points: Array | None = None,
+    value_zero_points: Array | None = None,
+    kv_bits: int = 8,
 ) -> Array | tuple[Array, ...]:
     """Attention of a ragged batch of new tokens over their requests' pages in a pool.
 
@@ -209,6 +215,17 @@ def ragged_paged_attention(
         once (DeepSeek V4's sliding window beside its selected entries); listed keys
         outside the band are seen where `is_causal` shows them. Needs a `window` whose
         band is bounded on both sides.
+    key_scales, value_scales : arrays, shape (P, page_size, Hkv) or (P, page_size, Hkv, G)
+        A quantized pool: its pages are int8 (or uint8 with ``kv_bits=4``) or float8,
+        and a key's features are ``(stored - zero_point) · scale``, one scale per token
+        or per group of ``D / G`` features (``G`` dividing ``D``), in the dtype of the
+        result. Each chunk is dequantized where it is gathered: no float copy of the
+        pool is made. :func:`paged_kv_write` given the scales quantizes what it writes.
+    key_zero_points, value_zero_points : arrays, optional
+        The zero points, shaped as the scales; none: symmetric (zero).
+    kv_bits : {8, 4}, default 8
+        4: each byte of a uint8 pool holds two signed 4-bit values (two's complement,
+        ``-8 .. 7``), the low nibble first, so the pool's last axis is ``D / 2``.
 
     Returns
     -------
@@ -277,13 +294,19 @@ def ragged_paged_attention(
         sinks,
         alibi_slopes,
         kv_indices,
+        key_scales,
+        value_scales,
+        key_zero_points,
+        value_zero_points,
     )
+    scaling = (key_scales, value_scales, key_zero_points, value_zero_points)
+    keys, values = _stored_pools(xp, key_pages, value_pages, scaling, kv_bits)
     t, hq, dk = check_exact_rank(xp, "query", query, 3, "(T, Hq, Dk)")
-    check_same_axis("query", query, -1, "key_pages", key_pages, -1, "Dk")
+    check_same_axis("query", query, -1, "key_pages", keys, -1, "Dk")
     n_pages, page_size, hkv, dv, _, max_pages = check_paged(
-        xp, key_pages, value_pages, page_table, kv_lengths, q_starts, value_dim
+        xp, keys, values, page_table, kv_lengths, q_starts, value_dim
     )
-    check_head_groups(query, key_pages, hq, hkv)
+    check_head_groups(query, keys, hq, hkv)
     check_positions(xp, q_positions, query)
     check_head_vector(xp, sinks, "sinks", hq)
     check_head_vector(xp, alibi_slopes, "alibi_slopes", hq)
@@ -308,6 +331,10 @@ def ragged_paged_attention(
         sinks=sinks,
         alibi_slopes=alibi_slopes,
         kv_indices=kv_indices,
+        key_scales=key_scales,
+        value_scales=value_scales,
+        key_zero_points=key_zero_points,
+        value_zero_points=value_zero_points,
     )
     shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
     flags = (is_causal, _bounds(left, right), batch_invariant)
@@ -330,6 +357,8 @@ def ragged_paged_attention(
     arrays.update(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
     arrays.update(q_positions=q_positions, sinks=sinks, alibi_slopes=alibi_slopes)
     arrays.update(scale=scale, softcap=softcap, kv_indices=kv_indices)
+    arrays.update(key_scales=key_scales, value_scales=value_scales)
+    arrays.update(key_zero_points=key_zero_points, value_zero_points=value_zero_points)
     user_functions = mask_mod is not None or score_mod is not None
     if runs_compiled(library(query), user_functions) and all(
         has_concrete_values(x) for x in arrays.values() if is_array_api_obj(x)
@@ -337,12 +366,13 @@ def ragged_paged_attention(
         statics: dict[str, Any] = {"is_causal": is_causal, "window": _bounds(left, right)}
         statics.update(return_lse=return_lse, return_max_logit=return_max_logit)
         statics.update(batch_invariant=batch_invariant, value_dim=dv, window_union=window_union)
+        statics.update(kv_bits=kv_bits)
         numbers = {k: x for k, x in arrays.items() if x is not None and not is_array_api_obj(x)}
         return _compiled_program()(
             {k: x for k, x in arrays.items() if k not in numbers},
             tuple(sorted({**statics, **numbers}.items())),
         )
-    pools = (key_pages,) if value_pages is None else (key_pages, value_pages)
+    pools = (keys,) if values is None else (keys, values)
     dtype = result_type(xp, query.dtype, *(x.dtype for x in pools))
     compute = compute_dtype_of(xp, dtype)
     asked = (True, return_lse, return_max_logit)
@@ -356,7 +386,7 @@ def ragged_paged_attention(
         "mask_mod": None if mask_mod is None else guarded_rule("mask_mod", mask_mod),
         "score_mod": None if score_mod is None else guarded_rule("score_mod", score_mod),
     }
-    kv = (key_pages, value_pages, page_table, kv_lengths)
+    kv = (keys, values, page_table, kv_lengths)
     if kv_indices is not None:
         geometry = dataclasses.replace(_geometry(shape, page_table, *flags), **layer)
         listed = _listed_attention(xp, geometry, query, kv, metadata, (kv_indices, window_union))
@@ -371,7 +401,7 @@ def ragged_paged_attention(
     options = {"is_causal": is_causal, "window": _bounds(left, right), "softcap": softcap}
     options.update(scale=scale, sinks=sinks, alibi_slopes=alibi_slopes)
     options.update(mask_mod=mask_mod, score_mod=score_mod)
-    parts = _by_engine(xp, walk, query, (key_pages, value_pages, dv), asked, options)
+    parts = _by_engine(xp, walk, query, (keys, values, dv), asked, options)
     fills = (0.0, -xp.inf, -xp.inf)  # padding rows: zeros, lse and max -inf
     results = [
         (_merged(xp, walk, x, got, fill) if flag else None, flag)
@@ -414,11 +444,12 @@ def _by_engine(
     rows = split_rows(query, cuts)[1::2]
     n_pages = list(itertools.accumulate((r.pages.shape[0] for r in walk.engine), initial=0))
     pages = xp.concat([r.pages for r in walk.engine])
-    key_parts = split_rows(xp.take(key_pages, pages, axis=0), n_pages)
+    dtype = result_type(xp, query.dtype, key_pages.dtype)
+    key_parts = split_rows(taken(xp, key_pages, pages, dtype), n_pages)
     value_parts = (
         key_parts
         if value_pages is None
-        else split_rows(xp.take(value_pages, pages, axis=0), n_pages)
+        else split_rows(taken(xp, value_pages, pages, dtype), n_pages)
     )
     for i, request in enumerate(walk.engine):
         keys = _keys_of(xp, key_parts[i], request)  # (Hkv, L, Dk)
@@ -736,6 +767,77 @@ def _listed_attention(
     return functools.partial(index_attention, xp, p, query, kv, rows, listing, faulty=faulty)
 
 
+def _stored_pools(
+    xp: Any, key_pages: Any, value_pages: Any, scaling: tuple[Any, ...], bits: Any
+) -> tuple[Any, Any]:
+    """Return the pools as the walks read them: arrays, or :class:`~._lib._quant.Quantized`.
+
+    `scaling` the key and value scales and zero points (None each where not given).
+    Checks that a quantized pool's dtype, scales and zero points go together.
+    """
+    key_scales, value_scales, key_zp, value_zp = scaling
+    if isinstance(bits, bool) or bits not in (4, 8):
+        msg = f"`kv_bits` must be 8 or 4, but got {bits!r}"
+        raise (TypeError if not isinstance(bits, int) else ValueError)(msg)
+    keys = _stored(xp, "key", key_pages, key_scales, key_zp, bits)
+    if value_pages is None:
+        for name, x in (("value_scales", value_scales), ("value_zero_points", value_zp)):
+            if x is not None:
+                msg = f"`{name}` is given but `value_pages` is None (the values are the keys')"
+                raise ValueError(msg)
+        return keys, None
+    return keys, _stored(xp, "value", value_pages, value_scales, value_zp, bits)
+
+
+def _stored(xp: Any, name: str, pool: Any, scales: Any, zero_points: Any, bits: int) -> Any:
+    """Return one pool as the walks read it (see :func:`_stored_pools`)."""
+    pages = f"`{name}_pages`"
+    dtype = getattr(pool, "dtype", None)
+    if scales is None:
+        if zero_points is not None:
+            msg = f"`{name}_zero_points` needs `{name}_scales`"
+            raise ValueError(msg)
+        if bits != 8:
+            msg = f"`kv_bits={bits}` needs `{name}_scales`: a 4-bit pool is quantized"
+            raise ValueError(msg)
+        if dtype is not None and xp.isdtype(dtype, "integral"):
+            msg = (
+                f"{pages} is {dtype}: a quantized pool needs `{name}_scales` of shape "
+                f"(P, page_size, Hkv) or (P, page_size, Hkv, G)"
+            )
+            raise TypeError(msg)
+        return pool
+    wanted = "uint8 (kv_bits=4)" if bits == 4 else "int8 or a float8"
+    ok = (
+        dtype == xp.uint8
+        if bits == 4
+        else (dtype == xp.int8 or xp.isdtype(dtype, "real floating"))
+    )
+    if not ok:
+        msg = f"{pages} with `{name}_scales` must be {wanted}, but got {dtype}"
+        raise TypeError(msg)
+    if not xp.isdtype(scales.dtype, "real floating"):
+        msg = f"`{name}_scales` must be a floating array, but got {scales.dtype}"
+        raise TypeError(msg)
+    stored = Quantized(pool, scales, zero_points, bits)
+    shape, lead = tuple(stored.shape), tuple(pool.shape[:3])
+    layout = "(P, page_size, Hkv) or (P, page_size, Hkv, G), G dividing D"
+    groups = scales.shape[3] if scales.ndim == 4 else 1
+    if scales.ndim not in (3, 4) or tuple(scales.shape[:3]) != lead or shape[-1] % groups:
+        msg = (
+            f"`{name}_scales` must have shape {layout}, but got shape {tuple(scales.shape)} "
+            f"for {pages} of shape {tuple(pool.shape)} (D = {shape[-1]})"
+        )
+        raise ValueError(msg)
+    if zero_points is not None and tuple(zero_points.shape) != tuple(scales.shape):
+        msg = (
+            f"`{name}_zero_points` must have the shape of `{name}_scales` "
+            f"{tuple(scales.shape)}, but got shape {tuple(zero_points.shape)}"
+        )
+        raise ValueError(msg)
+    return stored
+
+
 def _check_listing(
     xp: Any,
     kv_indices: Any,
@@ -855,7 +957,10 @@ def paged_kv_write(
     new_values: Array | None,
     *,
     plan: PagedPlan | None = None,
-) -> tuple[Array, Array | None]:
+    key_scales: Array | None = None,
+    value_scales: Array | None = None,
+    kv_bits: int = 8,
+) -> tuple[Array | None, ...]:
     """Write the new tokens' keys and values into their pages; return the pools.
 
     Row ``i`` of request ``r`` (``n_r = q_starts[r+1] - q_starts[r]`` rows) goes to
@@ -888,11 +993,21 @@ def paged_kv_write(
         The step's plan (:func:`plan_ragged`), as :func:`ragged_paged_attention` takes
         it: the slots to write are then the plan's, the metadata neither read nor
         checked again.
+    key_scales, value_scales : arrays, shape (P, page_size, Hkv) or (P, page_size, Hkv, G)
+        Quantize on write, into an int8 pool (or uint8 with ``kv_bits=4``): each new
+        token's (or each group of ``D / G`` features') scale is ``max |x| / 127`` (``/ 7``
+        with 4 bits), its values ``round(x / scale)``, half to even; the scales are
+        written to the same slots of these arrays (as :func:`ragged_paged_attention`
+        reads them, without zero points).
+    kv_bits : {8, 4}, default 8
+        As in :func:`ragged_paged_attention`.
 
     Returns
     -------
     key_pages, value_pages : arrays
         The pools with the new tokens written (`value_pages` None if given None).
+    key_scales, value_scales : arrays
+        Only when quantizing: the scales, written.
     """
     xp = _namespace(
         key_pages,
@@ -912,12 +1027,22 @@ def paged_kv_write(
             "new_values",
         ),
     )
+    quantizing = key_scales is not None or value_scales is not None
+    keys, values = _stored_pools(
+        xp, key_pages, value_pages, (key_scales, value_scales, None, None), kv_bits
+    )
+    if quantizing and (key_scales is None or (value_pages is not None and value_scales is None)):
+        msg = "`key_scales` and `value_scales` must both be given to quantize both pools"
+        raise ValueError(msg)
+    if quantizing and not all(x.data.dtype in (xp.int8, xp.uint8) for x in (keys, values) if x):
+        msg = "paged_kv_write quantizes into int8 pools (or uint8, 4 bits); not into float8"
+        raise TypeError(msg)
     n_pages, page_size, hkv, _, _, max_pages = check_paged(
-        xp, key_pages, value_pages, page_table, kv_lengths, q_starts
+        xp, keys, values, page_table, kv_lengths, q_starts
     )
     t = check_exact_rank(xp, "new_keys", new_keys, 3, "(T, Hkv, Dk)")[0]
-    check_same_axis("new_keys", new_keys, 1, "key_pages", key_pages, 2, "Hkv")
-    check_same_axis("new_keys", new_keys, 2, "key_pages", key_pages, 3, "Dk")
+    check_same_axis("new_keys", new_keys, 1, "key_pages", keys, 2, "Hkv")
+    check_same_axis("new_keys", new_keys, 2, "key_pages", keys, 3, "Dk")
     if (value_pages is None) != (new_values is None):
         msg = (
             "`value_pages` and `new_values` must both be arrays or both None (one pool for "
@@ -928,8 +1053,8 @@ def paged_kv_write(
     if new_values is not None:
         check_exact_rank(xp, "new_values", new_values, 3, "(T, Hkv, Dv)")
         check_same_axis("new_keys", new_keys, 0, "new_values", new_values, 0, "T")
-        check_same_axis("new_values", new_values, 1, "value_pages", value_pages, 2, "Hkv")
-        check_same_axis("new_values", new_values, 2, "value_pages", value_pages, 3, "Dv")
+        check_same_axis("new_values", new_values, 1, "value_pages", values, 2, "Hkv")
+        check_same_axis("new_values", new_values, 2, "value_pages", values, 3, "Dv")
     check_one_device(
         key_pages=key_pages,
         value_pages=value_pages,
@@ -938,6 +1063,8 @@ def paged_kv_write(
         q_starts=q_starts,
         new_keys=new_keys,
         new_values=new_values,
+        key_scales=key_scales,
+        value_scales=value_scales,
     )
     if plan is None:
         check_paged_metadata(q_starts, kv_lengths, page_table, t, n_pages, page_size, max_pages)
@@ -947,13 +1074,21 @@ def paged_kv_write(
         shape = _StepShape(t, hq, hkv, page_size, n_pages, max_pages)
         slots = _plan_for(plan, shape, None, (page_table, kv_lengths, q_starts))[1]
     if slots is None:  # no row, or every row padding
-        return key_pages, value_pages
+        return (key_pages, value_pages, key_scales, value_scales)[: 4 if quantizing else 2]
     named = {"key_pages": (key_pages, new_keys), "value_pages": (value_pages, new_values)}
-    named = {
-        n: (pool, xp.astype(x, pool.dtype)) for n, (pool, x) in named.items() if x is not None
-    }
-    written = _WRITERS[library(key_pages).writes](xp, named, slots)
-    return written[0], (written[1] if value_pages is not None else None)
+    named = {n: (pool, x) for n, (pool, x) in named.items() if x is not None}
+    if quantizing:
+        for name, scales in (("key", key_scales), ("value", value_scales)):
+            if scales is not None and f"{name}_pages" in named:
+                pool, x = named[f"{name}_pages"]
+                groups = scales.shape[3] if scales.ndim == 4 else 0
+                data, scale = quantized(xp, x, groups, kv_bits)
+                named[f"{name}_pages"] = (pool, data)
+                named[f"{name}_scales"] = (scales, scale)
+    named = {n: (pool, xp.astype(x, pool.dtype)) for n, (pool, x) in named.items()}
+    written = dict(zip(named, _WRITERS[library(key_pages).writes](xp, named, slots), strict=True))
+    names = ("key_pages", "value_pages", "key_scales", "value_scales")[: 4 if quantizing else 2]
+    return tuple(written.get(n) for n in names)
 
 
 def varlen_attention(
@@ -1588,7 +1723,7 @@ def _write_arrays(xp: Any, named: _Named, slots: _Slots) -> list[Any]:
         at = xp.astype(xp.arange(n_pages * page_size, **on_device(device(pool))), target.dtype)
         hits = at[:, None] == target[None, :]  # (slots, T)
         row = xp.argmax(xp.astype(hits, xp.int32), axis=1)
-        written = xp.any(hits, axis=1)[:, None, None]
+        written = xp.reshape(xp.any(hits, axis=1), (-1, *(1,) * (flat.ndim - 1)))
         flat = xp.where(written, xp.take(x, row, axis=0), flat)
         out.append(xp.reshape(flat, pool.shape))
     return out
@@ -1611,6 +1746,10 @@ def _namespace(
         "sinks",
         "alibi_slopes",
         "kv_indices",
+        "key_scales",
+        "value_scales",
+        "key_zero_points",
+        "value_zero_points",
     ),
 ) -> Any:
     named = dict(zip(names, arrays, strict=True))

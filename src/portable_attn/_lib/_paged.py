@@ -42,8 +42,9 @@ from typing import Any, NamedTuple
 
 from . import _validation
 from ._blocks import FULL, PARTIAL
-from ._compat import numpy_namespace, on_device, stop_gradient
+from ._compat import device, numpy_namespace, on_device, stop_gradient
 from ._masks import Band, arange
+from ._quant import taken
 from ._route import INVARIANT_PRODUCT_KEYS
 from ._scores import distance
 from ._tiled import Ops, RowState, normalised, online_step
@@ -61,11 +62,13 @@ __all__ = [
     "bounded_tiles",
     "chunk_index",
     "finish",
+    "finish_rows",
     "faulty_rows",
     "head_rows",
     "host_tiles",
     "index_step",
     "index_tiles",
+    "listed_chunk",
     "listed_keys",
     "fold_keys",
     "owners",
@@ -706,29 +709,29 @@ def listed_keys(
     xp: Any,
     p: PagedProblem,
     kv_indices: Any,
+    tiles: Tiles,
     positions: Any,
-    request: Any,
     kv_lengths: Any,
     *,
     window_union: bool,
-    chunk: int,
 ) -> tuple[Any, Any]:
-    """Return the keys each row sees by its list, in chunks: positions and whether kept.
+    """Return the keys each row sees by its list: positions and whether kept, (T, Hkv, W).
 
-    `kv_indices` (T, Hkv, k) the rows' listed positions (``-1`` padding), `positions`
-    and `request` (T,) the rows'. A listed position counts once (the list is sorted and
-    a repeat dropped) and only where it is one of the request's keys and inside the
-    band (causal, window). With `window_union` the band's keys are seen whatever the
-    list says: they are appended to every list (``left + right + 1`` positions around
-    the row's), and a listed key inside the band is dropped (seen once), one outside it
-    kept where the causal rule shows it. Returns two (n, T, Hkv, chunk) arrays, `n`
-    chunks of `chunk` listed keys: the positions (clipped to the request's keys) and
-    whether each is kept.
+    `kv_indices` (T, Hkv, k) the rows' listed positions (``-1`` padding), `tiles` the
+    rows' (:func:`index_tiles`), `positions` (T,) theirs. A listed position counts once
+    (the list is sorted and a repeat dropped) and only where it is one of the request's
+    keys and inside the band (causal, window); a padding row keeps none. With
+    `window_union` the band's keys are seen whatever the list says: they are appended
+    to every list (``W = k + left + right + 1``), and a listed key inside the band is
+    dropped (seen once), one outside it kept where the causal rule shows it. Positions
+    are int32 where every slot of the pool has an int32 index.
     """
-    idx = xp.sort(xp.astype(kv_indices, request.dtype), axis=-1)
+    small = p.num_pages * p.page_size * p.num_kv_heads < 2**31
+    dtype = xp.int32 if small else xp.int64
+    idx = xp.sort(xp.astype(kv_indices, dtype), axis=-1)
     t, hkv, k = idx.shape
-    length = xp.take(kv_lengths, request)[:, None, None]
-    pos = positions[:, None, None]
+    length = xp.astype(xp.take(kv_lengths, tiles.request), dtype)[:, None, None]
+    pos = xp.astype(positions, dtype)[:, None, None]
     repeat = xp.concat(
         [
             xp.zeros((t, hkv, min(k, 1)), dtype=xp.bool, **on_device(p.device)),
@@ -736,7 +739,7 @@ def listed_keys(
         ],
         axis=-1,
     )
-    kept = (idx >= 0) & (idx < length) & ~repeat
+    kept = (idx >= 0) & (idx < length) & ~repeat & tiles.valid[:, None, None]
     band = p.band
     if window_union:
         causal = Band.of(p.is_causal, None)
@@ -744,24 +747,28 @@ def listed_keys(
             kept = kept & causal.between(pos, idx)
         kept = kept & ~band.between(pos, idx)
         left, right = band.left or 0, band.right or 0  # bounded both ways (the call checks)
-        offsets = arange(xp, -left, right + 1, p.device)
-        near = pos + xp.astype(offsets, idx.dtype)[None, None, :]  # (T, 1, w)
-        near = xp.broadcast_to(near, (t, hkv, near.shape[-1]))
+        offsets = xp.astype(arange(xp, -left, right + 1, p.device), dtype)
+        near = xp.broadcast_to(pos + offsets[None, None, :], (t, hkv, offsets.shape[0]))
         near_kept = (near >= 0) & (near < length) & band.between(pos, near)
+        near_kept = near_kept & tiles.valid[:, None, None]
         idx, kept = xp.concat([idx, near], axis=-1), xp.concat([kept, near_kept], axis=-1)
     elif band.restricts:
         kept = kept & band.between(pos, idx)
+    return idx, kept
+
+
+def listed_chunk(xp: Any, listed: tuple[Any, Any], j: Any, chunk: int) -> tuple[Any, Any]:
+    """Return chunk `j` (an int, or traced) of :func:`listed_keys`: (N, Hkv, chunk) each.
+
+    Positions not kept (and past the lists' end) are the request's first key, 0.
+    """
+    idx, kept = listed
     width = idx.shape[-1]
-    n = max(1, -(-width // chunk))
-    pad = n * chunk - width
-    if pad:
-        kw = on_device(p.device)
-        idx = xp.concat([idx, xp.zeros((t, hkv, pad), dtype=idx.dtype, **kw)], axis=-1)
-        kept = xp.concat([kept, xp.zeros((t, hkv, pad), dtype=xp.bool, **kw)], axis=-1)
-    idx = xp.where(kept, idx, 0)
-    per_chunk = (t, hkv, n, chunk)
-    idx = xp.permute_dims(xp.reshape(idx, per_chunk), (2, 0, 1, 3))
-    return idx, xp.permute_dims(xp.reshape(kept, per_chunk), (2, 0, 1, 3))
+    cols = j * chunk + xp.astype(arange(xp, 0, chunk, device(idx)), idx.dtype)
+    inside = cols < width
+    cols = xp.clip(cols, 0, max(width - 1, 0))
+    kept_j = xp.take(kept, cols, axis=2) & inside[None, None, :]
+    return xp.where(kept_j, xp.take(idx, cols, axis=2), 0), kept_j
 
 
 def index_step(
@@ -800,8 +807,7 @@ def index_step(
     flat = xp.reshape(flat, (-1,))
 
     def gathered(rows: Any) -> Any:
-        x = xp.astype(xp.take(rows, flat, axis=0), p.compute_dtype, copy=False)
-        return xp.reshape(x, (n, 1, hkv, c, -1))
+        return xp.reshape(taken(xp, rows, flat, p.compute_dtype), (n, 1, hkv, c, -1))
 
     k = gathered(key_rows)
     v = None if value_rows is None else gathered(value_rows)
@@ -812,7 +818,7 @@ def index_step(
 
 def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
     """Gather the chunk's pages of a pool, as (N, c', Hkv, b, D): `b` the product's keys."""
-    x = xp.astype(xp.take(pool, pages, axis=0), p.compute_dtype, copy=False)
+    x = taken(xp, pool, pages, p.compute_dtype)
     if not p.head_major:
         x = xp.permute_dims(x, (0, 2, 1, 3))  # (N·c, Hkv, page_size, D)
     hkv, b = p.num_kv_heads, p.product_keys
@@ -822,6 +828,22 @@ def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
     x = xp.permute_dims(x, (0, 2, 1, 3, 4))  # (N, Hkv, c, page_size, D): positions in order
     x = xp.reshape(x, (n, hkv, p.chunk_keys // b, b, -1))
     return xp.permute_dims(x, (0, 2, 1, 3, 4))
+
+
+def finish_rows(
+    xp: Any, p: PagedProblem, state: RowState, sinks: Any | None, dtype: Any
+) -> tuple[Any, Any, Any]:
+    """Normalise rows of one row a tile (:func:`index_tiles`): out (n, Hq, Dv), lse, max.
+
+    Their tiles are the rows themselves, in order: a reshape puts them back. A row that
+    saw nothing (padding too) is zeros with lse ``-inf`` (the sink's where given).
+    """
+    m, l_sum, acc = (x[:, 0, ...] for x in state[:3])
+    sink_rows = None if sinks is None else head_rows(xp, p, xp.astype(sinks, p.compute_dtype))
+    out, lse = normalised(xp, RowState(m, l_sum, acc), sink_rows)
+    n, hq = out.shape[0], p.num_q_heads
+    out = xp.astype(xp.reshape(out, (n, hq, p.value_dim)), dtype, copy=False)
+    return out, xp.reshape(lse, (n, hq)), xp.reshape(m, (n, hq))
 
 
 def faulty_rows(

@@ -42,6 +42,7 @@ from .._lib._compat import (
 )
 from .._lib._masks import arange, take_at
 from .._lib._paged import PADDING, WALK, EngineRequest, PagedProblem, WalkPlan
+from .._lib._quant import as_rows, permuted
 from .._lib._route import INDEX_CHUNK_KEYS, index_rows, library, paged_by_engine, tile_rows
 from .._lib._scores import distance, modified_scores
 from .._lib._tiled import RowState
@@ -228,9 +229,9 @@ def paged_attention(
     p = dataclasses.replace(plan.problem, **layer)
     key_pages, value_pages, page_table, kv_lengths = pools
     if p.head_major:  # (P, Hkv, page_size, D) views: a gathered page is a head's keys
-        key_pages = xp.permute_dims(key_pages, (0, 2, 1, 3))
+        key_pages = permuted(xp, key_pages, (0, 2, 1, 3))
         if value_pages is not None:
-            value_pages = xp.permute_dims(value_pages, (0, 2, 1, 3))
+            value_pages = permuted(xp, value_pages, (0, 2, 1, 3))
     alibi = None
     if alibi_slopes is not None:
         alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
@@ -279,22 +280,14 @@ def index_attention(
     positions (T,) and their requests' lengths; `listing` ``(kv_indices, window_union)``
     (:func:`~._paged.listed_keys`). Each row is a tile of its own; rows are folded
     ``_route.index_rows`` at a time, each over every chunk of its listed keys (a Python
-    loop; a traced ``fori_loop`` on JAX), then normalised together.
+    loop; a traced ``fori_loop`` on JAX), and normalised.
     """
     q_starts, positions, kv_lengths = metadata
     key_pages, value_pages, page_table, _ = pools
     p = dataclasses.replace(p, rows=1, aligned=False, head_major=False)
-    chunk = INDEX_CHUNK_KEYS
     tiles = _paged.index_tiles(xp, p, q_starts)
-    kpos, kept = _paged.listed_keys(
-        xp,
-        p,
-        listing[0],
-        positions,
-        tiles.request,
-        kv_lengths,
-        window_union=listing[1],
-        chunk=chunk,
+    idx, kept = _paged.listed_keys(
+        xp, p, listing[0], tiles, positions, kv_lengths, window_union=listing[1]
     )
     slots, held = _paged.query_slots(xp, p, tiles)
     q = _paged.tile_queries(xp, p, query, slots, held)
@@ -302,24 +295,29 @@ def index_attention(
     alibi = None
     if alibi_slopes is not None:
         alibi = _paged.head_rows(xp, p, xp.astype(alibi_slopes, p.compute_dtype))
-
-    def rows_of(x: Any) -> Any:  # a pool as (P·page_size·Hkv, D): a key's row is one take
-        return None if x is None else xp.reshape(x, (-1, x.shape[-1]))
-
-    kv = (rows_of(key_pages), rows_of(value_pages), page_table)
+    # the pools as (P·page_size·Hkv, D): a key's row is one take
+    value_rows = None if value_pages is None else as_rows(xp, value_pages)
+    kv = (as_rows(xp, key_pages), value_rows, page_table)
     traced = library(query).walk == "traced"
-    states = []
+    parts = []
     t = p.num_tokens
     block = index_rows(t, p.num_kv_heads)
     for a in range(0, t, block):
         rows = slice(a, min(a + block, t))
-        listed = (kpos[:, rows, ...], kept[:, rows, ...])
+        listed = (idx[rows, ...], kept[rows, ...])
         fixed = (q[rows, ...], pos[rows, ...], kv, alibi, tiles.request[rows])
-        states.append(_index_walk(xp, p, listed, fixed, traced=traced))
-    state = states[0]
-    if len(states) > 1:
-        state = RowState(*(xp.concat([s[i] for s in states], axis=0) for i in range(3)))
-    return _paged.finish(xp, p, state, tiles, sinks, dtype, faulty)
+        state = _index_walk(xp, p, listed, fixed, traced=traced)
+        out, lse, top = _paged.finish_rows(xp, p, state, sinks, dtype)
+        # padding rows: zeros (whatever the slots they gathered hold), lse -inf (no sink)
+        valid = tiles.valid[rows, None]
+        parts.append((xp.where(valid[..., None], out, 0.0), xp.where(valid, lse, -xp.inf), top))
+    out, lse, top = (
+        xp.concat(x, axis=0) if len(x) > 1 else x[0] for x in zip(*parts, strict=True)
+    )
+    if faulty is not None:
+        out = xp.where(faulty[:, None, None], xp.nan, out)
+        lse, top = (xp.where(faulty[:, None], xp.nan, x) for x in (lse, top))
+    return out, lse, top
 
 
 def _index_walk(
@@ -332,21 +330,24 @@ def _index_walk(
 ) -> RowState:
     """Fold every chunk of some rows' listed keys into their state, from nothing seen.
 
-    `listed` the chunks' positions and kept flags (n, N, Hkv, c); `fixed` the rows'
-    queries, positions, the pools, ALiBi rows and requests (:func:`~._paged.index_step`).
-    A Python loop, or (`traced`, JAX) a ``fori_loop`` carrying ``(m, l_sum, acc)``.
+    `listed` the rows' positions and kept flags (N, Hkv, W) (:func:`~._paged.listed_keys`);
+    `fixed` the rows' queries, positions, the pools, ALiBi rows and requests
+    (:func:`~._paged.index_step`). A Python loop over the chunks of
+    ``_route.INDEX_CHUNK_KEYS``, or (`traced`, JAX) a ``fori_loop`` carrying
+    ``(m, l_sum, acc)``.
     """
     state = _paged.start(xp, p, fixed[0].shape[0])
-    chunks = listed[0].shape[0]
+    c = INDEX_CHUNK_KEYS
+    chunks = max(1, -(-listed[0].shape[-1] // c))
     if not traced:
         for j in range(chunks):
-            at = (listed[0][j, ...], listed[1][j, ...])
+            at = _paged.listed_chunk(xp, listed, j, c)
             state = _paged.index_step(xp, p, state, at, *fixed)
         return state
     import jax
 
     def loop(j: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        at = tuple(xp.take(x, xp.reshape(j, (1,)), axis=0)[0, ...] for x in listed)
+        at = _paged.listed_chunk(xp, listed, j, c)
         return tuple(_paged.index_step(xp, p, RowState(*carry), at, *fixed)[:3])
 
     return RowState(*jax.lax.fori_loop(0, chunks, loop, tuple(state[:3])))
