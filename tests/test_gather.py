@@ -65,7 +65,7 @@ def oracle(
     """out (T, Hq, Dv), lse and max logit (T, Hq): each row over its key set, in float64."""
     pos, req = _positions(pool, q_positions)
     t = pool.query.shape[0]
-    dv = DV if value_dim is None else value_dim
+    dv = pool.heads[3] if value_dim is None else value_dim
     out, lse, top = np.zeros((t, HQ, dv)), np.full((t, HQ), -np.inf), np.full((t, HQ), -np.inf)
     scale = 1 / np.sqrt(DK) if scale is None else scale
     left, right = window if window is not None else (None, None)

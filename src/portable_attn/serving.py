@@ -1028,12 +1028,12 @@ def paged_kv_write(
         ),
     )
     quantizing = key_scales is not None or value_scales is not None
-    keys, values = _stored_pools(
-        xp, key_pages, value_pages, (key_scales, value_scales, None, None), kv_bits
-    )
     if quantizing and (key_scales is None or (value_pages is not None and value_scales is None)):
         msg = "`key_scales` and `value_scales` must both be given to quantize both pools"
         raise ValueError(msg)
+    keys, values = _stored_pools(
+        xp, key_pages, value_pages, (key_scales, value_scales, None, None), kv_bits
+    )
     if quantizing and not all(x.data.dtype in (xp.int8, xp.uint8) for x in (keys, values) if x):
         msg = "paged_kv_write quantizes into int8 pools (or uint8, 4 bits); not into float8"
         raise TypeError(msg)
