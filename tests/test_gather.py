@@ -18,7 +18,7 @@ from _helpers import assert_close, randn
 from portable_attn._lib import _route
 from portable_attn.serving import ragged_paged_attention, topk_indices
 from portable_attn.testing import central_differences
-from test_serving import DK, DV, HKV, HQ, SLOPES, Pool, _on
+from test_serving import DK, HKV, HQ, SLOPES, Pool, _on
 
 pytestmark = pytest.mark.skip_backends("dask", reason="serving calls take one device's arrays")
 

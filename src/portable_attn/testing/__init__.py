@@ -73,6 +73,12 @@ from ._reference import (
     reference_weights,
     structure,
 )
+from ._serving_conformance import (
+    SERVING_KINDS,
+    ServingCase,
+    ServingReport,
+    serving_conformance,
+)
 
 __all__ = [
     "ALIGNMENTS",
@@ -85,9 +91,12 @@ __all__ = [
     "MODULES",
     "TEST_ONLY_KINDS",
     "FEATURES",
+    "SERVING_KINDS",
     "Backend",
     "ConformanceFailure",
     "ConformanceReport",
+    "ServingCase",
+    "ServingReport",
     "assert_close",
     "central_differences",
     "configure",
@@ -101,6 +110,7 @@ __all__ = [
     "reference_lse",
     "reference_max_logit",
     "reference_weights",
+    "serving_conformance",
     "structure",
     "to_numpy",
     "unavailable_reason",
