@@ -44,7 +44,7 @@ from . import _validation
 from ._blocks import FULL, PARTIAL
 from ._compat import device, numpy_namespace, on_device, stop_gradient
 from ._masks import Band, arange
-from ._quant import taken
+from ._quant import Scaled, each_part, taken_scaled
 from ._route import INVARIANT_PRODUCT_KEYS
 from ._scores import distance
 from ._tiled import Ops, RowState, normalised, online_step
@@ -658,11 +658,15 @@ def fold_keys(
     n = q.shape[0]
     if keep is not None:  # slots that hold no key: zero (NaN in values or gradients)
         keep = xp.matrix_transpose(keep)
-        k = xp.where(keep, k, 0.0)
-        v = None if v is None else xp.where(keep, v, 0.0)
+        k = each_part(lambda x: xp.where(keep, x, 0.0), k)
+        v = None if v is None else each_part(lambda x: xp.where(keep, x, 0.0), v)
     if v is None:  # one pool: the values are the keys' first value_dim features
-        v = k[..., : p.value_dim]
-    s = q[:, None, ...] @ xp.matrix_transpose(k)  # (N, c', Hkv, rows·G, b)
+        v = (
+            k[..., : p.value_dim]
+            if not isinstance(k, Scaled)
+            else k._replace(x=k.x[..., : p.value_dim])
+        )
+    s = scores_of(xp, q[:, None, ...], k)  # (N, c', Hkv, rows·G, b)
     if p.softcap is not None:
         s = p.softcap * xp.tanh(s / p.softcap)
     pos = pos[:, None, ...]  # (N, 1, 1, rows·G, 1)
@@ -689,8 +693,34 @@ def fold_keys(
     # the engine's update, over the chunk's pages; the running max's gradient stopped as
     # in every walk
     return online_step(
-        ops, state, s, lambda e, first: ops.over_pages(e @ v), stop_gradient=stop_gradient
+        ops,
+        state,
+        s,
+        lambda e, first: ops.over_pages(weighted(xp, e, v)),
+        stop_gradient=stop_gradient,
     )
+
+
+def scores_of(xp: Any, q: Any, k: Any) -> Any:
+    """``q @ kᵀ``; keys with their scales apart (:class:`~._quant.Scaled`) scale the scores.
+
+    ``q · (x - z) s = (q · x - z Σq) s``: per key, not per feature.
+    """
+    if not isinstance(k, Scaled):
+        return q @ xp.matrix_transpose(k)
+    s = q @ xp.matrix_transpose(k.x)
+    if k.zero is not None:
+        s = s - xp.sum(q, axis=-1, keepdims=True) * xp.matrix_transpose(k.zero)
+    return s * xp.matrix_transpose(k.scale)
+
+
+def weighted(xp: Any, e: Any, v: Any) -> Any:
+    """``e @ v``; values with their scales apart scale the weights: ``(e s) @ (x - z)``."""
+    if not isinstance(v, Scaled):
+        return e @ v
+    e = e * xp.matrix_transpose(v.scale)
+    out = e @ v.x
+    return out if v.zero is None else out - e @ v.zero
 
 
 def index_tiles(xp: Any, p: PagedProblem, q_starts: Any) -> Tiles:
@@ -807,7 +837,8 @@ def index_step(
     flat = xp.reshape(flat, (-1,))
 
     def gathered(rows: Any) -> Any:
-        return xp.reshape(taken(xp, rows, flat, p.compute_dtype), (n, 1, hkv, c, -1))
+        x = taken_scaled(xp, rows, flat, p.compute_dtype)
+        return each_part(lambda part: xp.reshape(part, (n, 1, hkv, c, -1)), x)
 
     k = gathered(key_rows)
     v = None if value_rows is None else gathered(value_rows)
@@ -817,17 +848,23 @@ def index_step(
 
 
 def _gathered(xp: Any, p: PagedProblem, pool: Any, pages: Any, n: int) -> Any:
-    """Gather the chunk's pages of a pool, as (N, c', Hkv, b, D): `b` the product's keys."""
-    x = taken(xp, pool, pages, p.compute_dtype)
-    if not p.head_major:
-        x = xp.permute_dims(x, (0, 2, 1, 3))  # (N·c, Hkv, page_size, D)
+    """Gather the chunk's pages of a pool, as (N, c', Hkv, b, D): `b` the product's keys.
+
+    A pool with a scale per token comes as :class:`~._quant.Scaled` parts laid out alike.
+    """
     hkv, b = p.num_kv_heads, p.product_keys
-    x = xp.reshape(x, (n, p.chunk_pages, hkv, p.page_size, -1))
-    if b == p.page_size:
-        return x
-    x = xp.permute_dims(x, (0, 2, 1, 3, 4))  # (N, Hkv, c, page_size, D): positions in order
-    x = xp.reshape(x, (n, hkv, p.chunk_keys // b, b, -1))
-    return xp.permute_dims(x, (0, 2, 1, 3, 4))
+
+    def laid_out(x: Any) -> Any:
+        if not p.head_major:
+            x = xp.permute_dims(x, (0, 2, 1, 3))  # (N·c, Hkv, page_size, D)
+        x = xp.reshape(x, (n, p.chunk_pages, hkv, p.page_size, -1))
+        if b == p.page_size:
+            return x
+        x = xp.permute_dims(x, (0, 2, 1, 3, 4))  # (N, Hkv, c, page_size, D): positions in order
+        x = xp.reshape(x, (n, hkv, p.chunk_keys // b, b, -1))
+        return xp.permute_dims(x, (0, 2, 1, 3, 4))
+
+    return each_part(laid_out, taken_scaled(xp, pool, pages, p.compute_dtype))
 
 
 def finish_rows(

@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Quantized", "as_rows", "dequantized", "permuted", "quantized", "taken"]
+__all__ = [
+    "Quantized",
+    "Scaled",
+    "as_rows",
+    "dequantized",
+    "each_part",
+    "permuted",
+    "quantized",
+    "taken",
+    "taken_scaled",
+]
 
 
 class Quantized(NamedTuple):
@@ -78,9 +88,40 @@ def taken(xp: Any, pool: Any, index: Any, dtype: Any) -> Any:
     return dequantized(xp, part, dtype)
 
 
+class Scaled(NamedTuple):
+    """Gathered keys or values whose per-token scale is applied later: ``(x - zero) · scale``.
+
+    `x` (..., b, D) the stored values as floats, `scale` and `zero` (..., b, 1) (`zero`
+    None: symmetric). The walk multiplies the scores and the weights by the scales (a
+    score per key, a weight per value) instead of every feature: one pass less over what
+    it gathered (``_paged.fold_keys``).
+    """
+
+    x: Any
+    scale: Any
+    zero: Any
+
+
+def taken_scaled(xp: Any, pool: Any, index: Any, dtype: Any) -> Any:
+    """:func:`taken`, but a pool with a scale per token as :class:`Scaled` (scales not applied)."""
+    if not isinstance(pool, Quantized) or pool.scales.ndim != pool.data.ndim - 1:
+        return taken(xp, pool, index, dtype)
+    part = _each(pool, lambda x, _: xp.take(x, index, axis=0))
+    x = dequantized(xp, Quantized(part.data, None, None, pool.bits), dtype)
+    zero = None if part.zero_points is None else xp.astype(part.zero_points, dtype)[..., None]
+    return Scaled(x, xp.astype(part.scales, dtype)[..., None], zero)
+
+
+def each_part(fn: Any, x: Any) -> Any:
+    """``fn`` of gathered keys, or of each part of :class:`Scaled` ones (None stays None)."""
+    if not isinstance(x, Scaled):
+        return fn(x)
+    return Scaled(*(None if part is None else fn(part) for part in x))
+
+
 def dequantized(xp: Any, pool: Quantized, dtype: Any) -> Any:
     """``(q - zero_point) · scale`` of (part of) a quantized pool, as `dtype` (..., D)."""
-    data, scales, zp, bits = pool
+    data, scales, zp, bits = pool  # scales None: the stored values as `dtype` alone
     if bits == 4:  # two signed nibbles a byte, the low one first
         low = xp.bitwise_and(data, 15)
         high = xp.bitwise_right_shift(data, 4)
@@ -88,6 +129,8 @@ def dequantized(xp: Any, pool: Quantized, dtype: Any) -> Any:
         signed = xp.astype(pair, xp.int8) - xp.astype(pair >= 8, xp.int8) * 16
         data = xp.reshape(signed, (*data.shape[:-1], data.shape[-1] * 2))
     x = xp.astype(data, dtype)
+    if scales is None:
+        return x
     lead = x.shape[:-1]
     groups = 1 if scales.ndim == len(lead) else scales.shape[-1]
     x = xp.reshape(x, (*lead, groups, x.shape[-1] // groups))
