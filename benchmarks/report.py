@@ -1284,22 +1284,68 @@ def gpu_features_block(results: Path) -> str:
     return "\n".join(lines)
 
 
-def readme_gpu(results: Path) -> str:
+def readme_when(results: Path) -> str:
+    """The README's "when to use it, and when not": the measured ranges that answer it."""
+    datas = load(results)
+    rows = {key: _find(datas.get("torch"), key) for key in _headline_rows(datas)}
+    torch_r = {k: _family_ratio(r, HEADLINE_PEER["torch"]) for k, r in rows.items() if r}
+    plain = [x for k, x in torch_r.items() if x is not None and "window" not in k[0]]
+    windows = [(k, _find(datas.get(b), k), b) for k in rows if "window" in k[0] for b in BACKENDS]
+    window = {b: _family_ratio(r, HEADLINE_PEER[b]) for _, r, b in windows if r}
+    lines = []
     gpu = _read(results, "gpu.json")
-    if gpu is None or gpu.get("cpu_dry_run"):
-        return _not_measured("gpu.json", "`bash benchmarks/gpu.sh` on an NVIDIA GPU")
-    rows = _gpu_rows(gpu)
-    torch_r, jax_r = [t for _, t, _ in rows], [j for _, _, j in rows]
-    lengths = sorted({r["L"] for r, _, _ in rows})
-    return (
-        f"On an {gpu['device']} (float16 and bfloat16, L = {lengths[0]}-{lengths[-1]}), the "
-        f"default call on torch takes {min(torch_r):.2f}-{max(torch_r):.2f}x the time of "
-        "the cuDNN SDPA kernel it runs (its own per-call work shows at the shorter "
-        f"lengths); on JAX the portable path takes {min(jax_r):.1f}-{max(jax_r):.1f}x the "
-        f"time of `jax.nn`'s cuDNN kernel (measured {_date(gpu.get('date'))}, before the "
-        "default call on a GPU went to cuDNN and flex_attention; "
-        "[GPU](docs/performance.md#gpu))."
+    if gpu is not None and not gpu.get("cpu_dry_run"):
+        g = _gpu_rows(gpu)
+        t, j = [x for _, x, _ in g], [x for _, _, x in g]
+        lines.append(
+            "- **On a GPU, call the kernel your framework has for what it expresses.** On an "
+            f"{gpu['device']} our default call on torch takes {min(t):.2f}-{max(t):.2f}x the "
+            "time of the cuDNN SDPA kernel it runs; the portable path on JAX took "
+            f"{min(j):.1f}-{max(j):.1f}x the time of `jax.nn`'s cuDNN kernel (before the "
+            "default call on a GPU went to cuDNN, not measured since; "
+            "[GPU](docs/performance.md#gpu))."
+        )
+    else:
+        lines.append("- **On a GPU:** " + _not_measured("gpu.json", "`bash benchmarks/gpu.sh`"))
+    if plain:
+        text = (
+            "- **On a CPU with torch a plain call is SDPA either way:** our default call "
+            f"runs its kernel, {min(plain):.2f}-{max(plain):.2f}x its time in the table below."
+        )
+        if window:
+            named = {"torch": "SDPA's", "numpy": "the textbook's", "jax": "`jax.nn`'s"}
+            got = ", ".join(f"{x:.2f}x {named[b]}" for b, x in window.items() if x is not None)
+            text += f" A sliding window skips the keys it hides: {got} time."
+        lines.append(text)
+    extras = []
+    sparse = _read(results, "sparse.json")
+    if sparse:
+        r = [row["sparse_over_contiguous"] for row in sparse["sparse"].values()]
+        extras.append(
+            f"keys listed per row ({min(r):.2f}-{max(r):.2f}x the time of contiguous lists, "
+            "never an (L, L) mask)"
+        )
+    quant = _read(results, "quantized.json")
+    if quant:
+        r = [row["int8_over_float32"] for row in quant["decode"].values()]
+        share = quant["int8_pool_mib"] / quant["float32_pool_mib"]
+        extras.append(
+            f"int8 pools ({min(r):.2f}-{max(r):.2f}x the float32 pool's time at "
+            f"{share:.2f}x its bytes)"
+        )
+    lines.append(
+        "- **Use portable_attn for what the others lack:** one semantics on NumPy, torch, JAX, "
+        "CuPy and Dask; learned score terms trained at O(L) memory; forward-mode and second "
+        "derivatives; paged serving on any backend"
+        + (f", with {' and '.join(extras)}" if extras else "")
+        + "; results independent of the batch; a conformance check of other kernels."
     )
+    lines.append(
+        "- **Not yet:** compiled GPU kernels of its own. On a GPU it calls SDPA and cuDNN "
+        "where they express the call; block-sparse rules (FlexAttention) and paged decoding "
+        "(vLLM, FlashInfer) have compiled GPU kernels that its portable path does not replace."
+    )
+    return "\n".join(lines)
 
 
 #: every block a page may name in its markers
@@ -1323,7 +1369,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "packed": packed_block,
     "gpu": gpu_block,
     "gpu-features": gpu_features_block,
-    "readme-gpu": readme_gpu,
+    "readme-when": readme_when,
 }
 
 #: every figure of the docs: how it is drawn and from which JSON
