@@ -522,6 +522,8 @@ def docs(session: nox.Session) -> None:
         "docs/_build/html",
         *session.posargs,
     )
+    # the pages as GitHub shows them (docs/github/), outputs included: none may be stale
+    session.run("python", "docs/render.py", "docs/_build", "--check")
 
 
 @nox.session(python=ML_PYTHON, default=False)

@@ -14,7 +14,7 @@ extensions = [
     "numpydoc",
     "sphinx.ext.autodoc",
 ]
-exclude_patterns = ["_build", "jupyter_execute", ".jupyter_cache"]
+exclude_patterns = ["_build", "jupyter_execute", ".jupyter_cache", "github"]  # github: render.py
 html_theme = "pydata_sphinx_theme"
 html_title = "portable_attn"
 html_theme_options = {"show_toc_level": 2}

@@ -5,7 +5,10 @@
   exactly that, so the page quotes the messages the library gives;
 - every code cell of ``docs/block_masks.md`` runs alone (pasted into a fresh
   session, not after the cells above it);
-- every page of ``docs/`` is in the site's table of contents.
+- every page of ``docs/`` is in the site's table of contents;
+- every page has its copy in ``docs/github/`` (as GitHub shows it, outputs included:
+  ``docs/render.py``) holding the page's prose and code as they are now (the docs
+  session checks the outputs).
 
 Each block runs in the session of the backend it imports (``import torch`` -> the
 torch session; a block that imports none is NumPy's), as in ``test_readme.py``.
@@ -110,3 +113,38 @@ def test_every_page_is_in_the_table_of_contents():
     listed = {line.strip() for line in toc.splitlines()}
     pages = {p.stem for p in DOCS.glob("*.md")} - {"index"}
     assert pages <= listed, sorted(pages - listed)
+
+
+def _renderer():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_render_under_test", DOCS / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md") if p.name != "api.md"))
+def test_every_page_has_a_current_github_copy(page):
+    render = _renderer()
+    text = (DOCS / page).read_text(encoding="utf-8")
+    copy = DOCS / "github" / page
+    assert copy.exists(), f"docs/github/{page} is missing: run python docs/render.py docs/_build"
+    stored = copy.read_text(encoding="utf-8")
+    if "file_format: mystnb" not in text:
+        assert stored == render.render_page(text, page[:-3])
+        return
+    body = render._FRONT.sub("", text)
+    cells = re.split(r"^```\{code-cell\} ipython3\n(.*?)^```$", body, flags=re.M | re.S)
+    at = 0
+    for i, part in enumerate(cells):
+        if i % 2 == 0:  # prose
+            expected = render._prose(part.strip())
+        else:  # a code cell: shown unless its input is removed
+            lines = part.splitlines()
+            if any(line.startswith(":tags:") and "remove-input" in line for line in lines):
+                continue
+            expected = "```python\n" + "\n".join(x for x in lines if not x.startswith(":")).strip()
+        found = stored.find(expected, at)
+        assert found >= 0, f"docs/github/{page} is stale: run python docs/render.py docs/_build"
+        at = found + len(expected)
