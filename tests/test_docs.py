@@ -8,7 +8,10 @@
 - every page of ``docs/`` is in the site's table of contents;
 - every page has its copy in ``docs/github/`` (as GitHub shows it, outputs included:
   ``docs/render.py``) holding the page's prose and code as they are now (the docs
-  session checks the outputs).
+  session checks the outputs);
+- the cells a page shows are self-contained, pasted in order into a fresh interpreter:
+  every name they use is imported or defined in them (the hidden table cells aside), no
+  IPython, no path of the repository.
 
 Each block runs in the session of the backend it imports (``import torch`` -> the
 torch session; a block that imports none is NumPy's), as in ``test_readme.py``.
@@ -148,3 +151,40 @@ def test_every_page_has_a_current_github_copy(page):
         found = stored.find(expected, at)
         assert found >= 0, f"docs/github/{page} is stale: run python docs/render.py docs/_build"
         at = found + len(expected)
+
+
+_CELL = re.compile(r"^```\{code-cell\} ipython3\n(.*?)^```$", re.M | re.S)
+_NOTEBOOKS = sorted(
+    p.name for p in DOCS.glob("*.md") if "file_format: mystnb" in p.read_text(encoding="utf-8")
+)
+
+
+@pytest.mark.parametrize("page", _NOTEBOOKS)
+def test_the_cells_a_page_shows_are_self_contained(page):
+    import builtins
+    import symtable
+
+    shown = []
+    for body in _CELL.findall((DOCS / page).read_text(encoding="utf-8")):
+        lines = body.splitlines()
+        if any(line.startswith(":tags:") and "remove-input" in line for line in lines):
+            continue
+        shown.append("\n".join(line for line in lines if not line.startswith(":")))
+    code = "\n".join(shown)
+    assert "IPython" not in code
+    assert "../" not in code  # no path of the repository: it is not where a reader pastes
+    module = symtable.symtable(code, page, "exec")
+    defined = {s.get_name() for s in module.get_symbols() if s.is_assigned() or s.is_imported()}
+    undefined = set()
+
+    def walk(table):
+        for s in table.get_symbols():
+            name = s.get_name()
+            used = s.is_referenced() and (table is module or s.is_global())
+            if used and name not in defined and not hasattr(builtins, name):
+                undefined.add(name)
+        for child in table.get_children():
+            walk(child)
+
+    walk(module)
+    assert not undefined, f"{page} uses names its shown cells never define: {sorted(undefined)}"
