@@ -24,6 +24,7 @@ __all__ = [
     "Interleaved",
     "interleaved_seconds",
     "median_seconds",
+    "peak_extra_mib",
     "start_rss_watch",
     "stop_rss_watch",
 ]
@@ -170,3 +171,29 @@ def stop_rss_watch(dask_worker: Any) -> int:
     state["stop"].set()
     thread.join()
     return max(0, state["peak"] - state["base"])
+
+
+def _status_kib(field: str) -> int:
+    """A field of ``/proc/self/status`` in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    msg = f"no {field} in /proc/self/status"
+    raise RuntimeError(msg)
+
+
+def peak_extra_mib(run: Callable[[], Any]) -> float:
+    """The peak resident memory (MiB) one call of `run` adds, and keeps it alive while measured.
+
+    The resident set's peak (``VmHWM``) is reset just before the call
+    (``/proc/self/clear_refs``), and the resident set then is subtracted: what the call
+    allocated and touched at its peak, its result included (Linux).
+    """
+    before = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here
+        f.write("5")
+    result = run()
+    peak = _status_kib("VmHWM")
+    del result
+    return (peak - before) / 1024

@@ -41,17 +41,10 @@ PROBE = """
 import sys
 sys.path.insert(0, sys.argv[3])
 from quantized import arrays, calls
+from _timing import peak_extra_mib
 fns = calls(sys.argv[1], arrays())
 fns[sys.argv[2]]()
-def status(field):  # kB
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-before = status("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here
-    f.write("5")
-out = fns[sys.argv[2]]()
-print((status("VmHWM") - before) / 1024)
+print(peak_extra_mib(fns[sys.argv[2]]))
 """
 
 

@@ -38,6 +38,8 @@ PROBE = """
 import sys
 import numpy as np
 library, what, block, L = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sys.path.insert(0, sys.argv[5])
+from _timing import peak_extra_mib
 from portable_attn import scaled_dot_product_attention
 kw = {} if block == "default" else {"block_size": block}
 rng = np.random.default_rng(0)
@@ -67,15 +69,7 @@ else:
     }[what])
     compiled = g.lower(q, k, v, t).compile()
     run = lambda: jax.block_until_ready(compiled(q, k, v, t))
-def status(field):  # kB
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-before = status("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here
-    f.write("5")
-run()
-print((status("VmHWM") - before) / 1024)
+print(peak_extra_mib(run))
 """
 
 #: (library, L, what, block_size) of each memory probe
@@ -94,7 +88,7 @@ PROBES = (
 
 
 def _probe(library: str, what: str, block: str, length: int) -> float:
-    probe = [sys.executable, "-c", PROBE, library, what, block, str(length)]
+    probe = [sys.executable, "-c", PROBE, library, what, block, str(length), str(HERE)]
     done = subprocess.run(probe, capture_output=True, text=True, check=True)
     return float(done.stdout.split()[-1])
 

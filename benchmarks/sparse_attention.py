@@ -43,18 +43,11 @@ PROBE = """
 import sys
 sys.path.insert(0, sys.argv[2])
 from sparse_attention import arrays, calls
+from _timing import peak_extra_mib
 library = sys.argv[1]
 fns = calls(library, arrays())
 fns["sparse"]()  # once: the library's own first-call allocations are not the call's
-def status(field):  # kB
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-before = status("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here
-    f.write("5")
-out = fns["sparse"]()
-print((status("VmHWM") - before) / 1024)
+print(peak_extra_mib(fns["sparse"]))
 """
 
 

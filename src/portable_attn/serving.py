@@ -68,7 +68,13 @@ from ._lib._validation import (
     check_window,
     guarded_rule,
 )
-from ._paths._paged import index_attention, paged_attention, plan_walk, problem
+from ._paths._paged import (
+    index_attention,
+    paged_attention,
+    plan_walk,
+    problem,
+    traced_faults,
+)
 from .merge import merge_attention
 
 __all__ = [
@@ -745,20 +751,10 @@ def _listed_attention(
     if positions is None:
         positions = _paged.bottom_right(xp, q_starts, kv_lengths, t, p.device)
     positions = xp.astype(positions, q_starts.dtype)
-    faulty = None
-    arrays = (*metadata[:3], listing[0]) if q_positions is None else (*metadata, listing[0])
-    if not all(has_concrete_values(x) for x in arrays):
-        faulty = _paged.faulty_rows(
-            xp,
-            q_starts,
-            kv_lengths,
-            page_table,
-            t,
-            p.num_pages,
-            p.page_size,
-            p.device,
-            q_positions,
-        )
+    faulty = traced_faults(xp, p, page_table, kv_lengths, q_starts, q_positions)
+    if faulty is not None or not has_concrete_values(listing[0]):
+        if faulty is None:
+            faulty = xp.zeros((t,), dtype=xp.bool, **on_device(p.device))
         request, inside, _ = _paged.owners(xp, q_starts[1:], t, p.device)
         limit = xp.astype(xp.take(kv_lengths, request), listing[0].dtype)[:, None, None]
         outside = (listing[0] < -1) | (listing[0] >= limit)  # padding rows: any value

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "index_attention",
+    "traced_faults",
     "invariant_attention",
     "paged_attention",
     "plan_walk",
@@ -149,25 +150,35 @@ def plan_walk(
             positions = _paged.bottom_right(xp, q_starts, kv_lengths, t, p.device)
         tiles = _paged.bounded_tiles(xp, p, q_starts, kv_lengths, positions, num_requests)
         runs = None
-    faulty = None
-    if not all(has_concrete_values(x) for x in (*metadata, page_table)):
-        # no error can be raised on traced metadata (a traced page table included): the
-        # rows of requests whose metadata is wrong come out NaN (the pages they name are
-        # read clipped, never shown to others)
-        faulty = _paged.faulty_rows(
-            xp,
-            q_starts,
-            kv_lengths,
-            page_table,
-            t,
-            p.num_pages,
-            p.page_size,
-            p.device,
-            q_positions,
-        )
+    faulty = traced_faults(xp, p, page_table, kv_lengths, q_starts, q_positions)
     slots, held = _paged.query_slots(xp, p, tiles)
     pos = _paged.row_positions(xp, p, slots, positions)
     return WalkPlan(p, tiles, slots, held, pos, runs, faulty, engine, merge)
+
+
+def traced_faults(
+    xp: Any, p: PagedProblem, page_table: Any, kv_lengths: Any, q_starts: Any, q_positions: Any
+) -> Any | None:
+    """Return the rows whose metadata is wrong (T,), where it has no values; else None.
+
+    No error can be raised on traced metadata (a traced page table included): the rows
+    of requests whose metadata is wrong come out NaN (the pages they name are read
+    clipped, never shown to others) (:func:`~._paged.faulty_rows`).
+    """
+    metadata = (page_table, kv_lengths, q_starts) + (() if q_positions is None else (q_positions,))
+    if all(has_concrete_values(x) for x in metadata):
+        return None
+    return _paged.faulty_rows(
+        xp,
+        q_starts,
+        kv_lengths,
+        page_table,
+        p.num_tokens,
+        p.num_pages,
+        p.page_size,
+        p.device,
+        q_positions,
+    )
 
 
 def _leave_to_engine(
