@@ -188,3 +188,11 @@ def test_the_cells_a_page_shows_are_self_contained(page):
 
     walk(module)
     assert not undefined, f"{page} uses names its shown cells never define: {sorted(undefined)}"
+
+
+def test_a_stale_output_is_told_from_a_machine_s_rounding():
+    same = _renderer()._same
+    assert same("error 5.48e-07, 265.5 MiB, numpy 2.4.6", "error 3.1e-07, 266.0 MiB, numpy 2.5.0")
+    assert not same("265.5 MiB", "300.0 MiB")  # a memory figure that moved
+    assert not same("max error 0.211", "max error 0.5")
+    assert not same("ok", "1 FAILED")
