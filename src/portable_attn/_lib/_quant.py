@@ -158,7 +158,7 @@ def quantized(xp: Any, x: Any, groups: int, bits: int) -> tuple[Any, Any]:
     parts = xp.reshape(x, (*lead, g, d // g))
     scale = xp.max(xp.abs(parts), axis=-1, keepdims=True) / top
     safe = xp.where(scale == 0, xp.ones_like(scale), scale)
-    q = xp.clip(xp.round(parts / safe), -top, top)
+    q = xp.clip(xp.round(parts / safe), -float(top), float(top))  # float bounds of a float array
     q = xp.astype(xp.reshape(q, (*lead, d)), xp.int8)
     scales = scale[..., 0] if groups else scale[..., 0, 0]
     if bits == 4:
