@@ -75,18 +75,48 @@ def _prose(text: str) -> str:
     return _links(text)
 
 
+#: a progress bar's line (Dask's): how far a run got at some second, not the page's result
+_PROGRESS = re.compile(r"^\[[# ]*\] \| +\d+% Completed \| .*$", re.M)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|\[2K")
+
+
+def _text(raw: str) -> str:
+    """Printed text as a reader sees it last: a line rewritten in place (``\\r``) in its
+    last form, terminal escapes and progress bars left out."""
+    lines = [line.rsplit("\r", 1)[-1] for line in _ANSI.sub("", raw).split("\n")]
+    return _PROGRESS.sub("", "\n".join(lines)).strip("\n")
+
+
+def _joined(chunks: list[str]) -> str:
+    """The chunks a cell printed, once each.
+
+    The executed notebook may hold the merged text of a cell's stream (``nb_merge_streams``)
+    followed by the chunks it was merged from: a chunk whose text, as a reader sees it
+    (:func:`_text`), is already in what came before is such a leftover.
+    """
+    text = ""
+    for chunk in chunks:
+        seen = _text(chunk).strip()
+        if not seen or seen not in _text(text):
+            text += chunk
+    return text
+
+
 def _outputs(cell: dict[str, Any], page: str, images: dict[str, bytes]) -> list[str]:
-    """A code cell's outputs as Markdown; PNGs go to `images` (name -> bytes)."""
+    """A code cell's outputs as Markdown; PNGs go to `images` (name -> bytes).
+
+    What it printed (standard output; its warnings are not the page's) is one text
+    block however the kernel split it, where it first printed.
+    """
     parts: list[str] = []
+    printed: list[str] = []
+    at = None
     for out in cell.get("outputs", []):
         kind = out.get("output_type")
-        if kind == "stream" and out.get("name") == "stderr":  # warnings: not the page's
-            continue
-        if kind == "stream":  # a line rewritten in place (a progress bar): its last form
-            lines = "".join(out.get("text", "")).rstrip("\n").split("\n")
-            text = "\n".join(line.rsplit("\r", 1)[-1] for line in lines)
-            if text:
-                parts.append(f"```text\n{text}\n```")
+        if kind == "stream":
+            if out.get("name") != "stderr":
+                at = len(parts) if at is None else at
+                printed.append("".join(out.get("text", "")))
             continue
         data = out.get("data", {})
         if "image/png" in data:
@@ -96,7 +126,12 @@ def _outputs(cell: dict[str, Any], page: str, images: dict[str, bytes]) -> list[
         elif "text/markdown" in data:
             parts.append(_prose("".join(data["text/markdown"]).strip()))
         elif "text/plain" in data:
-            parts.append(f"```text\n{''.join(data['text/plain']).rstrip()}\n```")
+            text = _text("".join(data["text/plain"]))
+            if text.strip():
+                parts.append(f"```text\n{text.rstrip()}\n```")
+    text = re.sub(r"\n{3,}", "\n\n", _text(_joined(printed))).strip()
+    if text:
+        parts.insert(at or 0, f"```text\n{text}\n```")
     return parts
 
 

@@ -196,3 +196,18 @@ def test_a_stale_output_is_told_from_a_machine_s_rounding():
     assert not same("265.5 MiB", "300.0 MiB")  # a memory figure that moved
     assert not same("max error 0.211", "max error 0.5")
     assert not same("ok", "1 FAILED")
+
+
+def test_what_a_cell_printed_is_one_block_once_without_progress_bars():
+    render = _renderer()
+    bar = "[####    ] | 50% Completed |  5.3s"
+    cell = {
+        "outputs": [
+            {"output_type": "stream", "name": "stdout", "text": f"{bar}\nRMS 0.09\nmax 1e-07\n"},
+            {"output_type": "stream", "name": "stdout", "text": f"\r{bar}"},
+            {"output_type": "stream", "name": "stdout", "text": "\x1b[2K\r"},
+            {"output_type": "stream", "name": "stdout", "text": "max 1e-07\n"},  # a leftover
+            {"output_type": "stream", "name": "stderr", "text": "UserWarning: noise\n"},
+        ]
+    }
+    assert render._outputs(cell, "page", {}) == ["```text\nRMS 0.09\nmax 1e-07\n```"]
