@@ -343,3 +343,32 @@ def test_lists_without_values_give_nan_rows_where_wrong(backend, xp, monkeypatch
     assert np.isnan(out[5]).all()
     rest = np.delete(np.arange(out.shape[0]), 5)
     np.testing.assert_allclose(out[rest], oracle(pool, idx)[0][rest], atol=1e-12)
+
+
+def test_lists_are_checked_with_a_plan_too(backend, xp):
+    # a plan holds the step's metadata, not any layer's lists
+    from portable_attn.serving import plan_ragged
+
+    pool = Pool(LENGTHS, NEW)
+    q, kp, vp, table, lengths, starts = pool.args(backend)
+    plan = plan_ragged(
+        table,
+        lengths,
+        starts,
+        num_tokens=q.shape[0],
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        page_size=pool.page_size,
+        num_pages=kp.shape[0],
+    )
+    wrong = _lists(pool, 3)
+    wrong[0, 0, 0] = 20  # request 0 has 20 keys
+    with pytest.raises(ValueError, match=r"`kv_indices`\[0, 0, 0\] = 20"):
+        ragged_paged_attention(
+            q, kp, vp, table, lengths, starts, plan=plan, kv_indices=backend.asarray(wrong)
+        )
+    idx = _lists(pool, 9)
+    got = ragged_paged_attention(
+        q, kp, vp, table, lengths, starts, plan=plan, kv_indices=backend.asarray(idx)
+    )
+    assert_close(backend, got, oracle(pool, idx)[0])

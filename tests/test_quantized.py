@@ -306,3 +306,14 @@ def test_write_needs_both_scales(backend):
     new = b(np.ones((1, HKV, DK)))
     with pytest.raises(ValueError, match="`key_scales` and `value_scales` must both"):
         paged_kv_write(*pools, *meta, new, new, key_scales=b(np.ones((2, 4, HKV))))
+
+
+@pytest.mark.backends("torch", reason="a float8 dtype")
+def test_write_refuses_a_float8_pool_by_name(backend, xp):
+    b = backend.asarray
+    pools = [xp.zeros((2, 4, HKV, DK), dtype=xp.float8_e4m3fn) for _ in range(2)]
+    scales = [b(np.ones((2, 4, HKV))) for _ in range(2)]
+    meta = (b(np.array([[0]])), b(np.array([1])), b(np.array([0, 1])))
+    new = b(np.ones((1, HKV, DK)))
+    with pytest.raises(TypeError, match=r"`key_pages` is torch.float8_e4m3fn"):
+        paged_kv_write(*pools, *meta, new, new, key_scales=scales[0], value_scales=scales[1])

@@ -356,9 +356,9 @@ def ragged_paged_attention(
             max_pages,
             q_positions=q_positions,
         )
-        _check_listed_values(kv_indices, q_starts, kv_lengths)
     else:
         walk = _plan_for(plan, shape, flags, metadata)[0]
+    _check_listed_values(kv_indices, q_starts, kv_lengths)  # a plan holds no list
     arrays = {"query": query, "key_pages": key_pages, "value_pages": value_pages}
     arrays.update(page_table=page_table, kv_lengths=kv_lengths, q_starts=q_starts)
     arrays.update(q_positions=q_positions, sinks=sinks, alibi_slopes=alibi_slopes)
@@ -1030,9 +1030,15 @@ def paged_kv_write(
     keys, values = _stored_pools(
         xp, key_pages, value_pages, (key_scales, value_scales, None, None), kv_bits
     )
-    if quantizing and not all(x.data.dtype in (xp.int8, xp.uint8) for x in (keys, values) if x):
-        msg = "paged_kv_write quantizes into int8 pools (or uint8, 4 bits); not into float8"
-        raise TypeError(msg)
+    quantized_pools = [(n, x) for n, x in (("key", keys), ("value", values)) if x is not None]
+    for name, pool in quantized_pools if quantizing else ():
+        dtype = pool.data.dtype
+        if dtype not in (xp.int8, xp.uint8):
+            msg = (
+                f"paged_kv_write quantizes into int8 pools (or uint8 with kv_bits=4), but "
+                f"`{name}_pages` is {dtype}: write a float8 pool's values as they are stored"
+            )
+            raise TypeError(msg)
     n_pages, page_size, hkv, _, _, max_pages = check_paged(
         xp, keys, values, page_table, kv_lengths, q_starts
     )

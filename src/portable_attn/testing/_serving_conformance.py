@@ -20,14 +20,16 @@ from typing import Any
 import numpy as np
 
 from ._backends import Backend, make_backend, to_numpy
+from ._conformance import TOLERANCE
 
 __all__ = ["SERVING_KINDS", "ServingCase", "ServingReport", "serving_conformance"]
 
 SERVING_KINDS: tuple[str, ...] = ("sparse", "quantized", "cascade", "merge", "topk")
 """The kinds of function :func:`serving_conformance` checks."""
 
-#: |actual - expected| <= ATOL * max(1, max|expected|) + RTOL * |expected| (float32 inputs)
-ATOL, RTOL = 1e-4, 1e-4
+#: |actual - expected| <= ATOL * max(1, max|expected|) + RTOL * |expected|: the float32
+#: tolerance of :func:`conformance`, the cases' inputs being float32
+ATOL, RTOL = TOLERANCE["float32"]
 
 HQ, HKV, D, PAGE = 4, 2, 8, 4
 
