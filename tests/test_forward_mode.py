@@ -131,6 +131,25 @@ def test_jax_vmap_of_jvp(backend, route):
     np.testing.assert_allclose(np.asarray(got[1]), -2.0 * np.asarray(got[0]), atol=1e-12)
 
 
+@pytest.mark.backends("jax", reason="jax.linearize")
+def test_jax_linearize(backend, route):
+    """``jax.linearize`` once, its linear map evaluated on two tangents, equal to the
+    dense path's JVPs; under ``jit`` (as a training step holds it) and eagerly."""
+    import jax
+
+    primals = arrays(backend)
+    tangents = tangents_of(backend, primals)
+    f = attend({**CASES["causal, softcap, window"], **route.kw})
+    dense = attend({**CASES["causal, softcap, window"], "block_size": "dense"})
+    for linearize in (jax.linearize, jax.jit(jax.linearize, static_argnums=0)):
+        out, linear = linearize(lambda *p: f(*p), *primals)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(dense(*primals)), atol=1e-12)
+        for t in (tangents, [-2.0 * x for x in tangents]):
+            want = jax.jvp(dense, tuple(primals), tuple(t))[1]
+            np.testing.assert_allclose(np.asarray(linear(*t)), np.asarray(want), atol=1e-12)
+        assert np.abs(np.asarray(want)).max() > 0.1
+
+
 def test_jacfwd_equals_jacrev(backend, route):
     """``torch.func.jacfwd`` / ``jax.jacfwd`` (a JVP per input entry, batched) against the
     reverse-mode Jacobian through the route's own backward."""

@@ -115,19 +115,22 @@ def chunk_library(x: Any) -> str:
     return library_name(x)
 
 
-def split_rows(x: Any, cuts: list[int]) -> list[Any]:
-    """Return the consecutive parts ``x[cuts[i] : cuts[i+1]]`` along axis 0.
+def split_rows(x: Any, cuts: list[int], axis: int = 0) -> list[Any]:
+    """Return the consecutive parts ``x[cuts[i] : cuts[i+1]]`` along `axis` (0 or -2).
 
     torch: one ``torch.split``, whose backward is one concatenation; a slice's backward
     is a zero array of the whole of `x` each (the paged engine lane's backward at 8
-    prefill requests: ``backward`` of benchmarks/results/serving-backward.json). Others:
-    slices.
+    prefill requests: ``backward`` of benchmarks/results/serving-backward.json; a
+    recorded tiled backward's blocks). Others: slices.
     """
-    if library_name(x) == "torch":
+    sizes = [b - a for a, b in itertools.pairwise(cuts)]
+    if sizes and library_name(x) == "torch":
         import torch
 
-        return list(torch.split(x, [b - a for a, b in itertools.pairwise(cuts)]))
-    return [x[a:b, ...] for a, b in itertools.pairwise(cuts)]
+        return list(torch.split(x, sizes, dim=axis))
+    if axis == 0:
+        return [x[a:b, ...] for a, b in itertools.pairwise(cuts)]
+    return [x[..., a:b, :] for a, b in itertools.pairwise(cuts)]
 
 
 def on_device(dev: Any) -> dict[str, Any]:
@@ -209,16 +212,18 @@ def forward_mode(arrays: Iterable[Any]) -> bool:
     ``torch.func.jvp`` (``jacfwd``, ``hessian``: a JVP transform on functorch's stack),
     not while ``torch.compile`` traces. JAX: one of `arrays` is traced by ``jax.jvp``
     (``jacfwd``, ``hessian``'s outer transform): a JVP tracer whose tangent is not
-    ``grad``'s partial evaluation (jax < 0.5 differentiates in reverse that way too);
-    ``grad``, ``vjp`` and ``linearize`` trace with a ``LinearizeTracer``. False for
-    the other libraries, which do not differentiate. None entries are skipped.
+    ``grad``'s partial evaluation (jax < 0.5 differentiates in reverse that way too), or
+    by ``jax.linearize``: a ``LinearizeTracer`` whose trace is not a VJP's (``grad`` and
+    ``vjp`` linearize too, then transpose; a custom VJP has no linear map to evaluate).
+    False for the other libraries, which do not differentiate. None entries are skipped.
     """
     given = [x for x in arrays if x is not None]
     lib = library_name(given[0]) if given else None
     if lib == "jax":
-        jvp, partial = _jax_tracers()
+        jvp, partial, linear = _jax_tracers()
         return any(
-            isinstance(x, jvp) and not isinstance(getattr(x, "tangent", None), partial)
+            (isinstance(x, jvp) and not isinstance(getattr(x, "tangent", None), partial))
+            or (isinstance(x, linear) and not getattr(getattr(x, "_trace", None), "is_vjp", True))
             for x in given
         )
     if lib != "torch":
@@ -241,11 +246,15 @@ def forward_mode(arrays: Iterable[Any]) -> bool:
 
 
 @functools.cache
-def _jax_tracers() -> tuple[type, type]:
-    """JAX's tracer of ``jvp`` and that of ``grad``'s partial evaluation (jax < 0.5)."""
+def _jax_tracers() -> tuple[type, type, type | tuple[()]]:
+    """Return JAX's tracers of ``jvp``, ``grad``'s partial evaluation and ``linearize``.
+
+    The second is jax < 0.5's reverse mode; the third is an empty tuple before jax 0.5.
+    """
+    from jax._src.interpreters import ad as internal
     from jax.interpreters import ad, partial_eval
 
-    return ad.JVPTracer, partial_eval.JaxprTracer
+    return ad.JVPTracer, partial_eval.JaxprTracer, getattr(internal, "LinearizeTracer", ())
 
 
 def torch_records(x: Any) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from ._blocks import FULL, block_ranges, host_pair_states
 from ._call import AttentionCall
-from ._compat import on_device
+from ._compat import on_device, split_rows
 from ._masks import at_rank
 from ._path import Blocks
 from ._scores import (
@@ -701,10 +701,11 @@ def tiled_backward(
 
     arrays, skeleton = call.flatten()
     others = tuple(n for n in arrays if n not in ("query", "key", "value"))
-    # each block sliced once: a library that records the backward sums a block's
-    # gradients from its pairs before the slice's own backward
-    rows = [tuple(x[..., qs:qe, :] for x in (q, dout, lse, delta)) for qs, qe in q_blocks]
-    columns = [(k[..., ks:ke, :], v[..., ks:ke, :]) for ks, ke in k_blocks]
+    # each array split once into its blocks: a library that records the backward sums a
+    # block's gradients from its pairs before the split's own backward (one concatenation)
+    q_cuts, k_cuts = _cuts(q_blocks), _cuts(k_blocks)
+    rows = list(zip(*(split_rows(x, q_cuts, -2) for x in (q, dout, lse, delta)), strict=True))
+    columns = list(zip(split_rows(k, k_cuts, -2), split_rows(v, k_cuts, -2), strict=True))
 
     def pair(i: int, j: int, *reads: Any) -> tuple[Any, ...]:
         """Return the gradient parts of query block i and key block j.
@@ -873,3 +874,8 @@ def _bias_row(
             ds = _zeros(xp, full, plan)
         parts.append(sum_to_shape(xp, ds, blk_shape))
     return _combine(xp, parts, -1, bias.shape[-1] != 1)
+
+
+def _cuts(blocks: list[tuple[int, int]]) -> list[int]:
+    """Return the boundaries of `blocks`, consecutive from 0: ``[0, end_0, end_1, ...]``."""
+    return [0, *(end for _, end in blocks)]
