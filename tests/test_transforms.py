@@ -201,11 +201,8 @@ def test_vmap_then_backward_equals_the_oracle(backend, xp, route):
 
 @pytest.mark.backends("jax", reason="jax.jacfwd, jax.linearize")
 def test_forward_mode_on_the_tiled_path(backend):
-    """``jax.jacfwd`` differentiates the tiled walk itself (its custom VJP is reverse-only).
-
-    ``jax.linearize`` traces as ``jax.grad`` does, so it meets the custom VJP: JAX says
-    it has no forward mode (issue 49).
-    """
+    """``jax.jacfwd`` and ``jax.linearize`` differentiate the tiled walk itself (its custom
+    VJP is reverse-only); ``jax.jacrev`` keeps that VJP."""
     import jax
 
     q, k, v = small(backend=backend)
@@ -217,5 +214,6 @@ def test_forward_mode_on_the_tiled_path(backend):
     dense = jax.jacfwd(lambda q: scaled_dot_product_attention(q, k, v, block_size="dense"))(q)
     assert_close(backend, jac, dense, atol=1e-12, rtol=0)
     assert_close(backend, jac, jax.jacrev(tiled)(q), atol=1e-12, rtol=0)
-    with pytest.raises(TypeError, match="forward-mode"):
-        jax.linearize(tiled, q)[1](q)
+    _, linear = jax.linearize(tiled, q)
+    t = backend.asarray(np.ones(np.shape(q)))
+    assert_close(backend, linear(t), jax.jvp(tiled, (q,), (t,))[1], atol=1e-12, rtol=0)
