@@ -10,6 +10,10 @@
   with a tangent); JAX: ``jax.jvp`` of ``jax.grad`` under ``jit`` (forward over
   reverse). The default call, at L = 4096 and 16384; the dense path at 4096 (at 16384
   one of its (H, L, L) float32 arrays is 8 GiB).
+- ``memory_tuned``: torch's rows again with glibc's mmap threshold fixed at 128 KiB
+  (``MALLOC_MMAP_THRESHOLD_=131072``), a setting, not the default: glibc raises its
+  threshold to the largest block it has freed, and then keeps the many freed
+  mid-size blocks of a recorded backward in its heap, which the resident set counts.
 - ``time``: interleaved medians (torch, L = 4096, H = 8): the double backward's step
   against the training step.
 - ``hook``: what the hook that makes SDPA's fused kernels twice differentiable costs a
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -87,18 +92,35 @@ PROBES = (
 )
 
 
-def _probe(library: str, what: str, block: str, length: int) -> float:
+#: the tuned allocator's setting of ``memory_tuned``
+TUNED = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def _probe(library: str, what: str, block: str, length: int, env: dict[str, str]) -> float:
     probe = [sys.executable, "-c", PROBE, library, what, block, str(length), str(HERE)]
-    done = subprocess.run(probe, capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        probe, capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
     return float(done.stdout.split()[-1])
 
 
-def memory() -> dict[str, Any]:
+def memory(env: dict[str, str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for library, length, what, block in PROBES:
+        if env and (library != "torch" or block != "default"):
+            continue
         row = out.setdefault(f"{library} L={length}", {})
-        row[f"{what}_{block}_mib"] = _probe(library, what, block, length)
-        print("memory", library, length, what, block, row[f"{what}_{block}_mib"], flush=True)
+        row[f"{what}_{block}_mib"] = _probe(library, what, block, length, env or {})
+        print(
+            "memory",
+            env or "",
+            library,
+            length,
+            what,
+            block,
+            row[f"{what}_{block}_mib"],
+            flush=True,
+        )
     for row in out.values():
         row["hvp_over_train"] = row["hvp_default_mib"] / row["train_default_mib"]
     return out
@@ -175,6 +197,7 @@ def main() -> None:
     result = {"git": git_state(), "hook": hook_cost(args.repeats)}
     result["time"] = timing(args.repeats)
     result["memory"] = memory()
+    result["memory_tuned"] = {"env": TUNED, "rows": memory(TUNED)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)
 
