@@ -516,6 +516,8 @@ def docs(session: nox.Session) -> None:
         "sphinx",
         "-W",
         "--keep-going",
+        "-j",  # the pages' notebooks executed in parallel, one per core
+        "auto",
         "-b",
         "html",
         "docs",
