@@ -176,3 +176,79 @@ def test_gradgradcheck_of_the_default_call(backend):
         return scaled_dot_product_attention(q, k, v, is_causal=True)
 
     assert torch.autograd.gradgradcheck(f, (q, k, v))
+
+
+@pytest.mark.backends("torch", reason="torch.func's forward over reverse")
+def test_torch_forward_over_reverse_without_a_score_mod(backend, xp, route):
+    """``torch.func.jvp`` of ``torch.func.grad`` keeps the tiled path's recomputing
+    backward (a JVP rule of its own, a node per pair of blocks): equal to the dense
+    path's HVP, and it keeps far less than recording the walk did (26x the scores of a
+    head at this size; the walk's record grows with L²)."""
+    args = arrays(backend)[:7]  # q, k, v, bias, sinks, slopes, scale: no score_mod
+    tangents = [backend.asarray(randn(*np.shape(a), seed=20 + i)) for i, a in enumerate(args)]
+    cot = backend.asarray(randn(2, 4, LQ, 3, seed=6))
+
+    def loss_of(kw):
+        def loss(q, k, v, bias, sinks, slopes, scale):
+            out = scaled_dot_product_attention(
+                q, k, v, bias=bias, sinks=sinks, alibi_slopes=slopes, scale=scale,
+                is_causal=True, **kw,
+            )  # fmt: skip
+            return xp.sum(out * cot)
+
+        return loss
+
+    order = "forward over reverse"
+    got = hessian_vector_product(backend, loss_of(route.kw), args, tangents, order)
+    want = hessian_vector_product(backend, loss_of({"block_size": "dense"}), args, tangents, order)
+    for name, g, w in zip(NAMES, got, want, strict=False):
+        np.testing.assert_allclose(
+            backend.to_numpy(g), backend.to_numpy(w), atol=1e-10, err_msg=name
+        )
+    if route.name != "tiled":
+        return
+    import torch
+
+    length = 512
+    q, k, v, t = (torch.tensor(randn(1, 1, length, 4, seed=i)) for i in range(4))
+    grad = torch.func.grad(
+        lambda *x: torch.sum(scaled_dot_product_attention(*x, is_causal=True, block_size=16)),
+        argnums=(0, 1, 2),
+    )
+    with LiveBytes() as live:
+        torch.func.jvp(grad, (q, k, v), (t, t, t))
+    assert live.peak < 3 * length * length * 8  # one head's float64 scores, three times
+
+
+class LiveBytes:
+    """The peak bytes of the tensors torch operations made and that are still alive."""
+
+    def __enter__(self):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for x in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(x, torch.Tensor) and x._base is None:
+                        n = x.untyped_storage().nbytes()
+                        counter.now += n
+                        counter.peak = max(counter.peak, counter.now)
+                        weakref.finalize(x, counter.free, n)
+                return out
+
+        self.now = self.peak = 0
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def free(self, n):
+        self.now -= n
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)

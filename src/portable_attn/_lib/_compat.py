@@ -54,6 +54,7 @@ __all__ = [
     "to_host",
     "records_grad",
     "forward_mode",
+    "forward_over_reverse",
     "torch_func_transforms",
     "torch_records",
     "torch_release",
@@ -243,6 +244,30 @@ def forward_mode(arrays: Iterable[Any]) -> bool:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+def forward_over_reverse(arrays: Iterable[Any]) -> bool:
+    """Whether torch differentiates a call of `arrays` in reverse inside forward mode.
+
+    ``torch.func.jvp`` of ``torch.func.grad`` (or ``vjp``, ``jacrev``): a JVP
+    transform on functorch's stack with a reverse transform inside it (a higher level),
+    as a Hessian-vector product runs. False for every other library (JAX's forward over
+    reverse sees its reverse mode's tracers: not :func:`forward_mode`).
+    """
+    given = [x for x in arrays if x is not None]
+    if not given or library_name(given[0]) != "torch":
+        return False
+    import torch
+
+    if torch._C._functorch.peek_interpreter_stack() is None or torch.compiler.is_compiling():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    stack = [(i.key(), i.level()) for i in retrieve_all_functorch_interpreters()]
+    jvp = [level for key, level in stack if key == TransformType.Jvp]
+    # torch.func's vjp and jacrev run as a Grad transform too
+    return bool(jvp) and any(key == TransformType.Grad and level > jvp[0] for key, level in stack)
 
 
 @functools.cache

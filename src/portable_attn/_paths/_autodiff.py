@@ -48,7 +48,7 @@ from typing import Any
 
 from .._lib._blocks import block_ranges
 from .._lib._call import AttentionCall
-from .._lib._compat import forward_mode, reads_host_values
+from .._lib._compat import forward_mode, forward_over_reverse, reads_host_values
 from .._lib._fields import field
 from .._lib._path import Tiled
 from .._lib._scores import score_index
@@ -72,10 +72,13 @@ def recomputing_attention(call: AttentionCall, path: Tiled) -> tuple[Any, Any]:
     so do the gradients of the arrays a ``score_mod`` closes over.
     """
     arrays, skeleton = call.flatten()
-    if forward_mode(arrays.values()):
-        # the function's derivatives are reverse-mode only: forward mode differentiates
-        # the walk itself, which keeps nothing for later (reverse mode beside it records
-        # the walk, as it records the dense path)
+    held = forward_over_reverse(arrays.values()) and call.terms.score_mod is None
+    if forward_mode(arrays.values()) and not held:
+        # forward mode differentiates the walk itself, which keeps nothing for later
+        # (reverse mode beside it records the walk, as it records the dense path); torch's
+        # forward over reverse keeps the function: its JVP rule differentiates the walk,
+        # its backward records a node per pair of blocks (a score_mod's closure has no
+        # tangent the rules could take)
         return walk(call, path, autodiff=True)
     if path.backward == "jax":
         blocks = [
@@ -232,6 +235,19 @@ def _recomputed_function() -> Any:
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(*tensors)
             ctx.block, ctx.args, ctx.n = block, args, n
+            ctx.jvp_reads = tuple(tensors[:n])
+
+        @staticmethod
+        def jvp(ctx: Any, *tangents: Any) -> Any:
+            # a recorded backward in forward mode (forward over reverse): the pair in
+            # forward mode; its tangents, None where the pair returns None
+            block, args = ctx.block, ctx.args
+            return _tangents_of(
+                lambda reads: tuple(tree_flatten(block(*args, *reads))[0]),
+                ctx.jvp_reads,
+                tangents[4 : 4 + ctx.n],
+                tangents[4 + ctx.n :],
+            )
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
@@ -263,6 +279,44 @@ def _recomputed_function() -> Any:
             return (None, None, None, None, *d)
 
     return Recomputed
+
+
+def _tangents_of(
+    run: Callable[[list[Any]], tuple[Any, ...]],
+    primals: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    closed_over: tuple[Any, ...],
+) -> tuple[Any, ...]:
+    """Return the tangents of ``run(primals)``'s outputs (None for a None output).
+
+    `tangents`: those of `primals`, None where there is none; `closed_over`: those of
+    the arrays a ``score_mod`` closes over, which `run` cannot take (it reads them from
+    the closure), so none may be given.
+    """
+    import torch
+
+    if any(t is not None for t in closed_over):
+        msg = "forward over reverse with a score_mod's learned arrays: the walk differentiates it"
+        raise NotImplementedError(msg)
+    given = [i for i, t in enumerate(tangents) if t is not None]
+    kept: list[int] = []
+
+    def of_given(*xs: Any) -> tuple[Any, ...]:
+        now = list(primals)
+        for i, x in zip(given, xs, strict=True):
+            now[i] = x
+        out = run(now)
+        kept[:] = [i for i, x in enumerate(out) if x is not None]
+        kept.append(len(out))
+        return tuple(out[i] for i in kept[:-1])
+
+    found = torch.func.jvp(
+        of_given, tuple(primals[i] for i in given), tuple(tangents[i] for i in given)
+    )[1]
+    result: list[Any] = [None] * kept[-1]
+    for i, t in zip(kept[:-1], found, strict=True):
+        result[i] = t
+    return tuple(result)
 
 
 def _differentiable(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -658,6 +712,23 @@ def _torch_function() -> Any:
             ctx.save_for_backward(*tensors[: len(names)], *output)
             ctx.skeleton, ctx.path, ctx.names = skeleton, path, names
             ctx.params = tuple(tensors[len(names) :])  # read by the score_mod's own closure
+            ctx.jvp_primals = tuple(tensors[: len(names)])
+
+        @staticmethod
+        def jvp(ctx: Any, *tangents: Any) -> Any:
+            # forward over reverse (torch.func.jvp of torch.func.grad): the walk itself in
+            # forward mode, at O(L); no call with a score_mod comes here
+            names, primals = ctx.names, ctx.jvp_primals
+            return _tangents_of(
+                lambda arrays: walk(
+                    ctx.skeleton.unflatten(dict(zip(names, arrays, strict=True))),
+                    ctx.path,
+                    autodiff=True,
+                ),
+                primals,
+                tangents[4 : 4 + len(names)],
+                tangents[4 + len(names) :],
+            )
 
         @staticmethod
         def backward(ctx: Any, dout: Any, dlse: Any) -> Any:
