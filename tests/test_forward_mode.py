@@ -137,6 +137,8 @@ def test_jax_linearize(backend, route):
     dense path's JVPs; under ``jit`` (as a training step holds it) and eagerly."""
     import jax
 
+    if not getattr(jax.config, "jax_use_direct_linearize", False):
+        pytest.skip("JAX linearizes as grad does (jax 0.4): test_transforms checks its error")
     primals = arrays(backend)
     tangents = tangents_of(backend, primals)
     f = attend({**CASES["causal, softcap, window"], **route.kw})
