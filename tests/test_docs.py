@@ -196,6 +196,9 @@ def test_a_stale_output_is_told_from_a_machine_s_rounding():
     assert not same("265.5 MiB", "300.0 MiB")  # a memory figure that moved
     assert not same("max error 0.211", "max error 0.5")
     assert not same("ok", "1 FAILED")
+    # one print split into chunks by a loaded kernel: its merged stream breaks the line
+    assert same("difference: 5.48e-07\nnext", "difference:\n 3.85e-07\nnext")
+    assert not same("difference: 5.48e-07", "difference5.48e-07")
 
 
 def test_what_a_cell_printed_is_one_block_once_without_progress_bars():
