@@ -219,6 +219,33 @@ def test_torch_forward_over_reverse_without_a_score_mod(backend, xp, route):
         torch.func.jvp(grad, (q, k, v), (t, t, t))
     assert live.peak < 3 * length * length * 8  # one head's float64 scores, three times
 
+    # a gradient of that HVP (a third derivative) is the walk's own autodiff's
+    def third(block_size):
+        def hvp(q):
+            f = grad_of(block_size)
+            return torch.sum(
+                torch.func.jvp(f, (q, k[..., :40, :], v[..., :40, :]), (t[..., :40, :],) * 3)[1][0]
+                ** 2
+            )
+
+        return torch.func.grad(hvp)(q[..., :40, :])
+
+    want = third("dense").numpy()
+    np.testing.assert_allclose(third(8).numpy(), want, atol=1e-10)
+    assert np.abs(want).max() > 1e-3
+
+
+def grad_of(block_size):
+    """``torch.func.grad`` of a causal call's squared sum, with respect to Q, K and V."""
+    import torch
+
+    def loss(*x):
+        return torch.sum(
+            scaled_dot_product_attention(*x, is_causal=True, block_size=block_size) ** 2
+        )
+
+    return torch.func.grad(loss, argnums=(0, 1, 2))
+
 
 class LiveBytes:
     """The peak bytes of the tensors torch operations made and that are still alive."""

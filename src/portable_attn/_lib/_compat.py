@@ -249,10 +249,12 @@ def forward_mode(arrays: Iterable[Any]) -> bool:
 def forward_over_reverse(arrays: Iterable[Any]) -> bool:
     """Whether torch differentiates a call of `arrays` in reverse inside forward mode.
 
-    ``torch.func.jvp`` of ``torch.func.grad`` (or ``vjp``, ``jacrev``): a JVP
-    transform on functorch's stack with a reverse transform inside it (a higher level),
-    as a Hessian-vector product runs. False for every other library (JAX's forward over
-    reverse sees its reverse mode's tracers: not :func:`forward_mode`).
+    ``torch.func.jvp`` of ``torch.func.grad`` (or ``vjp``, ``jacrev``), as a
+    Hessian-vector product runs: functorch's differentiating transforms are exactly a
+    JVP with a reverse transform inside it (a higher level; ``vmap`` anywhere). Any other
+    nesting (a gradient of that HVP) is not: the walk's own autodiff serves it. False
+    for every other library (JAX's forward over reverse sees its reverse mode's tracers:
+    not :func:`forward_mode`).
     """
     given = [x for x in arrays if x is not None]
     if not given or library_name(given[0]) != "torch":
@@ -264,10 +266,10 @@ def forward_over_reverse(arrays: Iterable[Any]) -> bool:
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    stack = [(i.key(), i.level()) for i in retrieve_all_functorch_interpreters()]
-    jvp = [level for key, level in stack if key == TransformType.Jvp]
     # torch.func's vjp and jacrev run as a Grad transform too
-    return bool(jvp) and any(key == TransformType.Grad and level > jvp[0] for key, level in stack)
+    kinds = (TransformType.Jvp, TransformType.Grad)
+    stack = sorted((i.level(), i.key()) for i in retrieve_all_functorch_interpreters())
+    return [key for _, key in stack if key in kinds] == list(kinds)
 
 
 @functools.cache
